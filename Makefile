@@ -1,0 +1,22 @@
+# Two commands on a fresh machine: `make test` and `make demo`.
+# Both create .venv on first use and install requirements.txt into it.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo clean
+
+$(STAMP): requirements.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) 01_quantize.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache __pycache__ */__pycache__
