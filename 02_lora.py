@@ -1,0 +1,394 @@
+"""
+Stage 02: LoRA adapters on a frozen (4-bit) base model.
+
+QeRL never updates the quantized weights. Every targeted linear layer y = W x keeps its frozen
+NVFP4 weight W and gets a small trainable side branch, y = W x + (alpha / r) * B A x, with
+A [r, in] and B [out, r]. B starts at zero, so training starts from exactly the base model, and
+only r * (in + out) numbers per layer get gradients and AdamW state (about 1% of a 7B model at
+r = 32). This file is the hand-rolled version of the part of PEFT that QeRL uses:
+
+  1. LoRALinear wraps any frozen module that maps [..., in] -> [..., out] (nn.Linear,
+     NVFP4Linear, NF4Linear); add_lora puts one on every q/k/v/o/gate/up/down projection.
+  2. lora_disabled(model) gives the base model's output without a second copy of the model:
+     GRPO's reference policy is the (quantized) base, so this is how stage 05 computes it.
+  3. save_adapter / load_adapter write PEFT's on-disk layout (adapter_model.safetensors +
+     adapter_config.json), so an adapter trained here loads with PeftModel.from_pretrained.
+  4. merge_lora folds B A into the base weight. Exact for a float base; for a 4-bit base it
+     costs a re-quantization, so the training loop keeps the adapters unmerged.
+
+Run the demo (a frozen NVFP4 MLP learns a teacher through LoRA alone, < 30 s on 2 CPU cores):
+    python 02_lora.py
+"""
+import argparse
+import importlib
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model."  # PEFT's key prefix: PeftModel.base_model (LoraModel).model
+WEIGHTS_NAME, CONFIG_NAME = "adapter_model.safetensors", "adapter_config.json"
+
+# -----------------------------------------------------------------------------
+# The LoRA layer
+
+
+class LoRALinear(nn.Module):
+    """base(x) + dropout(x) @ A.T @ B.T * scaling, with the base frozen and A, B in fp32."""
+
+    def __init__(self, base, r, alpha, dropout=0.0, use_rslora=False, generator=None):
+        super().__init__()
+        if r <= 0:
+            raise ValueError(f"LoRA rank r must be a positive integer, got r={r}")
+        self.base = base.requires_grad_(False)
+        self.r, self.alpha, self.use_rslora = int(r), alpha, use_rslora
+        # rsLoRA (Kalajdzievski 2023): alpha/sqrt(r) keeps the update size stable as r grows.
+        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.disabled = False
+        # The adapters are fp32 whatever the activations are. An Adam step moves a weight by about
+        # lr (1e-5 in QeRL) relative to its size, but bf16's 8 significand bits cannot represent a
+        # relative change below ~0.4%: most such updates would round away to nothing. The adapters
+        # are tiny, so fp32 costs nothing, and the base is 4-bit anyway. They are initialised on
+        # the CPU so that one seeded generator gives the same adapter on any device.
+        ref = next(iter(list(base.parameters()) + list(base.buffers())), None)
+        device = ref.device if ref is not None else torch.device("cpu")
+        A = torch.empty(r, base.in_features, dtype=torch.float32)  # (r, in)
+        # Kaiming-uniform with a=sqrt(5) is nn.Linear's (and PEFT's) default: U(-1/sqrt(in), 1/sqrt(in)).
+        nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
+        self.lora_A = nn.Parameter(A.to(device))
+        # B = 0 makes the wrapped layer start as exactly the base layer.
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, dtype=torch.float32, device=device))
+
+    @property
+    def in_features(self):
+        return self.base.in_features
+
+    @property
+    def out_features(self):
+        return self.base.out_features
+
+    def forward(self, x):  # x (..., in) -> (..., out)
+        y = self.base(x)  # (..., out) in x.dtype
+        if self.disabled:
+            return y  # bit-identical to the base: lora_disabled relies on this
+        # The low-rank branch runs in fp32 (autocast off, so it cannot sneak back to bf16); the
+        # .float() on A and B is a no-op unless someone called model.to(bf16) after add_lora.
+        with torch.autocast(x.device.type, enabled=False):
+            h = self.lora_dropout(x.float()) @ self.lora_A.float().t()  # (..., r)
+            delta = (h @ self.lora_B.float().t()) * self.scaling  # (..., out)
+            return (y.float() + delta).to(x.dtype)
+
+    def extra_repr(self):
+        return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:.4g}, disabled={self.disabled}"
+
+
+# -----------------------------------------------------------------------------
+# Wrapping a model
+
+
+def _is_linear_like(m):
+    return hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, LoRALinear)
+
+
+def _lora_layers(model):
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def count_parameters(model):
+    """(trainable, frozen). Quantized modules count as their logical in*out weights (+ bias), not
+    as the packed bytes they are stored in, so the numbers compare with a bf16 model's."""
+    trainable, frozen, seen = 0, 0, set()
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if id(p) not in seen:  # tied weights (embeddings / lm_head) count once
+                seen.add(id(p))
+                if p.requires_grad:
+                    trainable += p.numel()
+                else:
+                    frozen += p.numel()
+        if hasattr(m, "dequantized_weight"):  # NVFP4Linear / NF4Linear: weights live in buffers
+            bias = getattr(m, "bias", None)
+            bias_count = bias.numel() if bias is not None and not isinstance(bias, nn.Parameter) else 0
+            frozen += m.in_features * m.out_features + bias_count  # (a Parameter bias is counted above)
+    return trainable, frozen
+
+
+def add_lora(model, r=32, alpha=64, targets=DEFAULT_TARGETS, dropout=0.0, use_rslora=False, generator=None):
+    """Wrap every Linear-like module whose name ends in one of `targets` with a LoRALinear,
+    freeze every other parameter, print the trainable/frozen counts. Returns the model."""
+    if not isinstance(r, int) or r <= 0:
+        raise ValueError(f"LoRA rank r must be a positive integer, got r={r!r}")
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    if _lora_layers(model):
+        raise ValueError("model already has LoRA adapters: call add_lora once (or merge_lora first)")
+    linear = [(n, m) for n, m in model.named_modules() if n and _is_linear_like(m)]
+    chosen = [(n, m) for n, m in linear if n.rsplit(".", 1)[-1] in targets]
+    leaves = sorted({n.rsplit(".", 1)[-1] for n, _ in linear})
+    missing = [t for t in targets if t not in {n.rsplit(".", 1)[-1] for n, _ in chosen}]
+    if missing:
+        raise ValueError(f"LoRA target(s) {missing} match no Linear-like module in "
+                         f"{type(model).__name__}; available leaf names: {leaves}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, m in chosen:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, LoRALinear(m, r, alpha, dropout, use_rslora, generator))
+    trainable, frozen = count_parameters(model)
+    print(f"add_lora | wrapped {len(chosen)} modules {sorted(set(targets))} | r {r} | alpha {alpha} | "
+          f"trainable {trainable:,} ({100 * trainable / max(trainable + frozen, 1):.3f}%) | frozen {frozen:,} "
+          f"(quantized weights counted as logical in*out values)")
+    return model
+
+
+@contextmanager
+def lora_disabled(model):
+    """Inside this block the model computes exactly its base output (flags restored on exit)."""
+    layers = [m for _, m in _lora_layers(model)]
+    before = [m.disabled for m in layers]
+    for m in layers:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for m, d in zip(layers, before):
+            m.disabled = d
+
+
+def lora_parameters(model):
+    """The trainable tensors: [A, B] of every LoRA layer, in module order (give these to AdamW)."""
+    return [p for _, m in _lora_layers(model) for p in (m.lora_A, m.lora_B)]
+
+
+def lora_state_dict(model):
+    """{"<module path>.lora_A": tensor, "<module path>.lora_B": tensor} (detached, shared storage)."""
+    out = {}
+    for name, m in _lora_layers(model):
+        out[name + ".lora_A"], out[name + ".lora_B"] = m.lora_A.detach(), m.lora_B.detach()
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Saving and loading in PEFT's layout
+
+
+def _atomic_write(path, write):
+    # Write next to the target and rename: a crash never leaves a half-written adapter behind.
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _write_json(path, obj):
+    with open(path, "w") as f:
+        f.write(json.dumps(obj, indent=2) + "\n")
+
+
+def save_adapter(model, dir, base_model_name_or_path=""):
+    """Write dir/adapter_model.safetensors + dir/adapter_config.json (loadable by PEFT)."""
+    layers = _lora_layers(model)
+    if not layers:
+        raise ValueError("save_adapter: the model has no LoRA layers; call add_lora(model, ...) first")
+    hyper = {(m.r, m.alpha, m.lora_dropout.p if isinstance(m.lora_dropout, nn.Dropout) else 0.0,
+              m.use_rslora) for _, m in layers}
+    if len(hyper) != 1:  # PEFT would need rank_pattern/alpha_pattern for this; we never do it
+        raise ValueError(f"save_adapter: LoRA layers disagree on (r, alpha, dropout, rslora): {sorted(hyper)}")
+    (r, alpha, dropout, use_rslora), = hyper
+    tensors = {}
+    for name, m in layers:  # PEFT names the adapters' inner nn.Linear ".weight"
+        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().float().cpu().contiguous()
+        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().float().cpu().contiguous()
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
+        "lora_dropout": dropout, "target_modules": sorted({n.rsplit(".", 1)[-1] for n, _ in layers}),
+        "bias": "none", "use_rslora": use_rslora, "base_model_name_or_path": base_model_name_or_path,
+        # Defaults spelled out so that PEFT reads exactly what this file implements:
+        "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None, "init_lora_weights": True,
+        "layers_to_transform": None, "layers_pattern": None, "revision": None, "use_dora": False,
+    }
+    os.makedirs(dir, exist_ok=True)
+    _atomic_write(os.path.join(dir, WEIGHTS_NAME), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    # The config goes last: a folder with a config always has its weights.
+    _atomic_write(os.path.join(dir, CONFIG_NAME), lambda p: _write_json(p, config))
+    return dir
+
+
+def load_adapter(model, dir):
+    """Load a PEFT-layout adapter into `model` (wrapping it first with the saved r/alpha/targets
+    if it has no LoRA layers yet). Mismatches raise one clear ValueError. Returns the model."""
+    if not os.path.isdir(dir):
+        raise FileNotFoundError(f"adapter folder {dir!r} does not exist (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
+    for f in (CONFIG_NAME, WEIGHTS_NAME):
+        if not os.path.isfile(os.path.join(dir, f)):
+            raise FileNotFoundError(f"adapter folder {dir!r} has no {f}: is it a PEFT LoRA adapter folder?")
+    with open(os.path.join(dir, CONFIG_NAME)) as f:
+        cfg = json.load(f)
+    if (cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("bias", "none") != "none"
+            or cfg.get("rank_pattern") or cfg.get("alpha_pattern")):
+        raise ValueError(f"{dir}: only plain LoRA adapters (peft_type LORA; no DoRA, bias, rank_pattern or "
+                         f"alpha_pattern) are supported, got peft_type={cfg.get('peft_type')!r}")
+    if not _lora_layers(model):
+        add_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], targets=cfg["target_modules"],
+                 dropout=cfg.get("lora_dropout", 0.0), use_rslora=cfg.get("use_rslora", False))
+    layers = dict(_lora_layers(model))
+    wrapped = sorted({n.rsplit(".", 1)[-1] for n in layers})
+    saved = cfg["target_modules"]
+    if sorted([saved] if isinstance(saved, str) else saved) != wrapped:
+        raise ValueError(f"adapter in {dir} targets {saved} but the model's LoRA layers wrap {wrapped}: "
+                         f"call add_lora with targets={saved}")
+    tensors = load_file(os.path.join(dir, WEIGHTS_NAME))
+    problems = []
+    for name, m in layers.items():
+        for part in ("lora_A", "lora_B"):
+            key = f"{PEFT_PREFIX}{name}.{part}.weight"
+            want = list(getattr(m, part).shape)
+            if key not in tensors:
+                problems.append(f"adapter has no {key} for model module {name}")
+            elif list(tensors[key].shape) != want:
+                problems.append(f"adapter {key} has shape {list(tensors[key].shape)} but model module {name} "
+                                f"expects {want}: was it trained on another model or rank?")
+    extra = sorted(set(tensors) - {f"{PEFT_PREFIX}{n}.{p}.weight" for n in layers for p in ("lora_A", "lora_B")})
+    problems += [f"adapter has {k} but the model has no such LoRA module" for k in extra]
+    if problems:
+        more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
+        raise ValueError(f"load_adapter({dir}): {problems[0]}{more}")
+    with torch.no_grad():
+        for name, m in layers.items():
+            m.lora_A.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"])
+            m.lora_B.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"])
+            # The adapter's function is (A, B, scaling): take alpha/rsLoRA from the file too.
+            m.alpha, m.use_rslora = cfg["lora_alpha"], cfg.get("use_rslora", False)
+            m.scaling = m.alpha / math.sqrt(m.r) if m.use_rslora else m.alpha / m.r
+    return model
+
+
+# -----------------------------------------------------------------------------
+# Merging
+
+
+@torch.no_grad()
+def merge_lora(model):
+    """Replace each LoRALinear by its base with W + scaling * B A folded in. A quantized base is
+    dequantized, merged and re-quantized with its own class, and the error this adds is printed."""
+    errors = []
+    for name, m in _lora_layers(model):
+        base = m.base
+        delta = (m.lora_B.float() @ m.lora_A.float()) * m.scaling  # (out, in)
+        if isinstance(base, nn.Linear):
+            base.weight.copy_((base.weight.float() + delta).to(base.weight.dtype))  # one rounding
+            merged = base
+        elif hasattr(base, "dequantized_weight") and hasattr(type(base), "from_linear"):
+            exact = base.dequantized_weight(torch.float32) + delta  # (out, in)
+            bias = getattr(base, "bias", None)
+            tmp = nn.Linear(base.in_features, base.out_features, bias=False, device=exact.device)
+            tmp.weight.copy_(exact)
+            # Note: every merged module gets its own global scale here; a shared q/k/v scale
+            # would need stage 01's quantize_model on a dequantized, merged float model.
+            kw = {"blocksize": base.blocksize} if hasattr(base, "blocksize") else {}  # NF4's block size
+            merged = type(base).from_linear(tmp, **kw)
+            if bias is not None:
+                merged.bias = bias.detach().clone()  # the bias is untouched by LoRA: keep it as is
+            err = merged.dequantized_weight(torch.float32) - exact
+            errors.append((err.pow(2).mean().sqrt() / exact.pow(2).mean().sqrt().clamp_min(1e-30)).item())
+        else:
+            raise ValueError(f"merge_lora: cannot merge into {name} of type {type(base).__name__}: need "
+                             f"nn.Linear or a quantized module with dequantized_weight() and from_linear()")
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, merged.requires_grad_(False))
+    if errors:
+        print(f"merge_lora | re-quantized {len(errors)} modules | merge error (rel RMS of re-quantized vs "
+              f"exact merged weight) mean {sum(errors) / len(errors):.4e} | max {max(errors):.4e}")
+    return model
+
+
+# -----------------------------------------------------------------------------
+# Demo: a frozen NVFP4 MLP learns a teacher through LoRA alone
+
+
+class TinyMLP(nn.Module):
+    def __init__(self, d=128, h=512):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(d, h), nn.Linear(h, h), nn.Linear(h, d)
+
+    def forward(self, x):  # (B, d) -> (B, d)
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def demo(steps=300, rank=8, lr=5e-3, batch=256, seed=0, device=None):
+    q = importlib.import_module("01_quantize")
+    device = device or q.autodetect_device()
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # nn.Linear's own init
+    student = q.quantize_model(TinyMLP().to(device), fmt="nvfp4", skip=())
+    targets = ("fc1", "fc2", "fc3")
+    # The teacher is what the student can represent exactly: the student's own 4-bit weights
+    # plus a rank-`rank` change per layer (30% of the weight's size). LoRA must find that change.
+    teacher = TinyMLP().to(device)
+    with torch.no_grad():
+        for t in targets:
+            W, b = getattr(student, t).dequantized_weight(torch.float32), getattr(student, t).bias  # (out, in)
+            U = torch.randn(W.shape[0], rank, generator=g).to(device)  # (out, r)
+            V = torch.randn(rank, W.shape[1], generator=g).to(device)  # (r, in)
+            D = U @ V  # (out, in)
+            getattr(teacher, t).weight.copy_(W + 0.3 * D * W.norm() / D.norm())
+            getattr(teacher, t).bias.copy_(b.float())
+    add_lora(student, r=rank, alpha=2 * rank, targets=targets, generator=g)
+    opt = torch.optim.AdamW(lora_parameters(student), lr=lr, weight_decay=0.0)
+    loss0 = None
+    for step in range(steps + 1):
+        t0 = time.time()
+        x = torch.randn(batch, 128, generator=g).to(device)  # (B, d)
+        with torch.no_grad():
+            y = teacher(x)  # (B, d)
+        loss = (student(x) - y).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss0 = loss0 or loss.item()
+        if step % 25 == 0:
+            print(f"step {step:4d} | loss {loss.item():.6f} | loss/loss0 {loss.item() / loss0:.4f} | "
+                  f"lr {lr:.0e} | {1000 * (time.time() - t0):.1f} ms")
+    trainable, frozen = count_parameters(student)
+    base_bytes = sum(b.numel() * b.element_size() for n, b in student.named_buffers() if ".base." in n)
+    adapter_bytes = sum(p.numel() * p.element_size() for p in lora_parameters(student))
+    adam_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                     if torch.is_tensor(v))
+    share = trainable / (trainable + frozen)
+    print(f"\nparameters: trainable {trainable:,} | frozen {frozen:,} | trainable share {share:.2%}")
+    print(f"{'memory':<42}{'bytes':>12}")
+    for label, n in [("base weights, NVFP4 (packed+scales+bias)", base_bytes),
+                     ("  same weights in bf16 (for comparison)", 2 * frozen),
+                     ("LoRA adapters A, B (fp32)", adapter_bytes),
+                     ("LoRA gradients (fp32)", adapter_bytes),
+                     ("AdamW state (exp_avg, exp_avg_sq, step)", adam_bytes),
+                     ("  full fine-tune AdamW state, fp32", 8 * frozen)]:
+        print(f"{label:<42}{n:>12,}")
+    with torch.no_grad():
+        x = torch.randn(1024, 128, generator=g).to(device)  # (B, d)
+        y = teacher(x)  # (B, d)
+        unmerged = (student(x) - y).pow(2).mean().item()
+        merged = (merge_lora(student)(x) - y).pow(2).mean().item()
+    print(f"held-out loss | LoRA unmerged {unmerged:.6f} | merged into NVFP4 {merged:.6f} | start {loss0:.6f}")
+    return loss0, loss.item()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="LoRA on a frozen NVFP4 MLP (stage 02 demo)")
+    ap.add_argument("--steps", type=int, default=300, help="AdamW steps")
+    ap.add_argument("--rank", type=int, default=8, help="LoRA rank (also the teacher's change rank)")
+    ap.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the torch.Generator")
+    ap.add_argument("--device", default=None, help="cuda | cpu (default: autodetect)")
+    args = ap.parse_args()
+    demo(args.steps, args.rank, args.lr, seed=args.seed, device=args.device)

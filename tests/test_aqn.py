@@ -1,0 +1,211 @@
+"""Stage 04: the AQN schedule equals its formula, the noise acts where it should and nowhere else,
+and the gains come back bit for bit."""
+import importlib
+import math
+
+import pytest
+import torch
+
+aqn = importlib.import_module("04_aqn")
+rollout = importlib.import_module("03_rollout")
+quantize = importlib.import_module("01_quantize")
+
+
+def tiny_model(seed=0, hidden=64, layers=2, dtype=torch.float32):
+    cfg = rollout.ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=hidden, intermediate_size=128,
+                              num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=hidden // 4, max_position_embeddings=128, tie_word_embeddings=True,
+                              attention_bias=True)
+    torch.manual_seed(seed)
+    model = rollout.CausalLM(cfg)
+    with torch.no_grad():  # gains away from 1 so that the sigma/|w| law is tested on varied |w|
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.copy_(torch.empty_like(p).uniform_(0.2, 2.0))
+            elif p.dim() > 1:
+                p.normal_(0, 0.1)
+    return model.to(dtype).eval()
+
+
+# -----------------------------------------------------------------------------
+# the schedule
+
+@pytest.mark.parametrize("total,K,s0,s1", [(600, 10, 1e-2, 5e-4), (100, 10, 5e-2, 5e-4), (37, 4, 1e-2, 1e-4), (10, 10, 1e-2, 1e-3)])
+def test_exp_schedule_matches_formula_at_every_step(total, K, s0, s1):
+    for step in range(total):
+        stage = min(step * K // total, K - 1)
+        want = 0.0 if stage == 0 else s0 * (s1 / s0) ** ((stage - 1) / (K - 2))
+        got = aqn.sigma_schedule(step, total, s0, s1, K, "exp")
+        assert got == pytest.approx(want, rel=1e-12, abs=0)
+    assert aqn.sigma_schedule(0, total, s0, s1, K) == 0.0  # stage 0: quantization noise only
+    assert aqn.sigma_schedule(total - 1, total, s0, s1, K) == pytest.approx(s1, rel=1e-12)  # last stage = sigma_end
+    first_noisy = next(s for s in range(total) if aqn.sigma_schedule(s, total, s0, s1, K) > 0)
+    assert aqn.sigma_schedule(first_noisy, total, s0, s1, K) == pytest.approx(s0, rel=1e-12)
+
+
+def test_stages_are_even_and_the_paper_example():
+    # 600 steps, 10 stages: 60 steps each; the Table 4 range gives the sequence listed in the facts sheet
+    sig = [aqn.sigma_schedule(s, 600, 1e-2, 5e-4, 10) for s in range(600)]
+    stages = [sig[60 * k] for k in range(10)]
+    assert all(sig[60 * k + j] == stages[k] for k in range(10) for j in range(60))
+    want = [0, 1e-2, 6.88e-3, 4.73e-3, 3.25e-3, 2.24e-3, 1.54e-3, 1.06e-3, 7.27e-4, 5e-4]
+    assert stages == pytest.approx(want, rel=3e-3)
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "log"])
+def test_other_decays_run_from_start_to_end_monotonically(kind):
+    sig = [aqn.sigma_schedule(s, 200, 2e-2, 1e-3, 10, kind) for s in range(200)]
+    assert sig[0] == 0.0
+    noisy = sig[20:]
+    assert noisy[0] == pytest.approx(2e-2) and noisy[-1] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(noisy, noisy[1:]))
+    if kind == "linear":  # equal steps between stages
+        stages = sorted(set(noisy), reverse=True)
+        gaps = [a - b for a, b in zip(stages, stages[1:])]
+        assert gaps == pytest.approx([gaps[0]] * len(gaps))
+
+
+def test_none_kind_and_bad_settings():
+    assert all(aqn.sigma_schedule(s, 50, kind="none") == 0.0 for s in range(50))
+    with pytest.raises(ValueError, match="sigma must be >= 0"):
+        aqn.sigma_schedule(5, 50, sigma_start=-1e-2)
+    with pytest.raises(ValueError, match="sigma_end .* must be <= sigma_start"):
+        aqn.sigma_schedule(5, 50, sigma_start=1e-3, sigma_end=1e-2)
+    with pytest.raises(ValueError, match="unknown AQN kind"):
+        aqn.sigma_schedule(5, 50, kind="square")
+    with pytest.raises(ValueError, match="FeedbackSigma"):
+        aqn.sigma_schedule(5, 50, kind="feedback")
+    with pytest.raises(ValueError, match="outside"):
+        aqn.sigma_schedule(50, 50)
+
+
+def test_feedback_controller_is_bounded_and_moves_the_right_way():
+    ctl = aqn.FeedbackSigma(target_entropy=0.2, sigma_init=1e-2, up=2.0, down=0.5, sigma_min=1e-3, sigma_max=4e-2)
+    assert ctl.update(0.1) == pytest.approx(2e-2)  # entropy below target: more noise
+    assert ctl.update(0.1) == pytest.approx(4e-2)
+    assert ctl.update(0.1) == pytest.approx(4e-2)  # clamped at the ceiling
+    for _ in range(10):
+        ctl.update(0.5)  # entropy above target: less noise, down to the floor
+    assert ctl.sigma == pytest.approx(1e-3)
+    assert ctl.update(float("nan")) == pytest.approx(1e-3)  # ignores a broken measurement
+    state = ctl.state_dict()
+    other = aqn.FeedbackSigma(0.2)
+    other.load_state_dict(state)
+    assert other.sigma == ctl.sigma
+    with pytest.raises(ValueError):
+        aqn.FeedbackSigma(0.2, up=0.5)
+
+# -----------------------------------------------------------------------------
+# the noise
+
+
+def gains(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("layernorm.weight")}
+
+
+def test_noise_changes_logits_and_hits_exactly_the_pre_norms():
+    model = tiny_model()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    clean = model(ids)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with aqn.aqn_noise(model, 1e-2, torch.Generator().manual_seed(0)) as info:
+        noisy = model(ids)
+        inside = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert info["num_norms"] == 4 and info["applied_std"] == pytest.approx(1e-2, rel=0.2)
+    assert not torch.allclose(clean, noisy)
+    changed = {n for n in before if not torch.equal(before[n], inside[n])}
+    want = {f"model.layers.{i}.{k}.weight" for i in range(2) for k in ("input_layernorm", "post_attention_layernorm")}
+    assert changed == want  # never model.norm, never a weight matrix
+
+
+def test_relative_gain_change_matches_sigma_over_w():
+    model = tiny_model(hidden=256, layers=4)
+    before = gains(model)
+    sigma = 3e-2
+    with aqn.aqn_noise(model, sigma, torch.Generator().manual_seed(3)):
+        after = gains(model)
+    # (w + Z) / w - 1 = Z / w: divided by sigma / |w| it must be a standard normal sample
+    z = torch.cat([((after[n] - before[n]) / before[n]) / (sigma / before[n].abs()) * before[n].sign()
+                   for n in before if "layers" in n])
+    assert z.numel() == 4 * 2 * 256
+    assert abs(float(z.mean())) < 0.1
+    assert float(z.std()) == pytest.approx(1.0, abs=0.06)
+    assert float((z.abs() < 1).float().mean()) == pytest.approx(0.6827, abs=0.04)
+
+
+def test_sigma_zero_is_bit_identical():
+    model = tiny_model()
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(2))
+    clean = model(ids)
+    with aqn.aqn_noise(model, 0.0, torch.Generator().manual_seed(0)) as info:
+        assert torch.equal(model(ids), clean)
+    assert info["applied_std"] == 0.0
+
+
+def test_gains_bit_identical_after_many_steps_and_after_an_exception():
+    model = tiny_model(dtype=torch.bfloat16)
+    start = gains(model)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(2000):
+        with aqn.aqn_noise(model, aqn.sigma_schedule(step, 2000, 5e-2, 5e-4), gen):
+            pass
+    with pytest.raises(RuntimeError, match="boom"):
+        with aqn.aqn_noise(model, 1e-1, gen):
+            raise RuntimeError("boom")
+    end = gains(model)
+    assert all(torch.equal(start[n], end[n]) for n in start)
+
+
+def test_same_seed_same_noise_and_bf16_rounding_is_reported():
+    model = tiny_model()
+    with aqn.aqn_noise(model, 1e-2, torch.Generator().manual_seed(7)):
+        a = gains(model)
+    with aqn.aqn_noise(model, 1e-2, torch.Generator().manual_seed(7)):
+        b = gains(model)
+    with aqn.aqn_noise(model, 1e-2, torch.Generator().manual_seed(8)):
+        c = gains(model)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not all(torch.equal(a[n], c[n]) for n in a)
+    # in bf16 a gain in [1, 2) has a spacing of 2^-7: sigma 1e-4 rounds away almost entirely
+    bf = tiny_model(dtype=torch.bfloat16)
+    with torch.no_grad():
+        for n, p in bf.named_parameters():
+            if n.endswith("layernorm.weight"):
+                p.fill_(1.5)
+    with aqn.aqn_noise(bf, 1e-4, torch.Generator().manual_seed(0)) as info:
+        pass
+    assert info["applied_std"] < 0.2e-4
+
+
+def test_bad_input():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="sigma must be a finite number >= 0"):
+        with aqn.aqn_noise(model, -1e-3):
+            pass
+    with pytest.raises(ValueError, match="input_layernorm"):
+        with aqn.aqn_noise(torch.nn.Linear(4, 4), 1e-2):
+            pass
+
+
+def test_noise_acts_on_a_quantized_model_too():
+    model = quantize.quantize_model(tiny_model(), fmt="nvfp4")
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(4))
+    clean = model(ids)
+    packed = {n: b.clone() for n, b in model.named_buffers() if n.endswith("weight_packed")}
+    with aqn.aqn_noise(model, 2e-2, torch.Generator().manual_seed(0)):
+        noisy = model(ids)
+        assert all(torch.equal(packed[n], b) for n, b in model.named_buffers() if n in packed)
+    assert (noisy - clean).abs().max() > 1e-4
+    assert torch.equal(model(ids), clean)
+
+
+def test_measure_exploration_rows():
+    base = tiny_model()
+    nvfp4 = quantize.quantize_model(tiny_model(), fmt="nvfp4")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    rows = aqn.measure_exploration(base, {"base": base, "NVFP4": nvfp4}, prompts, num_samples=4,
+                                   max_new_tokens=6, sigmas=(5e-2,), rounds=1)
+    assert [(r["name"], r["sigma"]) for r in rows] == [("base", 0.0), ("NVFP4", 0.0), ("base", 5e-2), ("NVFP4", 5e-2)]
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference against itself
+    assert rows[1]["kl"] > 1e-6 and rows[2]["kl"] > 1e-6
+    assert all(r["entropy"] > 0 and math.isfinite(r["entropy"]) and r["len"] == 6 for r in rows)
