@@ -1,0 +1,678 @@
+"""Stage 03: the policy model and the rollout sampler, written from scratch in plain torch.
+
+In GRPO each prompt gets G sampled completions and the advantages come from comparing the G rewards
+within that group. Generating those completions ("rollouts") is what eats most of the wall-clock time
+of RL training, and that is why QeRL quantizes the policy to NVFP4: a 4-bit model decodes faster.
+This file holds everything that generation needs:
+
+  1. a Qwen2 / Llama / Qwen3 decoder that reads a Hugging Face folder (config.json + safetensors) with
+     the HF module names, so stage 01's quantizer and stage 02's LoRA adapters find layers by name;
+  2. a loader that builds the model on the meta device and fills it one tensor at a time, so a 7B
+     checkpoint needs about its own size in memory (and about its quantized size with quant="nvfp4");
+  3. a batched, KV-cached sampler (temperature, top-k, top-p, per-row EOS) that records the log-prob and
+     entropy of every sampled token, plus `sequence_logprobs` that recomputes those with gradients.
+
+Run it:
+    python 03_rollout.py                                 # assets/tiny-qwen, or a random model
+    python 03_rollout.py --model DIR --prompt "What is 12+7?" --num-samples 4 --temperature 0.8
+    python 03_rollout.py --model DIR --quant nvfp4       # quantize on the way in (stage 01)
+
+Deliberate simplifications:
+  1. Prompts are left-padded and repeated G times (B*G rows), instead of prefilling each prompt once and
+     sharing its KV cache (see the note above `generate`).
+  2. One preallocated KV cache per call; no paged attention, no continuous batching, no torch.compile.
+  3. Only what the three families need: SwiGLU, RMSNorm, rotate-half RoPE (plain or "llama3"-scaled).
+"""
+import argparse
+import importlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
+
+
+def autodetect_device():
+    # Stage 01 owns the one autodetect all stages share; this file must also run without it.
+    try:
+        return importlib.import_module("01_quantize").autodetect_device()
+    except ImportError:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config: the fields of config.json the three families use
+
+@dataclass
+class ModelConfig:
+    model_type: str = "qwen2"
+    vocab_size: int = 300
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict = None            # None or {"rope_type": "llama3", "factor": ..., ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = True          # bias on q/k/v (Qwen2 always; Llama/Qwen3 from config)
+    o_bias: bool = False                 # bias on o_proj (Llama/Qwen3 follow attention_bias, Qwen2 never)
+    mlp_bias: bool = False
+    qk_norm: bool = False                # Qwen3: RMSNorm over head_dim on q and k before RoPE
+
+    @classmethod
+    def from_dict(cls, d, where="config.json"):
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{where}: unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (only silu)")
+        if d.get("use_sliding_window"):
+            raise ValueError(f"{where}: use_sliding_window=true is not supported; set it to false")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise ValueError(f"{where}: missing required field(s) {', '.join(missing)}")
+        # transformers < 5 writes rope_theta + rope_scaling; transformers 5 writes one rope_parameters dict.
+        rope = d.get("rope_parameters") or {}
+        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind == "default":
+                scaling = None
+            elif kind != "llama3":
+                raise ValueError(f"{where}: rope scaling {kind!r} is not supported (only 'llama3')")
+        heads = d["num_attention_heads"]
+        bias = d.get("attention_bias", False)
+        return cls(
+            model_type=mt, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta), rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=True if mt == "qwen2" else bias, o_bias=False if mt == "qwen2" else bias,
+            mlp_bias=d.get("mlp_bias", False), qk_norm=(mt == "qwen3"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model pieces: RMSNorm, RoPE, attention with an optional KV cache, SwiGLU MLP
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # HF's exact order: normalize in fp32, cast back, then scale. Swapping the last two steps
+        # changes bf16 rounding, and the reference logits would no longer match.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(cfg, device=None):
+    """Inverse frequencies (fp32, [head_dim/2]); "llama3" scaling stretches the long wavelengths."""
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, device=device).float() / D))  # (D/2,)
+    if cfg.rope_scaling is None:
+        return inv
+    s = cfg.rope_scaling
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    # Wavelengths longer than old_ctx/lo are slowed by `factor`, shorter than old_ctx/hi are kept,
+    # and the band in between blends the two linearly in old_ctx/wavelen.
+    slow = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+    t = (old_ctx / wavelen - lo) / (hi - lo)
+    blend = (1 - t) * slow / factor + t * slow
+    middle = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+    return torch.where(middle, blend, slow)
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    # HF convention: the two halves of head_dim form the (real, imaginary) pairs, not even/odd lanes.
+    return x * cos + rotate_half(x) * sin  # (B, H, T, D)
+
+
+class KVCache:
+    """Preallocated keys/values: k[i], v[i] are (B, H_kv, S_max, D) for layer i. The first `pos` slots
+    are filled. Left padding puts every row's next token in the same slot, so one counter is enough."""
+
+    def __init__(self, cfg, batch, max_len, device, dtype):
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.pos, self.max_len = 0, max_len
+
+    def update(self, layer, k, v):
+        T = k.shape[2]
+        if self.pos + T > self.max_len:
+            raise ValueError(f"KV cache full: {self.pos} + {T} tokens > {self.max_len} slots")
+        self.k[layer][:, :, self.pos:self.pos + T] = k  # in-place write, no reallocation per step
+        self.v[layer][:, :, self.pos:self.pos + T] = v
+        return self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]  # (B, H_kv, S, D)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.layer_idx, self.D = layer_idx, cfg.head_dim
+        self.H, self.H_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        C = cfg.hidden_size
+        self.q_proj = nn.Linear(C, self.H * self.D, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(C, self.H_kv * self.D, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(C, self.H_kv * self.D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.H * self.D, C, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, kv_cache=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, self.D)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, self.H_kv, self.D)  # (B, T, H_kv, D)
+        v = self.v_proj(x).view(B, T, self.H_kv, self.D).transpose(1, 2)  # (B, H_kv, T, D)
+        if hasattr(self, "q_norm"):  # Qwen3 normalizes each head before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, H_kv, T, D)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), S = past + T
+        # Grouped-query attention without copying K/V: query head h reads K/V head h // G, so fold the
+        # G query heads of each group into the query-length axis. (SDPA's enable_gqa would do the same,
+        # but with a mask on CUDA it falls back to the math kernel, which materializes (B, H, T, S) in fp32.)
+        G = self.H // self.H_kv
+        q = q.reshape(B, self.H_kv, G * T, self.D)  # (B, H_kv, G*T, D)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.D ** -0.5)  # (B, H_kv, G*T, D)
+        y = y.reshape(B, self.H, T, self.D).transpose(1, 2)  # (B, T, H, D)
+        return self.o_proj(y.reshape(B, T, self.H * self.D))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        C, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(C, I, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(C, I, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(I, C, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU, (B, T, C)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, kv_cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)  # (B, T, C)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    """Holds what HF calls `model.*`, so state-dict names match the checkpoint one to one."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.model = Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # inv_freq is a plain cached attribute, not a buffer: model.to(bf16) would round a buffer, and
+        # bf16 RoPE frequencies visibly garble positions past a few hundred tokens.
+        self._inv_freq = {}
+
+    def hidden_states(self, input_ids, positions=None, attention_mask=None, kv_cache=None):
+        """Final-norm hidden states (B, T, C). attention_mask covers every key slot: (B, past + T)."""
+        B, T = input_ids.shape
+        dev = input_ids.device
+        past = kv_cache.pos if kv_cache is not None else 0
+        if attention_mask is None:
+            attention_mask = torch.ones(B, past + T, dtype=torch.bool, device=dev)
+        key_ok = attention_mask.bool()  # (B, S)
+        if positions is None:  # RoPE position = number of real tokens before this one in the row
+            positions = (key_ok.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]  # (B, T)
+        q_slot = torch.arange(past, past + T, device=dev)[:, None]  # (T, 1)
+        k_slot = torch.arange(past + T, device=dev)[None, :]  # (1, S)
+        # Causal AND key is real. Each slot may also see itself: a left-pad query has no real key before
+        # it, and a softmax over nothing is NaN (its output is never used, but NaN would spread via 0*NaN).
+        mask = ((k_slot <= q_slot) & key_ok[:, None, None, :]) | (k_slot == q_slot)  # (B, 1, T, S)
+        G = self.config.num_attention_heads // self.config.num_key_value_heads
+        mask = mask.repeat(1, 1, G, 1)  # (B, 1, G*T, S): query heads are folded into T, see Attention
+
+        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        dev_key = str(dev)
+        if dev_key not in self._inv_freq:
+            self._inv_freq[dev_key] = rope_inv_freq(self.config, dev)
+        freqs = positions[..., None].float() * self._inv_freq[dev_key]  # (B, T, D/2), fp32 like HF
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]  # (B, 1, T, D)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.pos += T  # every layer has written its slots; advance once
+        return self.model.norm(x)  # (B, T, C)
+
+    def forward(self, input_ids, positions=None, attention_mask=None, kv_cache=None):
+        h = self.hidden_states(input_ids, positions, attention_mask, kv_cache)  # (B, T, C)
+        return self.lm_head(h).float()  # (B, T, V), fp32 so log-softmax is accurate even for bf16 models
+
+
+def model_device(model):
+    return model.model.embed_tokens.weight.device
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loader: meta-device model, then one checkpoint tensor at a time
+#
+# Memory: `torch.device("meta")` builds every module with shape-only tensors (0 bytes). Each weight is
+# then read from safetensors, cast, moved, and put straight into its slot, so the largest extra
+# allocation is one tensor: a 7B bf16 checkpoint (on CUDA) needs ~15 GB, not twice that as with
+# "build a random model, then load_state_dict a full state dict". With quant="nvfp4"/"nf4", decoder
+# layer N is quantized as soon as its last tensor arrives and its bf16 weights are dropped: peak ~
+# the quantized model (embeddings and lm_head stay bf16) + one bf16 layer (~0.5 GB for 7B).
+
+def _checkpoint_index(path):
+    """name -> safetensors file, from model.safetensors or a sharded model.safetensors.index.json."""
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / f for name, f in weight_map.items()}
+    if single.exists():
+        with safe_open(single, "pt") as f:
+            return {name: single for name in f.keys()}
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _put(model, name, t):
+    """Replace the meta tensor `name` by `t` (a Parameter stays a Parameter)."""
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    old = getattr(mod, attr)
+    if tuple(old.shape) != tuple(t.shape):
+        raise ValueError(f"weight {name} has shape {tuple(t.shape)}, config.json implies {tuple(old.shape)}")
+    if attr in mod._parameters:
+        mod._parameters[attr] = nn.Parameter(t, requires_grad=old.requires_grad)
+    else:
+        mod._buffers[attr] = t
+
+
+def _nvfp4_shells(model, q, files):
+    """Swap each Linear that the checkpoint stores as NVFP4 (it has `<name>.weight_packed`) for an empty
+    NVFP4Linear on the meta device; its buffers are then filled like any other tensor."""
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, nn.Linear) and name + ".weight_packed" in files:
+            parent, _, child = name.rpartition(".")
+            shell = q.NVFP4Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
+            setattr(model.get_submodule(parent), child, shell)
+
+
+def load_model(path, quant="none", dtype=None, device=None):
+    """Load a Hugging Face folder -> (CausalLM in eval mode, Tokenizer).
+
+    quant="nvfp4"/"nf4" quantizes the decoder Linears with stage 01 while loading. A folder written by
+    `01_quantize.py --out` (config.json has a quantization_config) loads as NVFP4 whatever `quant` says.
+    dtype defaults to bf16 on CUDA and fp32 on CPU; device to stage 01's autodetect."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path / 'config.json'} not found: point --model at a Hugging Face model folder")
+    raw = json.loads((path / "config.json").read_text())
+    cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
+    if quant not in ("none", "nvfp4", "nf4"):
+        raise ValueError(f"quant must be none, nvfp4 or nf4, got {quant!r}")
+    ct = raw.get("quantization_config")
+    if ct is not None:
+        if ct.get("format") != "nvfp4-pack-quantized":
+            raise ValueError(f"{path}: only nvfp4-pack-quantized checkpoints load, got format {ct.get('format')!r}")
+        if quant == "nf4":
+            raise ValueError(f"{path} is already NVFP4-quantized; load it with quant='none' or 'nvfp4'")
+        quant = "none"  # its Linear layers arrive quantized
+    tokenizer = load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
+    device = torch.device(device or autodetect_device())
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    files = _checkpoint_index(path)
+
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    q = importlib.import_module("01_quantize") if (quant != "none" or ct is not None) else None
+    if ct is not None:
+        _nvfp4_shells(model, q, files)
+    expected = [n for n in model.state_dict() if not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    missing = [n for n in expected if n not in files]
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), first: {missing[0]}")
+
+    def layer_of(name):  # load order: non-layer tensors first, then layer 0, 1, ...
+        return int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+
+    handles = {}
+    order = sorted(expected, key=layer_of)
+    for j, n in enumerate(order):
+        if files[n] not in handles:
+            handles[files[n]] = safe_open(files[n], "pt", device="cpu")  # memory-mapped, reads lazily
+        t = handles[files[n]].get_tensor(n)
+        # Float weights take the compute dtype; packed codes, fp8 scales and fp32 global scales keep
+        # their stored dtypes (a bf16 global scale would shift every dequantized value). Weights about
+        # to be quantized also stay as stored, so they quantize exactly as `01_quantize.py --out` does.
+        keep = (t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or n.endswith("global_scale")
+                or (quant != "none" and n.startswith("model.layers.") and n.endswith("_proj.weight")))
+        _put(model, n, t.to(device=device, dtype=None if keep else dtype))
+        i = layer_of(n)
+        if quant != "none" and i >= 0 and (j + 1 == len(order) or layer_of(order[j + 1]) != i):
+            q.quantize_model(model.model.layers[i], fmt=quant, skip=())  # layer i complete: shrink it now
+    del handles
+    extra = sorted(set(files) - set(expected) - {"lm_head.weight"})
+    extra = [n for n in extra if not n.endswith(("rotary_emb.inv_freq", "input_global_scale"))]
+    if extra:
+        print(f"note | ignored {len(extra)} checkpoint tensor(s) the model does not use, first: {extra[0]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval(), tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer and the ChatML template
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the ids generation needs (EOS list, pad)."""
+
+    def __init__(self, tok, eos_token_ids, pad_token_id=None):
+        self.tok = tok
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id if pad_token_id is not None else (self.eos_token_ids or [0])[0]
+        self.vocab_size = tok.get_vocab_size()
+
+    def encode(self, text):
+        # tokenizer.json's own post-processor decides about BOS: Llama 3 adds <|begin_of_text|>,
+        # Qwen adds nothing. ChatML special tokens in `text` map to their single ids.
+        return self.tok.encode(text).ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, s):
+        return self.tok.token_to_id(s)
+
+
+def load_tokenizer(path, config=None):
+    from tokenizers import Tokenizer as HFTokenizer
+    path = Path(path)
+    if not (path / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{path / 'tokenizer.json'} not found: the model folder needs a tokenizer.json "
+                                "(the `tokenizers` format Hugging Face saves)")
+    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    config = config or {}
+    gen_file = path / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    eos = gen.get("eos_token_id", config.get("eos_token_id"))
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = gen.get("pad_token_id", config.get("pad_token_id"))
+    return Tokenizer(tok, eos, pad)
+
+
+QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+
+def chat_prompt(user, system=None):
+    """Qwen2.5-Instruct ChatML prompt, ending where the assistant starts talking.
+
+    system=None writes no system block. Note that Qwen2.5's own chat template inserts
+    QWEN_DEFAULT_SYSTEM when no system message is given: pass system=QWEN_DEFAULT_SYSTEM to get
+    exactly what `apply_chat_template` would produce."""
+    head = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
+    return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer built in memory (256 byte tokens + 3 ChatML specials) for random models."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 printable stand-ins for bytes
+    tok = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    return Tokenizer(tok, [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
+                     tok.token_to_id("<|endoftext|>"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampler
+
+def filter_logits(logits, top_k=0, top_p=1.0):
+    """Set to -inf every logit outside the top-k and then outside the nucleus. logits (..., V).
+
+    Nucleus = the smallest set of most likely tokens whose probability sums to >= top_p (computed on the
+    top-k-renormalized distribution). The most likely token is always kept. Ties at the k-th value keep
+    all tied tokens."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (..., V)
+        p = sorted_logits.softmax(-1)
+        mass_before = torch.cat((torch.zeros_like(p[..., :1]), p.cumsum(-1)[..., :-1]), dim=-1)  # exclusive cumsum
+        drop = mass_before >= top_p  # the set is already big enough without this token
+        drop[..., 0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def entropy_from_logp(logp):
+    # masked_fill (not where) keeps 0 * -inf out of both the value and the gradient.
+    return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
+
+
+def sample_next(logits, temperature, top_k, top_p, generator):
+    """One token per row from logits (B, V) -> (token, logprob, entropy), each (B,)."""
+    if temperature == 0:
+        logp = logits.log_softmax(-1)  # (B, V), greedy reports the untempered distribution
+        tok = logits.argmax(-1)
+    else:
+        logp = filter_logits(logits / temperature, top_k, top_p).log_softmax(-1)  # (B, V)
+        probs = logp.exp()
+        if generator is not None and generator.device != probs.device:
+            probs = probs.to(generator.device)  # e.g. a CPU generator driving a CUDA model
+        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)  # (B,)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), entropy_from_logp(logp)
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list          # list[list[int]], one per row (prompt-major: rows i*G..i*G+G-1 = prompt i)
+    completion_ids: torch.Tensor   # (B*G, T) long, pad after EOS
+    completion_mask: torch.Tensor  # (B*G, T) float, 1 for sampled tokens including the EOS token
+    logprobs: torch.Tensor         # (B*G, T) log-prob under the distribution the token was drawn from
+    entropy: torch.Tensor          # (B*G, T) entropy of that distribution
+    texts: list = None             # decoded completions when a tokenizer is given
+    stats: dict = field(default_factory=dict)  # prefill/decode token counts and seconds
+
+
+# Why left padding + G copies rather than prefill-once-and-share: with left padding every row's next
+# token lands in the same cache slot, so one KV cache, one position counter and one code path serve any
+# mix of prompts, and the rows of a group stay independent. Sharing a prompt's prefill across its G
+# samples would save (G-1)/G of the prefill FLOPs, but prefill is one batched forward while decode is
+# hundreds of sequential ones, and the cache ends up holding G copies of the prompt either way (without
+# paged attention). So the saving is small for the reasoning-length completions GRPO produces.
+
+@torch.no_grad()
+def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0, top_p=1.0,
+             eos_token_ids=None, generator=None, tokenizer=None):
+    """Sample `num_samples` completions for each prompt (a list of token-id lists) -> Rollout.
+
+    Rows are prompt-major (B = len(prompts) * num_samples below). temperature=0 is greedy. eos_token_ids
+    defaults to the tokenizer's; each row stops at its own EOS. Pass a seeded torch.Generator for
+    reproducible samples (it may live on the CPU even when the model is on CUDA)."""
+    cfg = model.config
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt must be a non-empty list of token ids")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 1 or num_samples < 1:
+        raise ValueError("generate: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1 "
+                         "and num_samples >= 1")
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
+                             f"model's context of {cfg.max_position_embeddings} (shorten it or lower max_new_tokens)")
+        if max(p) >= cfg.vocab_size or min(p) < 0:
+            raise ValueError(f"prompt {i} has a token id outside [0, {cfg.vocab_size})")
+    if eos_token_ids is None:
+        eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else []
+    pad_id = tokenizer.pad_token_id if tokenizer is not None else (list(eos_token_ids) or [0])[0]
+    dev = model_device(model)
+    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=dev)
+
+    rows = [list(p) for p in prompts for _ in range(num_samples)]  # prompt-major
+    B, P = len(rows), max(len(r) for r in rows)
+    lens = torch.tensor([len(r) for r in rows], device=dev)  # (B,)
+    ids = torch.full((B, P), pad_id, dtype=torch.long, device=dev)  # (B, P), left-padded
+    key_ok = torch.zeros(B, P + max_new_tokens, dtype=torch.bool, device=dev)  # (B, S) real key slots
+    for i, r in enumerate(rows):
+        ids[i, P - len(r):] = torch.tensor(r, device=dev)
+        key_ok[i, P - len(r):] = True  # prompt tokens and every generated slot
+    positions = (key_ok[:, :P].long().cumsum(-1) - 1).clamp(min=0)  # (B, P), 0 at the first real token
+    cache = KVCache(cfg, B, P + max_new_tokens, dev, model.model.embed_tokens.weight.dtype)
+
+    out_ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=dev)  # (B, N)
+    out_mask, out_lp, out_ent = (torch.zeros(B, max_new_tokens, device=dev) for _ in range(3))  # (B, N)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    t0 = time.perf_counter()
+    h = model.hidden_states(ids, positions, key_ok[:, :P], cache)  # (B, P, C)
+    logits = model.lm_head(h[:, -1]).float()  # (B, V): only the last position is needed
+    sync()
+    t1 = time.perf_counter()
+    steps = 0
+    for t in range(max_new_tokens):
+        tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)  # (B,) each
+        live = ~done
+        out_ids[:, t] = torch.where(live, tok, pad_id)
+        out_mask[:, t], out_lp[:, t], out_ent[:, t] = live.float(), lp * live, ent * live
+        done = done | (live & torch.isin(tok, eos))  # the EOS token itself stays in the completion
+        steps = t + 1
+        if t == max_new_tokens - 1 or bool(done.all()):
+            break
+        # Finished rows keep being fed (pad tokens): their outputs are ignored, and dropping rows would
+        # mean compacting the cache. Next token of row b sits at RoPE position lens[b] + t.
+        logits = model(out_ids[:, t:t + 1], (lens + t)[:, None], key_ok[:, :P + t + 1], cache)[:, -1]  # (B, V)
+    sync()
+    t2 = time.perf_counter()
+
+    r = Rollout(rows, out_ids[:, :steps], out_mask[:, :steps], out_lp[:, :steps], out_ent[:, :steps])
+    if tokenizer is not None:
+        r.texts = [tokenizer.decode(row[m > 0].tolist()) for row, m in zip(r.completion_ids, r.completion_mask)]
+    r.stats = dict(prefill_tokens=int(lens.sum()), prefill_s=t1 - t0,
+                   decode_tokens=int(r.completion_mask.sum()), decode_s=t2 - t1, decode_steps=steps)
+    return r
+
+
+def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0):
+    """Log-probs and entropies (B, T) of `completion_ids` after each row's prompt, with gradients.
+
+    One left-padded forward over prompt + completion; positions after EOS come out as 0. For temperature
+    sampling without top-k/top-p this equals what `generate` recorded (up to fp rounding)."""
+    B, T = completion_ids.shape
+    dev = model_device(model)
+    P = max(len(p) for p in prompt_ids)
+    ids = torch.zeros(B, P + T, dtype=torch.long, device=dev)  # (B, P+T)
+    key_ok = torch.zeros(B, P + T, dtype=torch.bool, device=dev)  # (B, P+T)
+    for i, p in enumerate(prompt_ids):
+        ids[i, P - len(p):P] = torch.tensor(list(p), device=dev)
+        key_ok[i, P - len(p):] = True
+    ids[:, P:] = completion_ids.to(dev)
+    positions = (key_ok.long().cumsum(-1) - 1).clamp(min=0)  # (B, P+T)
+    h = model.hidden_states(ids, positions, key_ok)  # (B, P+T, C)
+    # The hidden state at P-1+t predicts completion token t; running lm_head on just these T positions
+    # keeps the (B, T, V) logits the only vocabulary-sized tensor.
+    logits = model.lm_head(h[:, P - 1:P + T - 1]).float()  # (B, T, V)
+    logp = (logits / temperature if temperature > 0 else logits).log_softmax(-1)  # (B, T, V)
+    m = completion_mask.to(dev, logp.dtype)
+    lp = logp.gather(-1, completion_ids.to(dev)[..., None]).squeeze(-1)  # (B, T)
+    return lp * m, entropy_from_logp(logp) * m
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
+    ap.add_argument("--model", default=None, help="HF model folder (default: assets/tiny-qwen, else a random model)")
+    ap.add_argument("--prompt", default="What is 12 + 7? Answer with a number.", help="user message (ChatML-wrapped)")
+    ap.add_argument("--system", default=None, help="system message (default: none)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--num-samples", type=int, default=4, help="completions per prompt (GRPO's G)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quant", default="none", choices=["none", "nvfp4", "nf4"], help="quantize on load (stage 01)")
+    ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
+    args = ap.parse_args()
+
+    model_dir = args.model or ("assets/tiny-qwen" if Path("assets/tiny-qwen/config.json").exists() else None)
+    device = torch.device(args.device or autodetect_device())
+    t0 = time.perf_counter()
+    if model_dir is not None:
+        model, tok = load_model(model_dir, quant=args.quant, device=device)
+    else:
+        print("note | assets/tiny-qwen not found: sampling from a RANDOM 2-layer model with a byte tokenizer "
+              "(expect gibberish; pass --model DIR for a real one)")
+        tok = byte_tokenizer()
+        torch.manual_seed(args.seed)
+        model = CausalLM(ModelConfig(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=384, head_dim=32,
+                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+        with torch.no_grad():  # HF's init (std 0.02): near-uniform next-token distributions, i.e. random bytes
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.02)
+        if args.quant != "none":
+            importlib.import_module("01_quantize").quantize_model(model, fmt=args.quant)
+        model = model.to(device).eval()
+    cfg = model.config
+    print(f"model | {model_dir or 'random'} | type {cfg.model_type} | layers {cfg.num_hidden_layers} "
+          f"| hidden {cfg.hidden_size} | quant {args.quant} | device {device} "
+          f"| dtype {model.model.embed_tokens.weight.dtype} | load_s {time.perf_counter() - t0:.1f}")
+
+    prompt = tok.encode(chat_prompt(args.prompt, args.system))
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    r = generate(model, [prompt], num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen, tokenizer=tok)
+    for i, text in enumerate(r.texts):
+        n = int(r.completion_mask[i].sum())
+        print(f"--- sample {i} | tokens {n} | mean logprob {float(r.logprobs[i].sum()) / max(n, 1):.3f} ---")
+        print(text)
+    s = r.stats
+    print(f"prefill | tokens {s['prefill_tokens']} | tok/s {s['prefill_tokens'] / max(s['prefill_s'], 1e-9):.0f} "
+          f"| decode | tokens {s['decode_tokens']} | steps {s['decode_steps']} "
+          f"| tok/s {s['decode_tokens'] / max(s['decode_s'], 1e-9):.0f}")

@@ -1,0 +1,358 @@
+"""Stage 03: the from-scratch decoder against Hugging Face reference logits, the KV-cached sampler against
+full recomputes, sampling masks, per-row EOS, sequence log-probs, and the loader's error messages.
+
+The reference data in tests/data/<family>/ was made once by tests/make_reference_logits.py (with
+transformers, which the project does not depend on)."""
+import importlib
+import json
+import math
+import os
+import runpy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+ro = importlib.import_module("03_rollout")
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+FAMILIES = ["qwen2", "llama", "qwen3"]
+HAS_QUANT = (ROOT / "01_quantize.py").exists()
+
+
+def random_model(seed=0, **overrides):
+    """A tiny fp32 model with O(1) activations (default inits give near-uniform logits)."""
+    cfg = ro.ModelConfig(**{**dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=128, qk_norm=True, o_bias=True), **overrides})
+    g = torch.Generator().manual_seed(seed)
+    model = ro.CausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * r)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * r)
+            elif "embed_tokens" in name:  # tied or not, the logits scale comes from here
+                p.copy_(0.3 * r)
+            else:
+                p.copy_(r / p.shape[1] ** 0.5)
+    return model.eval()
+
+
+def left_pad(prompts, pad=0):
+    L = max(map(len, prompts))
+    ids = torch.full((len(prompts), L), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), L, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = True
+    return ids, mask
+
+
+PROMPTS = [[5, 17, 3, 40, 2], [7, 1, 9, 33, 12, 8, 61, 4, 20], [11, 2]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    m, tok = ro.load_model(DATA / request.param, device="cpu")
+    return request.param, m, tok, load_file(DATA / request.param / "reference.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loader vs Hugging Face
+
+def test_logits_match_hf_reference(family):
+    name, m, _, ref = family
+    with torch.no_grad():
+        logits = m(ref["input_ids"], ref["position_ids"], ref["attention_mask"])  # (B, L, V)
+    real = ref["attention_mask"].bool()  # pad positions are garbage in both implementations
+    assert logits.dtype == torch.float32 and logits.shape == ref["logits"].shape
+    torch.testing.assert_close(logits[real], ref["logits"][real], atol=1e-5, rtol=1e-5)
+    # Positions are derived from the mask when not given: same result.
+    with torch.no_grad():
+        torch.testing.assert_close(m(ref["input_ids"], attention_mask=ref["attention_mask"])[real], logits[real])
+
+
+def test_greedy_tokens_match_hf_generate(family):
+    name, m, tok, ref = family
+    for i in range(3):
+        hf = ref[f"greedy_{i}"]
+        hf = hf[hf >= 0]
+        r = ro.generate(m, [ref[f"greedy_prompt_{i}"].tolist()], max_new_tokens=8, temperature=0.0, tokenizer=tok)
+        assert r.completion_ids[0][r.completion_mask[0] > 0].tolist() == hf.tolist(), name
+
+
+def test_family_specific_structure():
+    q2, _ = ro.load_model(DATA / "qwen2", device="cpu")
+    assert q2.lm_head.weight is q2.model.embed_tokens.weight  # tied
+    assert q2.model.layers[0].self_attn.q_proj.bias is not None and q2.model.layers[0].self_attn.o_proj.bias is None
+    ll, tok = ro.load_model(DATA / "llama", device="cpu")
+    assert ll.lm_head.weight is not ll.model.embed_tokens.weight and ll.config.rope_scaling["rope_type"] == "llama3"
+    assert ll.model.layers[0].self_attn.q_proj.bias is None and tok.eos_token_ids == [258]  # int in config.json
+    q3, tok = ro.load_model(DATA / "qwen3", device="cpu")
+    assert q3.config.head_dim == 24 != q3.config.hidden_size // q3.config.num_attention_heads
+    assert q3.model.layers[1].self_attn.k_norm.weight.shape == (24,)
+    assert tok.eos_token_ids == [258] and tok.pad_token_id == 256  # int in generation_config.json
+    # Everything is materialized (nothing left on meta), norms expose a Parameter for stage 04.
+    assert all(p.device.type == "cpu" for p in q3.parameters())
+    assert isinstance(q3.model.layers[0].input_layernorm.weight, torch.nn.Parameter)
+    # The llama3 rule: short wavelengths kept, long ones divided by `factor`, the middle band blended.
+    base = 1.0 / 500000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    inv = ro.rope_inv_freq(ll.config)
+    assert inv[0] == base[0] and torch.allclose(inv[3:], base[3:] / 8) and base[1] / 8 < inv[1] < base[1]
+
+
+def test_sharded_checkpoint_and_dtype(tmp_path):
+    src = DATA / "qwen2"
+    for f in ("config.json", "tokenizer.json", "generation_config.json"):
+        shutil.copy(src / f, tmp_path / f)
+    with safe_open(src / "model.safetensors", "pt") as f:
+        names = sorted(f.keys())
+        tensors = {n: f.get_tensor(n) for n in names}
+    half = len(names) // 2
+    weight_map = {}
+    for k, part in enumerate((names[:half], names[half:])):
+        fname = f"model-0000{k + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, tmp_path / fname)
+        weight_map.update({n: fname for n in part})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    ref = load_file(src / "reference.safetensors")
+    a, _ = ro.load_model(src, device="cpu")
+    b, _ = ro.load_model(tmp_path, device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(b(ref["input_ids"]), a(ref["input_ids"]), atol=0, rtol=0)
+    c, _ = ro.load_model(src, device="cpu", dtype=torch.bfloat16)
+    assert c.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    with torch.no_grad():  # a bf16 model still returns fp32 logits, close to the fp32 ones
+        lc = c(ref["input_ids"])
+    assert lc.dtype == torch.float32 and (lc - a(ref["input_ids"]).detach()).abs().max() < 0.25
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV cache and batching
+
+def test_cached_logits_equal_full_recompute(model):
+    ids, mask = left_pad(PROMPTS)  # (3, 9)
+    B, P = ids.shape
+    steps = 6
+    cache = ro.KVCache(model.config, B, P + steps, "cpu", torch.float32)
+    key_ok = torch.cat([mask, torch.ones(B, steps, dtype=torch.bool)], dim=1)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, kv_cache=cache)[:, -1]  # prefill
+        seq = ids
+        for t in range(steps + 1):
+            full = model(seq, attention_mask=key_ok[:, :seq.shape[1]])[:, -1]  # (B, V), no cache
+            torch.testing.assert_close(logits, full, atol=1e-5, rtol=1e-5)
+            if t == steps:
+                break
+            nxt = torch.randint(0, model.config.vocab_size, (B, 1), generator=g)  # (B, 1)
+            seq = torch.cat([seq, nxt], dim=1)
+            logits = model(nxt, attention_mask=key_ok[:, :seq.shape[1]], kv_cache=cache)[:, -1]
+    assert cache.pos == P + steps
+
+
+def test_batched_greedy_equals_each_prompt_alone(model):
+    batch = ro.generate(model, PROMPTS, max_new_tokens=10, temperature=0.0)
+    for i, p in enumerate(PROMPTS):
+        alone = ro.generate(model, [p], max_new_tokens=10, temperature=0.0)
+        assert batch.completion_ids[i].tolist() == alone.completion_ids[0].tolist()
+        torch.testing.assert_close(batch.logprobs[i], alone.logprobs[0], atol=1e-5, rtol=1e-5)
+    assert batch.completion_ids.shape == (3, 10) and batch.completion_mask.sum() == 30
+
+
+def test_seeded_sampling_is_reproducible(model):
+    kw = dict(num_samples=4, max_new_tokens=12, temperature=1.0)
+    a = ro.generate(model, PROMPTS, generator=torch.Generator().manual_seed(7), **kw)
+    b = ro.generate(model, PROMPTS, generator=torch.Generator().manual_seed(7), **kw)
+    c = ro.generate(model, PROMPTS, generator=torch.Generator().manual_seed(8), **kw)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    # Prompt-major rows: rows 4i..4i+3 belong to prompt i, and the G samples differ from each other.
+    assert a.prompt_ids == [p for p in PROMPTS for _ in range(4)]
+    assert len({tuple(r) for r in a.completion_ids[:4].tolist()}) > 1
+    assert a.completion_ids.shape == (12, 12) and bool((a.logprobs <= 0).all()) and bool((a.entropy >= 0).all())
+
+
+def test_per_row_eos_stops_and_masks(model):
+    free = ro.generate(model, PROMPTS, max_new_tokens=12, temperature=0.0).completion_ids  # (3, 12), no EOS
+    eos = [free[0, 3].item(), free[1, 6].item(), free[2, 8].item()]  # each row meets one by step 9 at the latest
+    r = ro.generate(model, PROMPTS, max_new_tokens=12, temperature=0.0, eos_token_ids=eos)
+    stops = [next(t + 1 for t, x in enumerate(row) if x in eos) for row in free.tolist()]  # EOS included
+    assert len(set(stops)) == 3 and max(stops) < 12  # rows stop at different steps, all before the limit
+    assert r.completion_ids.shape[1] == max(stops)  # the loop ends when the last row is done
+    for b, stop in enumerate(stops):
+        assert r.completion_mask[b].tolist() == [1.0] * stop + [0.0] * (max(stops) - stop)
+        assert r.completion_ids[b, :stop].tolist() == free[b, :stop].tolist()
+        assert (r.completion_ids[b, stop:] == eos[0]).all()  # pad = first EOS id when no tokenizer is given
+        assert (r.logprobs[b, stop:] == 0).all() and (r.entropy[b, stop:] == 0).all()
+        assert (r.logprobs[b, :stop] < 0).all()
+
+
+def test_sequence_logprobs_equal_sampler_records(model):
+    r = ro.generate(model, PROMPTS, num_samples=2, max_new_tokens=10, temperature=0.7,
+                    eos_token_ids=[3], generator=torch.Generator().manual_seed(0))
+    assert (r.completion_mask.sum(-1) < 10).any()  # some rows stopped early: masked tails are compared too
+    lp, ent = ro.sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=0.7)
+    torch.testing.assert_close(lp, r.logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, r.entropy, atol=1e-5, rtol=1e-5)
+    g = ro.generate(model, PROMPTS, max_new_tokens=6, temperature=0.0)  # greedy records raw log-softmax
+    lp0, _ = ro.sequence_logprobs(model, g.prompt_ids, g.completion_ids, g.completion_mask, temperature=0.0)
+    torch.testing.assert_close(lp0, g.logprobs, atol=1e-5, rtol=1e-5)
+    # With gradients: the policy update backpropagates through this.
+    model.zero_grad()
+    lp, _ = ro.sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=0.7)
+    lp.sum().backward()
+    grad = model.model.layers[0].self_attn.q_proj.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    model.zero_grad()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling masks
+
+def test_top_k_top_p_masks():
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    perm = torch.tensor([3, 0, 4, 1, 2])  # scramble the order so sorting has work to do
+    logits = probs[perm].log()[None].repeat(2, 1)  # (2, 5)
+    kept = lambda out: sorted(probs[perm][torch.isfinite(out[0])].tolist(), reverse=True)
+    assert kept(ro.filter_logits(logits, top_k=2)) == pytest.approx([0.5, 0.2])
+    assert kept(ro.filter_logits(logits, top_p=0.6)) == pytest.approx([0.5, 0.2])  # 0.5 < 0.6 <= 0.7
+    assert kept(ro.filter_logits(logits, top_p=0.5)) == pytest.approx([0.5])  # 0.5 already reaches 0.5
+    assert kept(ro.filter_logits(logits, top_p=0.8)) == pytest.approx([0.5, 0.2, 0.15])
+    assert kept(ro.filter_logits(logits, top_p=1e-4)) == pytest.approx([0.5])  # the top token always stays
+    # top-p acts on the top-k-renormalized distribution: [.5,.2,.15]/.85 -> .588, .824 >= 0.8 keeps two.
+    assert kept(ro.filter_logits(logits, top_k=3, top_p=0.8)) == pytest.approx([0.5, 0.2])
+    assert torch.equal(ro.filter_logits(logits), logits)
+    # Sampling only draws kept tokens, and its log-prob is under the renormalized distribution.
+    g = torch.Generator().manual_seed(0)
+    big = probs.log()[None].repeat(2000, 1)  # (2000, 5)
+    tok, lp, ent = ro.sample_next(big, 1.0, 0, 0.6, g)
+    assert set(tok.tolist()) == {0, 1}
+    torch.testing.assert_close(lp[tok == 0], torch.full_like(lp[tok == 0], math.log(0.5 / 0.7)))
+    p = torch.tensor([0.5, 0.2]) / 0.7
+    torch.testing.assert_close(ent[0], -(p * p.log()).sum())
+    tok, lp, _ = ro.sample_next(big[:3], 0.0, 0, 1.0, None)  # greedy: argmax, raw log-softmax
+    assert tok.tolist() == [0, 0, 0] and torch.allclose(lp, torch.tensor(0.5).log())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer, chat template, CLI
+
+def test_chat_prompt_and_tokenizer():
+    assert ro.chat_prompt("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ro.chat_prompt("hi", system="Be brief.") == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                                                       "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    _, tok = ro.load_model(DATA / "qwen2", device="cpu")
+    ids = tok.encode(ro.chat_prompt("2+3?"))
+    assert ids[0] == tok.token_id("<|im_start|>") == 257 and ids.count(258) == 1  # specials are single ids
+    assert tok.decode(ids) == "user\n2+3?\nassistant\n" and tok.decode(tok.encode("héllo")) == "héllo"
+    assert tok.eos_token_ids == [258, 256] and tok.pad_token_id == 256
+    m, _ = ro.load_model(DATA / "qwen2", device="cpu")
+    r = ro.generate(m, [ids], max_new_tokens=4, temperature=0.0, tokenizer=tok)
+    assert r.texts == [tok.decode(r.completion_ids[0].tolist())]
+
+
+def test_cli_runs_on_a_model_folder(monkeypatch, capsys):
+    # In-process (runpy) rather than a subprocess: saves re-importing torch.
+    monkeypatch.setattr(sys, "argv", ["03_rollout.py", "--model", str(DATA / "qwen3"), "--prompt", "hi",
+                                      "--max-new-tokens", "5", "--num-samples", "2", "--device", "cpu"])
+    runpy.run_path(str(ROOT / "03_rollout.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    n_prompt = len(ro.byte_tokenizer().encode(ro.chat_prompt("hi")))  # the same byte tokenizer as the folder's
+    assert "--- sample 1 | tokens" in out and f"prefill | tokens {2 * n_prompt} |" in out and "decode | tokens" in out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: one clear line each
+
+def _copy(tmp_path, family="qwen2"):
+    dst = tmp_path / family
+    shutil.copytree(DATA / family, dst)
+    return dst
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"config.json not found"):
+        ro.load_model(tmp_path, device="cpu")
+
+
+def test_unsupported_model_type(tmp_path):
+    d = _copy(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'; supported: qwen2, llama, qwen3"):
+        ro.load_model(d, device="cpu")
+
+
+def test_missing_weight(tmp_path):
+    d = _copy(tmp_path)
+    t = load_file(d / "model.safetensors")
+    del t["model.layers.1.mlp.down_proj.weight"]
+    save_file(t, d / "model.safetensors")
+    with pytest.raises(ValueError, match=r"checkpoint lacks 1 weight\(s\), first: model.layers.1.mlp.down_proj.weight"):
+        ro.load_model(d, device="cpu")
+
+
+def test_missing_tokenizer(tmp_path):
+    d = _copy(tmp_path)
+    os.remove(d / "tokenizer.json")
+    with pytest.raises(FileNotFoundError, match=r"tokenizer.json not found"):
+        ro.load_model(d, device="cpu")
+
+
+def test_prompt_longer_than_context(model):
+    with pytest.raises(ValueError, match=r"prompt 1 has 120 tokens; with max_new_tokens=16 that exceeds "
+                                         r"the model's context of 128"):
+        ro.generate(model, [[1, 2], [5] * 120], max_new_tokens=16)
+
+
+def test_wrong_shape_weight(tmp_path):
+    d = _copy(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"has shape \(128, 64\), config.json implies \(96, 64\)"):
+        ro.load_model(d, device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quantized loading (stage 01)
+
+@pytest.mark.skipif(not HAS_QUANT, reason="01_quantize.py not written yet")
+def test_quant_on_load_equals_quantized_checkpoint(tmp_path):
+    src = DATA / "qwen2"
+    ref = load_file(src / "reference.safetensors")
+    a, _ = ro.load_model(src, quant="nvfp4", device="cpu")
+    q = importlib.import_module("01_quantize")
+    assert isinstance(a.model.layers[0].self_attn.q_proj, q.NVFP4Linear) and isinstance(a.lm_head, torch.nn.Linear)
+    out = tmp_path / "qwen2-nvfp4"
+    run = subprocess.run([sys.executable, str(ROOT / "01_quantize.py"), "--model", str(src), "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    b, _ = ro.load_model(out, device="cpu")
+    assert isinstance(b.model.layers[1].mlp.down_proj, q.NVFP4Linear)
+    with torch.no_grad():
+        la = a(ref["input_ids"], attention_mask=ref["attention_mask"])
+        lb = b(ref["input_ids"], attention_mask=ref["attention_mask"])
+    torch.testing.assert_close(la, lb, atol=0, rtol=0)  # same bytes, same maths
+    real = ref["attention_mask"].bool()  # 4-bit weights move the logits, but not wildly
+    err = (la[real] - ref["logits"][real]).abs().mean() / ref["logits"][real].abs().mean()
+    assert 0 < err < 0.5
+    nf4, _ = ro.load_model(src, quant="nf4", device="cpu")
+    assert isinstance(nf4.model.layers[0].mlp.gate_proj, q.NF4Linear)
+    with torch.no_grad():
+        assert torch.isfinite(nf4(ref["input_ids"])).all()
