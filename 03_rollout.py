@@ -597,29 +597,56 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     return r
 
 
-def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0):
-    """Log-probs and entropies (B, T) of `completion_ids` after each row's prompt, with gradients.
+def left_pad(prompt_ids, completion_ids):
+    """(prompt + completion) rows, left-padded to one length, for a teacher-forced forward.
 
-    One left-padded forward over prompt + completion; positions after EOS come out as 0. For temperature
-    sampling without top-k/top-p this equals what `generate` recorded (up to fp rounding)."""
+    Returns ids (B, P+T), key_ok (B, P+T) bool, positions (B, P+T) and P, the padded prompt length:
+    the hidden state at P-1+t predicts completion token t."""
     B, T = completion_ids.shape
-    dev = model_device(model)
+    dev = completion_ids.device
     P = max(len(p) for p in prompt_ids)
     ids = torch.zeros(B, P + T, dtype=torch.long, device=dev)  # (B, P+T)
     key_ok = torch.zeros(B, P + T, dtype=torch.bool, device=dev)  # (B, P+T)
     for i, p in enumerate(prompt_ids):
         ids[i, P - len(p):P] = torch.tensor(list(p), device=dev)
         key_ok[i, P - len(p):] = True
-    ids[:, P:] = completion_ids.to(dev)
+    ids[:, P:] = completion_ids
     positions = (key_ok.long().cumsum(-1) - 1).clamp(min=0)  # (B, P+T)
+    return ids, key_ok, positions, P
+
+
+def completion_logits(model, prompt_ids, completion_ids):
+    """fp32 logits (B, T, V) of the distributions that produced each completion token."""
+    T = completion_ids.shape[1]
+    ids, key_ok, positions, P = left_pad(prompt_ids, completion_ids.to(model_device(model)))
     h = model.hidden_states(ids, positions, key_ok)  # (B, P+T, C)
-    # The hidden state at P-1+t predicts completion token t; running lm_head on just these T positions
-    # keeps the (B, T, V) logits the only vocabulary-sized tensor.
-    logits = model.lm_head(h[:, P - 1:P + T - 1]).float()  # (B, T, V)
+    # Running lm_head on just these T positions keeps (B, T, V) the only vocabulary-sized tensor.
+    return model.lm_head(h[:, P - 1:P + T - 1]).float()  # (B, T, V)
+
+
+def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0):
+    """Log-probs and entropies (B, T) of `completion_ids` after each row's prompt, with gradients.
+
+    One left-padded forward over prompt + completion; positions after EOS come out as 0. For temperature
+    sampling without top-k/top-p this equals what `generate` recorded (up to fp rounding)."""
+    completion_ids = completion_ids.to(model_device(model))
+    logits = completion_logits(model, prompt_ids, completion_ids)  # (B, T, V)
     logp = (logits / temperature if temperature > 0 else logits).log_softmax(-1)  # (B, T, V)
-    m = completion_mask.to(dev, logp.dtype)
-    lp = logp.gather(-1, completion_ids.to(dev)[..., None]).squeeze(-1)  # (B, T)
+    m = completion_mask.to(logp.device, logp.dtype)
+    lp = logp.gather(-1, completion_ids[..., None]).squeeze(-1)  # (B, T)
     return lp * m, entropy_from_logp(logp) * m
+
+
+def random_model(tok, seed=0, device="cpu"):
+    """A small random Qwen2-shaped model for demos when no checkpoint is at hand."""
+    torch.manual_seed(seed)
+    model = CausalLM(ModelConfig(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=384, head_dim=32,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    with torch.no_grad():  # HF's init (std 0.02): near-uniform next-token distributions, i.e. random bytes
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    return model.to(device).eval()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -649,16 +676,10 @@ if __name__ == "__main__":
         print("note | assets/tiny-qwen not found: sampling from a RANDOM 2-layer model with a byte tokenizer "
               "(expect gibberish; pass --model DIR for a real one)")
         tok = byte_tokenizer()
-        torch.manual_seed(args.seed)
-        model = CausalLM(ModelConfig(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=384, head_dim=32,
-                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
-        with torch.no_grad():  # HF's init (std 0.02): near-uniform next-token distributions, i.e. random bytes
-            for p in model.parameters():
-                if p.dim() == 2:
-                    p.normal_(0.0, 0.02)
+        model = random_model(tok, args.seed)
         if args.quant != "none":
             importlib.import_module("01_quantize").quantize_model(model, fmt=args.quant)
-        model = model.to(device).eval()
+        model = model.to(device)
     cfg = model.config
     print(f"model | {model_dir or 'random'} | type {cfg.model_type} | layers {cfg.num_hidden_layers} "
           f"| hidden {cfg.hidden_size} | quant {args.quant} | device {device} "

@@ -28,6 +28,7 @@ Run it (prints the schedule of a 600-step run and the exploration table on the b
 """
 import argparse
 import contextlib
+import copy
 import importlib
 import math
 import os
@@ -36,6 +37,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+quantize = importlib.import_module("01_quantize")
 rollout = importlib.import_module("03_rollout")
 
 # -----------------------------------------------------------------------------
@@ -197,26 +199,6 @@ def aqn_noise(model, sigma, generator=None):
 # Measuring exploration: entropy of the sampling distribution and KL to the unquantized base
 
 
-def padded_logits(model, prompt_ids, completion_ids):
-    """Logits at the completion positions of left-padded (prompt + completion) rows.
-
-    prompt_ids: list of B token lists; completion_ids: (B, T). Returns (B, T, V) fp32 logits, where
-    position t holds the distribution that produced completion token t.
-    """
-    device = completion_ids.device
-    B, T = completion_ids.shape
-    P = max(len(p) for p in prompt_ids)
-    ids = torch.zeros(B, P + T, dtype=torch.long, device=device)  # (B, P+T)
-    mask = torch.zeros(B, P + T, dtype=torch.long, device=device)
-    for i, p in enumerate(prompt_ids):
-        ids[i, P - len(p):P] = torch.tensor(p, device=device)
-        mask[i, P - len(p):] = 1
-    ids[:, P:] = completion_ids
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P+T): RoPE positions count real tokens only
-    logits = model(ids, positions=positions, attention_mask=mask)  # (B, P+T, V)
-    return logits[:, P - 1:P + T - 1].float()  # (B, T, V)
-
-
 @torch.inference_mode()
 def measure_exploration(reference, variants, prompts, num_samples=8, max_new_tokens=32, temperature=1.0,
                         sigmas=(), seed=0, eos_token_ids=None, rounds=2):
@@ -239,8 +221,8 @@ def measure_exploration(reference, variants, prompts, num_samples=8, max_new_tok
             with aqn_noise(model, sigma, gen):
                 out = rollout.generate(model, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
                                        temperature=temperature, eos_token_ids=eos_token_ids, generator=gen)
-                logp = F.log_softmax(padded_logits(model, out.prompt_ids, out.completion_ids) / temperature, -1)
-            logq = F.log_softmax(padded_logits(reference, out.prompt_ids, out.completion_ids) / temperature, -1)
+                logp = F.log_softmax(rollout.completion_logits(model, out.prompt_ids, out.completion_ids) / temperature, -1)
+            logq = F.log_softmax(rollout.completion_logits(reference, out.prompt_ids, out.completion_ids) / temperature, -1)
             kl = (logp.exp() * (logp - logq)).sum(-1)  # (B, T) exact KL per position
             m = out.completion_mask.float()
             ent_sum += float((out.entropy * m).sum())
@@ -294,23 +276,23 @@ if __name__ == "__main__":
     print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
     print()
 
-    if os.path.isdir(args.model):
-        path = args.model
-    else:  # no bundled model yet: a random tiny one, so the mechanics still run
-        path = rollout.make_random_model_dir() if hasattr(rollout, "make_random_model_dir") else None
-        print(f"note: {args.model} not found; measuring on a small RANDOM model (numbers are meaningless)")
-        if path is None:
-            raise SystemExit("error: no model to measure; pass --model DIR")
     t0 = time.time()
-    base, tok = rollout.load_model(path, quant="none", device="cpu")
-    variants = {"base": base,
-                "NF4": rollout.load_model(path, quant="nf4", device="cpu")[0],
-                "NVFP4": rollout.load_model(path, quant="nvfp4", device="cpu")[0]}
+    if os.path.isdir(args.model):
+        base, tok = rollout.load_model(args.model, quant="none", device="cpu")
+        nf4 = rollout.load_model(args.model, quant="nf4", device="cpu")[0]
+        nvfp4 = rollout.load_model(args.model, quant="nvfp4", device="cpu")[0]
+    else:  # no bundled model: the mechanics still run, on a random model
+        print(f"note | {args.model} not found: measuring a small RANDOM model (the numbers mean nothing)")
+        tok = rollout.byte_tokenizer()
+        base = rollout.random_model(tok, args.seed)
+        nf4 = quantize.quantize_model(copy.deepcopy(base), fmt="nf4")
+        nvfp4 = quantize.quantize_model(copy.deepcopy(base), fmt="nvfp4")
+    variants = {"base": base, "NF4": nf4, "NVFP4": nvfp4}
     prompts = demo_prompts(tok, args.prompts, args.seed + 1)
     rows = measure_exploration(base, variants, prompts, num_samples=args.samples,
                                max_new_tokens=args.max_new_tokens, sigmas=args.sigmas, seed=args.seed,
                                eos_token_ids=tok.eos_token_ids, rounds=args.rounds)
-    print(f"exploration on {path}: {args.prompts} prompts x {args.samples} samples x {args.rounds} noise draws, T=1")
+    print(f"exploration on {args.model if os.path.isdir(args.model) else 'a random model'}: {args.prompts} prompts x {args.samples} samples x {args.rounds} noise draws, T=1")
     print(f"{'model':<8} | {'AQN sigma':>9} | {'entropy (nats/tok)':>18} | {'KL to base':>10} | {'len':>5}")
     ref = rows[0]["entropy"]
     for r in rows:
