@@ -1,0 +1,147 @@
+"""Speed of the fused NVFP4 matmul (kernels/nvfp4_matmul.py) against its two alternatives on a GPU.
+
+For y = x @ W.T with x in bf16 and W of shape [N, K], three ways are timed with triton.testing.do_bench:
+  nvfp4    the fused kernel: packed 4-bit weight, dequantized tile by tile in registers;
+  bf16     torch.matmul with a bf16 copy of the weight (the unquantized baseline, cuBLAS);
+  deq+mm   dequantize the whole NVFP4 weight to bf16, then torch.matmul (what a framework without a
+           fused kernel does: more memory traffic than bf16 itself).
+At decode sizes (M <= 16) the matmul is limited by memory bandwidth and the 4-bit weight should
+win; at prefill sizes (M in the thousands) it is compute-bound and bf16 tensor cores set the pace.
+GB/s counts the bytes each method must move at least once (weights, scales, x, y). Each row first
+checks that the kernel agrees with deq+mm.
+
+    python bench/bench_kernel.py                    # 4096x4096 and 8192x8192, M in 1 16 128 4096
+    python bench/bench_kernel.py --shapes qwen7b    # Qwen2.5-7B's linear layers, M in 1 16 64 4096
+    python bench/bench_kernel.py --m 1 8 --split-k 1
+"""
+import argparse
+import importlib
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# -----------------------------------------------------------------------------
+# Shapes: (name, N = out_features, K = in_features)
+
+SQUARE = [("4096x4096", 4096, 4096), ("8192x8192", 8192, 8192)]
+# Qwen2.5-7B: hidden 3584, intermediate 18944, 28 query heads and 4 kv heads of head_dim 128.
+QWEN7B = [
+    ("q_proj", 3584, 3584),
+    ("k/v_proj", 512, 3584),
+    ("o_proj", 3584, 3584),
+    ("gate/up_proj", 18944, 3584),
+    ("down_proj", 3584, 18944),
+]
+DEFAULT_M = {"square": [1, 16, 128, 4096], "qwen7b": [1, 16, 64, 4096]}
+
+# -----------------------------------------------------------------------------
+# Weights: the real quantizer when stage 01 is present, else random codes (timing does not care)
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _stage01():
+    try:
+        return importlib.import_module("01_quantize")
+    except ImportError:
+        return None
+
+
+def make_weight(n, k, gen, device):
+    """(bf16 weight [N, K], packed, scale, global_scale) on `device`."""
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(device)  # (N, K)
+    q = _stage01()
+    if q is not None:
+        packed, scale, gs = q.quantize_nvfp4(w)
+    else:
+        packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8).to(device)
+        scale = (torch.rand(n, k // 16, generator=gen) * 300 + 16).to(torch.float8_e4m3fn).to(device)
+        gs = torch.tensor([2688.0 * k ** 0.5 / 3], device=device)  # keeps |W| around k**-0.5
+    return w.to(torch.bfloat16), packed, scale, gs
+
+
+def dequantize(packed, scale, gs, dtype=torch.bfloat16):
+    """W [N, K_pad] in dtype, in plain torch (stage 01's dequantize_nvfp4 when present)."""
+    q = _stage01()
+    if q is not None:
+        return q.dequantize_nvfp4(packed, scale, gs, dtype)
+    lut = torch.tensor(E2M1, device=packed.device)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(1).int()  # (N, K_pad)
+    return (lut[codes] * scale.float().repeat_interleave(16, dim=1) / gs).to(dtype)
+
+
+# -----------------------------------------------------------------------------
+# One row of the table
+
+
+def bench_row(name, n, k, m, args, gen, nvfp4_matmul, do_bench):
+    device = "cuda"
+    w_bf16, packed, scale, gs = make_weight(n, k, gen, device)
+    x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)  # (M, K)
+
+    def run_kernel():
+        return nvfp4_matmul(x, packed, scale, gs, split_k=args.split_k)
+
+    def run_bf16():
+        return torch.matmul(x, w_bf16.T)
+
+    def run_deq_mm():
+        return torch.matmul(x, dequantize(packed, scale, gs).T)
+
+    # The first call autotunes (not timed); then make sure we time a correct kernel.
+    y, y_ref = run_kernel().float(), run_deq_mm().float()
+    rel_err = ((y - y_ref).norm() / y_ref.norm().clamp_min(1e-30)).item()
+    if rel_err > 1e-2:
+        raise SystemExit(f"kernel disagrees with dequantize+matmul on {name} M={m}: rel err {rel_err:.2e}")
+
+    ms = {key: do_bench(fn, warmup=args.warmup, rep=args.rep)
+          for key, fn in (("nvfp4", run_kernel), ("bf16", run_bf16), ("deq+mm", run_deq_mm))}
+    flops = 2.0 * m * n * k
+    act_bytes = 2 * m * (k + n)  # x read and y written, bf16
+    bytes_moved = {"nvfp4": n * k // 2 + n * k // 16 + act_bytes, "bf16": 2 * n * k + act_bytes}
+    us = {key: 1e3 * t for key, t in ms.items()}
+    print(f"{name:>12} {n:>5}x{k:<5} | M {m:>4} "
+          f"| us nvfp4 {us['nvfp4']:8.1f} bf16 {us['bf16']:8.1f} deq+mm {us['deq+mm']:8.1f} "
+          f"| TFLOP/s nvfp4 {flops / us['nvfp4'] / 1e6:6.1f} bf16 {flops / us['bf16'] / 1e6:6.1f} "
+          f"| GB/s nvfp4 {bytes_moved['nvfp4'] / us['nvfp4'] / 1e3:5.0f} bf16 {bytes_moved['bf16'] / us['bf16'] / 1e3:5.0f} "
+          f"| vs bf16 nvfp4 {us['bf16'] / us['nvfp4']:4.2f}x deq+mm {us['bf16'] / us['deq+mm']:4.2f}x "
+          f"| err {rel_err:.0e}", flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", choices=["square", "qwen7b"], default="square")
+    parser.add_argument("--m", type=int, nargs="+", default=None, help="batch sizes (rows of x)")
+    parser.add_argument("--split-k", type=int, default=None, help="force split-K (default: rule of thumb)")
+    parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("bench_kernel: needs a CUDA GPU (the kernel's CPU path is Triton's interpreter, which is "
+              "for testing, not timing); nothing to do")
+        return 0
+    from kernels import HAS_TRITON, nvfp4_matmul
+    if not HAS_TRITON:
+        print("bench_kernel: needs triton (pip install triton); nothing to do")
+        return 0
+    from triton.testing import do_bench
+
+    gen = torch.Generator().manual_seed(args.seed)
+    shapes = SQUARE if args.shapes == "square" else QWEN7B
+    ms = args.m or DEFAULT_M[args.shapes]
+    print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | x bf16 | "
+          f"weights {'01_quantize' if _stage01() else 'random codes'}", flush=True)
+    for name, n, k in shapes:
+        for m in ms:
+            bench_row(name, n, k, m, args, gen, nvfp4_matmul, do_bench)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
