@@ -1,0 +1,653 @@
+"""Stage 01: store a model's Linear weights in 4 bits, as NVFP4 (QeRL) and as NF4 (the QLoRA baseline).
+
+QeRL keeps the base model frozen in NVFP4: 4-bit E2M1 values, one FP8 (E4M3) scale per block of 16
+inputs and one FP32 scale per tensor. The 4-bit weights make rollouts cheaper, and the rounding noise
+they add raises policy entropy, which the paper finds helps exploration. NF4 (bitsandbytes, QLoRA) is
+the baseline it is compared with. This file writes both formats byte for byte as their reference
+libraries do (compressed-tensors `nvfp4-pack-quantized`, bitsandbytes `quantize_4bit(nf4)`), so a
+checkpoint written here loads in compressed-tensors and vLLM.
+
+    python 01_quantize.py                                  # demo: bits, bytes, error, time per format
+    python 01_quantize.py --model DIR --out DIR [--force]  # HF folder -> compressed-tensors NVFP4 folder
+
+Import it as `importlib.import_module("01_quantize")`; the exact format is in the comments below.
+"""
+import argparse
+import copy
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------------------------------
+# Device
+
+
+def autodetect_device():
+    """The one device rule every stage uses: the GPU when there is one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_weight(w, name):
+    if w.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: dtype {w.dtype} not supported (use float32, bfloat16 or float16)")
+    if not torch.isfinite(w).all():
+        raise ValueError(f"{name}: weight contains NaN or Inf; fix the checkpoint before quantizing")
+
+
+# -----------------------------------------------------------------------------------------------------
+# NVFP4: E2M1 values, an FP8 E4M3 scale per 16 inputs, an FP32 scale per tensor (all maths in fp32)
+
+FP4_MAX, FP8_MAX, NVFP4_BLOCK = 6.0, 448.0, 16
+# Code c (bit 3 = sign, bits 0..2 = index into the 8 magnitudes) decodes to E2M1_VALUES[c].
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+# Round-to-nearest-even onto the magnitudes: the index is how many midpoints |y| passes. At a midpoint
+# whose lower neighbour has the even mantissa (0.25, 1.25, 2.5, 5) it must be passed strictly (ties stay
+# down); where the upper neighbour is even (0.75, 1.75, 3.5) reaching it is enough (ties go up).
+_E2M1_MIDS = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)]
+
+
+def nvfp4_global_scale(amax):
+    """fp32 [1] encode scale 2688/amax (448*6: the largest block lands on the FP8 and E2M1 maxima).
+    An all-zero tensor would divide by ~0 -> inf; compressed-tensors then uses 1.0, and so do we."""
+    amax = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
+    gs = (FP8_MAX * FP4_MAX) / amax.clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
+
+
+@torch.no_grad()
+def quantize_nvfp4(w, global_scale=None, name="weight"):
+    """w [out, in] -> packed uint8 [out, K_pad/2], scale fp8 [out, K_pad/16], global_scale fp32 [1].
+    Pass global_scale to share one across fused layers (q/k/v, gate/up), as vLLM requires."""
+    _check_weight(w, name)
+    w = w.detach().float()
+    out_f, in_f = w.shape
+    k_pad = -(-in_f // NVFP4_BLOCK) * NVFP4_BLOCK
+    if k_pad != in_f:  # zero columns change no block's amax and quantize to code 0
+        w = F.pad(w, (0, k_pad - in_f))
+    if global_scale is None:
+        gs = nvfp4_global_scale(w.abs().amax())
+    else:
+        gs = torch.as_tensor(global_scale, dtype=torch.float32).reshape(1).clone().to(w.device)
+        if not (torch.isfinite(gs).all() and gs.item() > 0):
+            raise ValueError(f"{name}: global_scale must be a finite positive number, got {gs.item()}")
+    blocks = w.view(out_f, k_pad // NVFP4_BLOCK, NVFP4_BLOCK)             # (out, nb, 16)
+    amax_b = blocks.abs().amax(dim=-1)                                   # (out, nb)
+    s = (gs * (amax_b / FP4_MAX)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()  # RNE cast
+    # A block far below the tensor's amax (or all zero) underflows FP8 to 0; compressed-tensors then
+    # stores 0.125, which avoids a 0/0 below and still decodes the block to (nearly) all zeros.
+    s = torch.where(s == 0, 0.125, s)                                    # (out, nb)
+    y = blocks / (s / gs).unsqueeze(-1)                                  # (out, nb, 16), two divisions as in CT
+    y = y.clamp(-FP4_MAX, FP4_MAX)
+    mag = y.abs()
+    idx = torch.zeros(y.shape, dtype=torch.uint8, device=w.device)      # (out, nb, 16), 0..7
+    for t, tie_goes_up in _E2M1_MIDS:  # seven compares beat torch.bucketize on CPU
+        idx += (mag >= t) if tie_goes_up else (mag > t)
+    # y < 0 (not signbit): a tiny negative that rounds to 0 keeps its sign (0x8), an input -0.0 gives 0x0.
+    code = (idx | ((y < 0).to(torch.uint8) << 3)).view(out_f, k_pad)     # (out, K_pad)
+    packed = code[:, 0::2] | (code[:, 1::2] << 4)                        # (out, K_pad/2), even elt low nibble
+    return packed.contiguous(), s.to(torch.float8_e4m3fn), gs
+
+
+def unpack_nvfp4_codes(packed):
+    """uint8 [out, K_pad/2] -> 4-bit codes [out, K_pad] (low nibble first)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
+
+
+def dequantize_nvfp4(packed, scale, global_scale, dtype=torch.float32):
+    """-> [out, K_pad]: E2M1 value * (fp8 scale / global scale), in fp32, then cast to dtype."""
+    vals = E2M1_VALUES.to(packed.device)[unpack_nvfp4_codes(packed).long()]   # (out, K_pad)
+    step = scale.float() / global_scale.float().to(packed.device)             # (out, nb)
+    w = vals.view(*step.shape, NVFP4_BLOCK) * step.unsqueeze(-1)              # (out, nb, 16)
+    return w.view(packed.shape[0], -1).to(dtype)
+
+
+# -----------------------------------------------------------------------------------------------------
+# NF4 (bitsandbytes quantize_4bit, quant_type="nf4", no double quantization)
+
+NF4_CODE = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0])
+
+
+@torch.no_grad()
+def quantize_nf4(w, blocksize=64, name="weight"):
+    """Any-shape w -> packed uint8 [ceil(numel/2)], absmax fp32 [ceil(numel/blocksize)].
+    Blocks run over the flattened weight; the first element of a pair goes in the HIGH nibble."""
+    if not w.is_floating_point() or not torch.isfinite(w).all():
+        raise ValueError(f"{name}: weight must be floating point without NaN or Inf")
+    x = w.detach().reshape(-1).float()
+    n = x.numel()
+    full = n - n % blocksize
+    blocks = x[:full].view(-1, blocksize)                                # (nb, 64)
+    absmax = blocks.abs().amax(dim=-1)                                   # (nb,)
+    # bitsandbytes multiplies by the reciprocal (not a division) and clamps to [-1, 1]; for the partial
+    # last block it divides and stores the clamped absmax. Copying that keeps the bytes identical.
+    scaled = (blocks * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(1)).clamp(-1, 1).reshape(-1)
+    if full < n:
+        tail_max = x[full:].abs().max().clamp(min=1e-38)
+        absmax = torch.cat([absmax, tail_max.reshape(1)])
+        scaled = torch.cat([scaled, (x[full:] / tail_max).clamp(-1, 1)])
+    if scaled.numel() % 2:
+        scaled = F.pad(scaled, (0, 1))
+    code = NF4_CODE.to(x.device)
+    # Nearest code value: bucketize against the fp32 midpoints (a tie goes to the lower code).
+    q = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2).to(torch.uint8)
+    return (q[0::2] << 4) | q[1::2], absmax
+
+
+def dequantize_nf4(packed, absmax, shape, blocksize=64):
+    """-> fp32 tensor of `shape`: code book value * its block's absmax."""
+    n = 1
+    for s in shape:
+        n *= s
+    codes = torch.stack((packed >> 4, packed & 0xF), dim=-1).reshape(-1)[:n].long()
+    vals = NF4_CODE.to(packed.device)[codes]                             # (numel,)
+    per_elem = absmax.float().repeat_interleave(blocksize)[:n]
+    return (vals * per_elem).view(*shape)
+
+
+# -----------------------------------------------------------------------------------------------------
+# Quantized Linear modules (frozen buffers; only LoRA trains on top of them in stage 02)
+
+_KERNEL = None
+
+
+def _nvfp4_kernel():
+    """kernels.nvfp4_matmul when Triton is usable, else None (imported lazily: CPU-only installs work)."""
+    global _KERNEL
+    if _KERNEL is None:
+        try:
+            from kernels import HAS_TRITON, nvfp4_matmul
+            _KERNEL = nvfp4_matmul if HAS_TRITON else False
+        except ImportError:
+            _KERNEL = False
+    return _KERNEL or None
+
+
+class _FrozenFormat(nn.Module):
+    """`model.to(torch.bfloat16)` casts every floating buffer. The packed format must keep its dtypes
+    (fp8 scales, fp32 scales: a bf16 global scale would change every weight), so for these buffers
+    we take only the device from the conversion."""
+    _format_buffers = ()
+
+    def _apply(self, fn, recurse=True):
+        keep = {k: self._buffers[k] for k in self._format_buffers}
+        super()._apply(fn, recurse)
+        for k, t in keep.items():
+            self._buffers[k] = t.to(self._buffers[k].device)
+        return self
+
+
+class NVFP4Linear(_FrozenFormat):
+    """y = x @ W_hat^T + b with W_hat stored as NVFP4. Buffer names are the checkpoint names, so
+    `load_state_dict` reads a compressed-tensors checkpoint directly."""
+    _format_buffers = ("weight_packed", "weight_scale", "weight_global_scale")
+
+    def __init__(self, in_features, out_features, bias=False, device=None, bias_dtype=torch.float32):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        k_pad = -(-in_features // NVFP4_BLOCK) * NVFP4_BLOCK
+        o, nb = out_features, k_pad // NVFP4_BLOCK
+        self.register_buffer("weight_packed", torch.zeros(o, k_pad // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.zeros(o, nb, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear, global_scale=None, name="weight"):
+        w = linear.weight
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, w.device, w.dtype)
+        m.weight_packed, m.weight_scale, m.weight_global_scale = quantize_nvfp4(w, global_scale, name=name)
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().clone()
+        return m
+
+    def dequantized_weight(self, dtype=torch.float32):
+        w = dequantize_nvfp4(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
+        return w[:, : self.in_features]                                  # (out, in), padding dropped
+
+    def forward(self, x):                                                # (..., in) -> (..., out)
+        kernel = _nvfp4_kernel() if (x.is_cuda or os.environ.get("QERL_TRITON_CPU") == "1") else None
+        if kernel is not None:
+            return kernel(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized_weight(x.dtype), b)
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, format=nvfp4"
+
+
+class NF4Linear(_FrozenFormat):
+    """The QLoRA baseline: NF4 weight, dequantized to x.dtype on every forward."""
+    _format_buffers = ("weight_packed", "weight_absmax")
+
+    def __init__(self, in_features, out_features, bias=False, device=None, bias_dtype=torch.float32, blocksize=64):
+        super().__init__()
+        self.in_features, self.out_features, self.blocksize = in_features, out_features, blocksize
+        n = in_features * out_features
+        self.register_buffer("weight_packed", torch.zeros((n + 1) // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_absmax", torch.zeros(-(-n // blocksize), dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear, blocksize=64, name="weight"):
+        w = linear.weight
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, w.device, w.dtype, blocksize)
+        m.weight_packed, m.weight_absmax = quantize_nf4(w, blocksize, name=name)
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().clone()
+        return m
+
+    def dequantized_weight(self, dtype=torch.float32):
+        shape = (self.out_features, self.in_features)
+        return dequantize_nf4(self.weight_packed, self.weight_absmax, shape, self.blocksize).to(dtype)
+
+    def forward(self, x):                                                # (..., in) -> (..., out)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized_weight(x.dtype), b)
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, format=nf4"
+
+
+# -----------------------------------------------------------------------------------------------------
+# Whole-model quantization. vLLM runs q/k/v (and gate/up) as one fused matmul with one global
+# scale, so each group gets the scale of its largest amax (= the smallest of their own scales).
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def fused_group(name):
+    """'model.layers.0.self_attn.k_proj' -> ('model.layers.0.self_attn', 'qkv'); unfused -> (name,)."""
+    parent, _, leaf = name.rpartition(".")
+    return (parent, FUSED_GROUPS[leaf]) if leaf in FUSED_GROUPS else (name,)
+
+
+@torch.no_grad()
+def quantize_model(model, fmt="nvfp4", skip=("lm_head",)):
+    """Replace every nn.Linear (names containing a `skip` entry excepted) in place; returns model."""
+    if fmt not in ("nvfp4", "nf4"):
+        raise ValueError(f"unknown format {fmt!r}: use 'nvfp4' or 'nf4'")
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not any(s in n for s in skip)}
+    amax = {}  # group -> largest |w| of its members
+    for n, m in linears.items():
+        _check_weight(m.weight, n)
+        a = m.weight.detach().abs().amax().float()
+        amax[fused_group(n)] = torch.maximum(amax.get(fused_group(n), a), a)
+    for n, m in linears.items():
+        parent_name, _, leaf = n.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if fmt == "nvfp4":
+            new = NVFP4Linear.from_linear(m, nvfp4_global_scale(amax[fused_group(n)]), name=n)
+        else:
+            new = NF4Linear.from_linear(m, name=n)
+        setattr(parent, leaf, new)
+    return model
+
+
+# -----------------------------------------------------------------------------------------------------
+# Checkpoint writer: HF folder -> compressed-tensors nvfp4-pack-quantized folder, one group at a time.
+# A safetensors file is: 8-byte little-endian header length, a JSON header {name: {dtype, shape,
+# data_offsets}}, then the raw bytes. Output sizes are known up front, so we write the header first
+# and each tensor at its offset as soon as it is ready: memory holds one fused group, not the model.
+
+ST_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
+             "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
+             "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1),
+             "BOOL": (torch.bool, 1), "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1)}
+NVFP4_QUANT_CONFIG = {  # weight-only NVFP4 (W4A16): no input_activations, unlike the W4A4 example
+    "config_groups": {"group_0": {
+        "format": "nvfp4-pack-quantized", "input_activations": None, "output_activations": None,
+        "targets": ["Linear"],
+        "weights": {"dynamic": False, "group_size": 16, "num_bits": 4, "scale_dtype": "torch.float8_e4m3fn",
+                    "strategy": "tensor_group", "symmetric": True, "type": "float"}}},
+    "format": "nvfp4-pack-quantized", "global_compression_ratio": None, "ignore": ["lm_head"],
+    "kv_cache_scheme": None, "moe_sparsity_config": None, "quant_method": "compressed-tensors",
+    "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {}}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+
+
+def _read_header(path):
+    """-> ({name: {dtype, shape, data_offsets}}, byte where the data starts)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        for v in header.values():
+            if v["dtype"] not in ST_DTYPES:
+                raise ValueError(f"unsupported dtype {v['dtype']}")
+        return header, 8 + n
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+
+
+def find_weight_files(model_dir):
+    """-> (config, {tensor name: shard file name}, has_index); one clear error for a bad folder."""
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model folder not found: {model_dir}")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"{model_dir} has no config.json (expected a Hugging Face model folder)")
+    config = _read_json(os.path.join(model_dir, "config.json"))
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+    elif os.path.isfile(os.path.join(model_dir, "model.safetensors")):
+        weight_map = {k: "model.safetensors" for k in _read_header(os.path.join(model_dir, "model.safetensors"))[0]}
+    else:
+        raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+    for shard in set(weight_map.values()):
+        if not os.path.isfile(os.path.join(model_dir, shard)):
+            raise FileNotFoundError(f"shard {shard} listed in the index is missing from {model_dir}")
+    return config, weight_map, os.path.isfile(index)
+
+
+def _is_quantizable(name, info):
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEAR_NAMES \
+        and len(info["shape"]) == 2 and info["dtype"] in ("F32", "BF16", "F16")
+
+
+class _SafetensorsWriter:
+    """Writes a safetensors file whose tensor specs are fixed first; tensors may then come in any order."""
+
+    def __init__(self, path, specs):                                     # specs: {name: (dtype str, shape)}
+        # Largest items first keeps every tensor aligned to its item size (as safetensors itself does).
+        order = sorted(specs, key=lambda k: (-ST_DTYPES[specs[k][0]][1], k))
+        header, pos = {"__metadata__": {"format": "pt"}}, 0
+        for k in order:
+            dt, shape = specs[k]
+            n = ST_DTYPES[dt][1]
+            for s in shape:
+                n *= s
+            header[k] = {"dtype": dt, "shape": list(shape), "data_offsets": [pos, pos + n]}
+            pos += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.header, self.start, self.todo, self.size = header, 8 + len(raw), set(specs), pos
+        self.f = open(path, "wb")
+        self.f.write(len(raw).to_bytes(8, "little") + raw)
+
+    def write(self, name, data):                                         # data: tensor or bytes
+        if isinstance(data, torch.Tensor):
+            if ST_DTYPES[self.header[name]["dtype"]][0] != data.dtype:
+                raise ValueError(f"{name}: dtype {data.dtype} does not match the planned header")
+            data = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        b, e = self.header[name]["data_offsets"]
+        assert len(data) == e - b, f"{name}: {len(data)} bytes, header says {e - b}"
+        self.f.seek(self.start + b)
+        self.f.write(data)
+        self.todo.discard(name)
+
+    def close(self):
+        self.f.close()
+        assert not self.todo, f"tensors never written: {sorted(self.todo)[:3]}"
+
+
+def _plan_shards(model_dir, weight_map):
+    """-> (headers {shard: (header, data start)}, where {tensor: shard}, fused groups {gid: [weight names]})."""
+    shards = sorted(set(weight_map.values()))
+    headers = {s: _read_header(os.path.join(model_dir, s)) for s in shards}
+    where = {k: s for s in shards for k in headers[s][0]}
+    missing = sorted(set(weight_map) - set(where))
+    if missing:
+        raise ValueError(f"the index lists tensors that no shard holds, e.g. {missing[0]}")
+    groups = {}
+    for k in sorted(where):
+        info = headers[where[k]][0][k]
+        if _is_quantizable(k, info):
+            if info["shape"][1] % NVFP4_BLOCK:
+                raise ValueError(f"{k}: in_features {info['shape'][1]} is not a multiple of 16, "
+                                 "which compressed-tensors checkpoints need")
+            groups.setdefault(fused_group(k[: -len(".weight")]), []).append(k)
+    return headers, where, groups
+
+
+def _write_shards(model_dir, tmp, headers, where, groups, device, log):
+    """Quantize/copy every shard into tmp (same file names). Returns ({out name: shard}, bytes in, bytes out)."""
+    from safetensors import safe_open
+    quant = {k for members in groups.values() for k in members}
+    handles, new_map, bytes_in, bytes_out, done = {}, {}, 0, 0, 0
+
+    def load(name):
+        if where[name] not in handles:
+            handles[where[name]] = safe_open(os.path.join(model_dir, where[name]), framework="pt")
+        return handles[where[name]].get_tensor(name).to(device)
+
+    for s, (header, start) in headers.items():
+        specs = {}
+        for k, info in header.items():
+            if k in quant:
+                base, (o, i) = k[: -len(".weight")], info["shape"]
+                specs.update({base + ".weight_packed": ("U8", (o, i // 2)),
+                              base + ".weight_scale": ("F8_E4M3", (o, i // NVFP4_BLOCK)),
+                              base + ".weight_global_scale": ("F32", (1,))})
+            else:
+                specs[k] = (info["dtype"], info["shape"])
+        writer = _SafetensorsWriter(os.path.join(tmp, s), specs)
+        new_map.update(dict.fromkeys(specs, s))
+        with open(os.path.join(model_dir, s), "rb") as src:
+            for k, info in header.items():
+                b, e = info["data_offsets"]
+                bytes_in += e - b
+                if k not in quant:                                       # copied byte for byte
+                    src.seek(start + b)
+                    writer.write(k, src.read(e - b))
+                    log(f"copy   {k} | dtype {info['dtype']} | shape {'x'.join(map(str, info['shape']))}")
+        for members in groups.values():
+            mine = [k for k in members if where[k] == s]
+            if not mine:
+                continue
+            # The group's global scale needs every member's amax: read the group together (a member
+            # stored in another shard is read again there). Memory holds one group, never the model.
+            ws = {k: load(k) for k in members}
+            for k, w in ws.items():
+                _check_weight(w, k)
+            gs = nvfp4_global_scale(torch.stack([w.abs().amax().float() for w in ws.values()]).max())
+            for k in mine:
+                packed, scale, gs_k = quantize_nvfp4(ws[k], gs, name=k)
+                base = k[: -len(".weight")]
+                for suffix, t in (("packed", packed), ("scale", scale), ("global_scale", gs_k)):
+                    writer.write(f"{base}.weight_{suffix}", t)
+                w32 = ws[k].float()
+                err = (dequantize_nvfp4(packed, scale, gs_k) - w32).norm() / w32.norm().clamp(min=1e-30)
+                done += 1
+                nbytes = (ws[k].numel() * ws[k].element_size(), packed.numel() + scale.numel() + 4)
+                log(f"nvfp4  [{done}/{len(quant)}] {k} | shape {'x'.join(map(str, w32.shape))} | gs {gs.item():.4g} | "
+                    f"rel_rms_err {err.item():.4f} | bytes {nbytes[0]} -> {nbytes[1]}")
+            del ws
+        bytes_out += writer.size
+        writer.close()
+    return new_map, bytes_in, bytes_out
+
+
+def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=None, log=print):
+    """Write the compressed-tensors NVFP4 version of the HF folder model_dir to out_dir.
+    Everything goes to a hidden temporary folder next to out_dir, renamed into place at the end."""
+    if fmt != "nvfp4":
+        raise ValueError(f"checkpoint format {fmt!r} not supported: only nvfp4 (compressed-tensors) is written")
+    config, weight_map, has_index = find_weight_files(model_dir)
+    if "quantization_config" in config:
+        raise ValueError(f"{model_dir} is already quantized (its config.json has a quantization_config)")
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not force:
+        raise FileExistsError(f"{out_dir} already exists: pass --force to replace it")
+    try:
+        device = torch.device(device or autodetect_device())
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}: use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but no GPU is available")
+    headers, where, groups = _plan_shards(model_dir, weight_map)
+    t0 = time.time()
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=os.path.dirname(out_dir))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)                                    # mkdtemp makes it private
+        new_map, bytes_in, bytes_out = _write_shards(model_dir, tmp, headers, where, groups, device, log)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(dict(config, quantization_config=copy.deepcopy(NVFP4_QUANT_CONFIG)), f, indent=2)
+        if has_index:
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": bytes_out}, "weight_map": dict(sorted(new_map.items()))},
+                          f, indent=2)
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(model_dir, name)):
+                shutil.copy2(os.path.join(model_dir, name), os.path.join(tmp, name))
+        old = tmp + ".old"
+        if os.path.exists(out_dir):                                      # --force: old folder out, new one in
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        if os.path.isdir(old):
+            shutil.rmtree(old, ignore_errors=True)
+        elif os.path.exists(old):
+            os.remove(old)
+    except BaseException:                                                # incl. Ctrl-C: leave nothing half-written
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    n_quant = sum(len(m) for m in groups.values())
+    log(f"done | tensors {len(where)} | quantized {n_quant} | bytes {bytes_in / 1e6:.1f} MB -> "
+        f"{bytes_out / 1e6:.1f} MB "
+        f"({bytes_out / max(bytes_in, 1):.3f}x) | time {time.time() - t0:.1f}s | out {out_dir}")
+    return {"bytes_in": bytes_in, "bytes_out": bytes_out, "quantized": n_quant, "tensors": len(where)}
+
+
+# -----------------------------------------------------------------------------------------------------
+# Checkpoint reader (used by stage 03)
+
+
+def read_nvfp4_checkpoint(model_dir):
+    """-> (config dict, {name: tensor}) for a folder written above (or any HF safetensors folder)."""
+    from safetensors.torch import load_file
+    config, weight_map, _ = find_weight_files(model_dir)
+    qc = config.get("quantization_config")
+    if qc is not None and qc.get("format") != "nvfp4-pack-quantized":
+        raise ValueError(f"{model_dir}: quantization format {qc.get('format')!r} is not nvfp4-pack-quantized")
+    tensors = {}
+    for s in sorted(set(weight_map.values())):
+        tensors.update(load_file(os.path.join(model_dir, s)))
+    return config, tensors
+
+
+def load_nvfp4_linear_state(tensors, prefix, in_features=None):
+    """NVFP4Linear from checkpoint tensors `<prefix>.weight_packed/_scale/_global_scale` (+ `.bias`)."""
+    packed = tensors[prefix + ".weight_packed"]
+    bias = tensors.get(prefix + ".bias")
+    m = NVFP4Linear(in_features or 2 * packed.shape[1], packed.shape[0], bias is not None, packed.device,
+                    bias.dtype if bias is not None else torch.float32)
+    m.load_state_dict({k[len(prefix) + 1:]: v for k, v in tensors.items()
+                       if k.startswith(prefix + ".") and k.count(".") == prefix.count(".") + 1})
+    return m
+
+
+def load_nvfp4_linears(model, tensors):
+    """Swap each nn.Linear of `model` that the checkpoint stores as NVFP4 for a loaded NVFP4Linear.
+    Returns the swapped names; the remaining tensors then load with model.load_state_dict(..., strict=False)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n + ".weight_packed" in tensors]
+    for n in names:
+        parent_name, _, leaf = n.rpartition(".")
+        linear = model.get_submodule(n)
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, load_nvfp4_linear_state(tensors, n, linear.in_features))
+    return names
+
+
+# -----------------------------------------------------------------------------------------------------
+# Demo: bits, bytes and error of both formats on weights shaped like real layers
+
+
+def demo(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h, inter, kv = 896, 4864, 2 * 64  # Qwen2.5-0.5B: hidden 896, intermediate 4864, 2 kv heads x 64
+    suites = {"4096x4096": [(4096, 4096)],
+              "Qwen2.5-0.5B layer": [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)]}
+    weights = {k: [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in shapes]  # bf16, like checkpoints
+               for k, shapes in suites.items()}
+    print("random N(0, 0.02^2) bf16 weights; errors relative to the bf16 weight; NF4 without double quantization")
+    print(f"{'weights':<20}| {'format':<6}| {'bits/weight':>11} | {'+bytes/tensor':>13} | {'bytes vs bf16':>13} | "
+          f"{'rel RMS err':>11} | {'max abs err':>11} | {'quantize ms':>11}")
+    for label, ws in weights.items():
+        numel = sum(w.numel() for w in ws)
+        for fmt in ("nvfp4", "nf4"):
+            body = fixed = 0
+            err2 = ref2 = maxerr = 0.0
+            t0 = time.perf_counter()
+            qs = [quantize_nvfp4(w) if fmt == "nvfp4" else quantize_nf4(w) for w in ws]
+            ms = (time.perf_counter() - t0) * 1e3
+            for w, q in zip(ws, qs):
+                if fmt == "nvfp4":
+                    body += q[0].numel() + q[1].numel()                  # uint8 codes + fp8 block scales
+                    fixed += 4                                           # the fp32 global scale
+                    w_hat = dequantize_nvfp4(*q)
+                else:
+                    body += q[0].numel() + 4 * q[1].numel()              # uint8 codes + fp32 absmax
+                    w_hat = dequantize_nf4(q[0], q[1], w.shape)
+                d = w_hat - w.float()
+                err2, ref2 = err2 + d.pow(2).sum().item(), ref2 + w.float().pow(2).sum().item()
+                maxerr = max(maxerr, d.abs().max().item())
+            if fmt == "nvfp4":  # 4 bits per code + 8 bits per 16 weights = 4.5 bits, plus 4 bytes per tensor
+                assert body * 16 == numel * 9 and fixed == 4 * len(ws)
+            print(f"{label:<20}| {fmt:<6}| {8 * body / numel:>11.4f} | {fixed // len(ws):>13d} | "
+                  f"{(body + fixed) / (2 * numel):>13.5f} | {(err2 / ref2) ** 0.5:>11.4f} | {maxerr:>11.2e} | "
+                  f"{ms:>11.1f}")
+    print("NVFP4: exactly 4.5 bits/weight (4-bit code + one 8-bit scale per 16) + 4 bytes/tensor (fp32 global"
+          " scale).\n"
+          "NF4 without double quantization is also 4.5 bits (4-bit code + one fp32 absmax per 64); QLoRA's double\n"
+          "quantization of the absmax brings it to ~4.127 bits.")
+
+
+# -----------------------------------------------------------------------------------------------------
+# Command line
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="NVFP4/NF4 demo, or HF folder -> compressed-tensors NVFP4 checkpoint")
+    p.add_argument("--model", help="Hugging Face model folder (config.json + safetensors)")
+    p.add_argument("--out", help="output folder for the quantized checkpoint")
+    p.add_argument("--format", default="nvfp4", choices=["nvfp4"], help="checkpoint format")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--device", default=None, help="where to quantize (default: cuda if available, else cpu)")
+    p.add_argument("--seed", type=int, default=0, help="demo seed")
+    args = p.parse_args(argv)
+    if args.model is None and args.out is None:
+        demo(args.seed)
+        return 0
+    if not (args.model and args.out):
+        p.error("--model and --out go together")
+    try:
+        quantize_checkpoint(args.model, args.out, args.format, args.force, args.device)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

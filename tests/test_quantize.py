@@ -1,0 +1,425 @@
+"""Stage 01 tests: NVFP4 and NF4 bytes vs golden data from compressed-tensors / bitsandbytes, edge cases
+of the format, the quantized Linear modules, fused-group scales, and the checkpoint writer.
+
+    python -m pytest -q tests/test_quantize.py
+
+Golden data (tests/data/) comes from tests/make_nvfp4_golden.py and tests/make_nf4_golden.py.
+"""
+import copy
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+q = importlib.import_module("01_quantize")
+DATA = os.path.join(os.path.dirname(__file__), "data")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAMES = ("weight_packed", "weight_scale", "weight_global_scale")
+
+
+def same_bytes(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def codes(packed):
+    return q.unpack_nvfp4_codes(packed)
+
+
+# ---------------------------------------------------------------------------------------------------
+# NVFP4 vs compressed-tensors golden bytes
+
+
+@pytest.fixture(scope="module")
+def nvfp4_golden():
+    return load_file(os.path.join(DATA, "nvfp4_golden.safetensors"))
+
+
+@pytest.mark.parametrize("case", ["gauss_fp32", "special_fp32"])
+def test_nvfp4_matches_compressed_tensors(nvfp4_golden, case):
+    ours = q.quantize_nvfp4(nvfp4_golden[f"{case}.weight"])
+    for name, t in zip(NAMES, ours):
+        assert same_bytes(t, nvfp4_golden[f"{case}.ct.{name}"]), name
+
+
+def test_nvfp4_bf16_input_is_upcast_first(nvfp4_golden):
+    w = nvfp4_golden["gauss_bf16.weight"]
+    assert w.dtype == torch.bfloat16
+    ours = q.quantize_nvfp4(w)
+    for name, t, t32 in zip(NAMES, ours, q.quantize_nvfp4(w.float())):
+        assert same_bytes(t, nvfp4_golden[f"gauss_bf16.ct_fp32.{name}"]), name
+        assert same_bytes(t, t32)
+    w16 = w.to(torch.float16)  # bf16 -> fp16 is exact here (|w| < 5, no fp16 underflow at this scale)
+    assert torch.equal(w16.float(), w.float())
+    assert all(same_bytes(a, b) for a, b in zip(q.quantize_nvfp4(w16), ours))
+
+
+def test_nvfp4_dequant_is_value_times_scale_over_gs(nvfp4_golden):
+    packed, scale, gs = q.quantize_nvfp4(nvfp4_golden["gauss_fp32.weight"])
+    lut = [0, .5, 1, 1.5, 2, 3, 4, 6]
+    c = codes(packed)
+    vals = torch.tensor([lut[i & 7] * (-1 if i & 8 else 1) for i in range(16)])[c.long()]
+    expect = vals * (scale.float() / gs).repeat_interleave(16, dim=1)
+    assert torch.equal(q.dequantize_nvfp4(packed, scale, gs), expect)
+    w_hat = q.dequantize_nvfp4(packed, scale, gs)
+    w = nvfp4_golden["gauss_fp32.weight"]
+    assert ((w_hat - w).norm() / w.norm()).item() < 0.11  # ~0.095 for Gaussian weights
+    assert q.dequantize_nvfp4(packed, scale, gs, torch.bfloat16).dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------------
+# NVFP4 edge cases
+
+
+def test_all_zero_tensor_and_blocks():
+    packed, scale, gs = q.quantize_nvfp4(torch.zeros(4, 32))
+    assert gs.item() == 1.0                                   # 2688 / tiny -> inf -> 1.0
+    assert torch.all(scale.float() == 0.125) and torch.all(packed == 0)
+    w = torch.randn(2, 48, generator=torch.Generator().manual_seed(0))
+    w[0, 16:32] = 0.0
+    packed, scale, gs = q.quantize_nvfp4(w)
+    assert scale[0, 1].float().item() == 0.125 and torch.all(codes(packed)[0, 16:32] == 0)
+
+
+def test_signed_zero_and_small_negatives():
+    w = torch.zeros(1, 16)
+    w[0, 0] = 6.0      # amax 6 -> gs 448, block scale 448: y == w exactly
+    w[0, 1] = -0.0     # -0.0 input -> code 0x0
+    w[0, 2] = -0.1     # rounds to zero but keeps its sign -> 0x8
+    w[0, 3] = 0.1      # -> 0x0
+    c = codes(q.quantize_nvfp4(w)[0])[0]
+    assert c[:4].tolist() == [7, 0, 8, 0]
+
+
+def test_e2m1_midpoints_round_to_even():
+    mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    w = torch.tensor([[6.0] + mids + [-m for m in mids] + [-6.0]])   # (1, 16); y == w exactly
+    packed, scale, gs = q.quantize_nvfp4(w)
+    assert gs.item() == 448.0 and scale.float().item() == 448.0
+    # 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4 (the even mantissa wins each tie)
+    expect = [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 12, 12, 14, 14, 15]
+    assert codes(packed)[0].tolist() == expect
+    # and just off the midpoints round to the nearer value
+    w2 = w.clone()
+    w2[0, 1:8] += 1e-3
+    assert codes(q.quantize_nvfp4(w2)[0])[0, 1:8].tolist() == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_block_far_below_amax_gets_scale_0125():
+    w = torch.zeros(1, 48)
+    w[0, :16] = 1.0
+    w[0, 16:32] = 1e-6    # gs*amax_b/6 = 4.5e-4 < half the smallest fp8 subnormal (2^-9) -> 0 -> 0.125
+    w[0, 32:48] = 2e-3    # 0.9: representable as fp8, kept
+    packed, scale, gs = q.quantize_nvfp4(w)
+    assert scale[0, 1].float().item() == 0.125
+    assert torch.all(codes(packed)[0, 16:32] == 0)
+    assert torch.all(q.dequantize_nvfp4(packed, scale, gs)[0, 16:32] == 0)
+    assert scale[0, 2].float().item() == 0.875  # fp8(0.896) rounds to 0.875 (3 mantissa bits)
+
+
+def test_shared_global_scale_is_used():
+    w = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    _, _, gs = q.quantize_nvfp4(w, global_scale=100.0)
+    assert gs.dtype == torch.float32 and gs.shape == (1,) and gs.item() == 100.0
+    with pytest.raises(ValueError, match="global_scale"):
+        q.quantize_nvfp4(w, global_scale=0.0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_inf_raise_with_name(bad):
+    w = torch.randn(4, 32)
+    w[1, 3] = bad
+    with pytest.raises(ValueError, match="layers.3.mlp.up_proj"):
+        q.quantize_nvfp4(w, name="layers.3.mlp.up_proj")
+    with pytest.raises(ValueError, match="my.weight"):
+        q.quantize_nf4(w, name="my.weight")
+
+
+def test_rejects_wrong_rank_and_dtype():
+    with pytest.raises(ValueError, match="2-D"):
+        q.quantize_nvfp4(torch.randn(16))
+    with pytest.raises(ValueError, match="dtype"):
+        q.quantize_nvfp4(torch.ones(2, 16, dtype=torch.int32))
+
+
+def test_exact_4p5_bits_accounting():
+    for out_f, in_f in [(16, 16), (128, 896), (896, 128), (3, 40)]:
+        packed, scale, gs = q.quantize_nvfp4(torch.randn(out_f, in_f))
+        k_pad = -(-in_f // 16) * 16
+        assert packed.shape == (out_f, k_pad // 2) and packed.dtype == torch.uint8
+        assert scale.shape == (out_f, k_pad // 16) and scale.dtype == torch.float8_e4m3fn
+        assert gs.shape == (1,) and gs.dtype == torch.float32
+        total_bits = 8 * (packed.numel() + scale.numel()) + 32
+        assert total_bits == 4.5 * out_f * k_pad + 32     # 4 + 8/16 bits per weight, 4 bytes per tensor
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quantized Linear modules
+
+
+def test_nvfp4_linear_unpadded_in_features():
+    g = torch.Generator().manual_seed(2)
+    lin = nn.Linear(40, 24, bias=True)                        # 40 is not a multiple of 16 -> K_pad 48
+    m = q.NVFP4Linear.from_linear(lin)
+    assert m.weight_packed.shape == (24, 24) and m.weight_scale.shape == (24, 3)
+    assert torch.all(codes(m.weight_packed)[:, 40:] == 0)     # the zero padding
+    w = m.dequantized_weight()
+    assert w.shape == (24, 40)
+    x = torch.randn(2, 5, 40, generator=g)
+    torch.testing.assert_close(m(x), F.linear(x, w, lin.bias.detach()), rtol=0, atol=0)
+    xb = x.to(torch.bfloat16)
+    yb = m(xb)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb, F.linear(xb, m.dequantized_weight(torch.bfloat16), lin.bias.detach().bfloat16()))
+
+
+def test_nvfp4_linear_state_dict_and_dtype_safety():
+    lin = nn.Linear(32, 16, bias=True)
+    m = q.NVFP4Linear.from_linear(lin)
+    sd = m.state_dict()
+    assert set(sd) == {"weight_packed", "weight_scale", "weight_global_scale", "bias"}
+    m2 = q.NVFP4Linear(32, 16, bias=True)
+    m2.load_state_dict(sd)
+    assert torch.equal(m2.dequantized_weight(), m.dequantized_weight())
+    w_before = m.dequantized_weight()
+    m.to(torch.bfloat16)                                      # as a whole-model .to(dtype) would
+    assert m.weight_scale.dtype == torch.float8_e4m3fn and m.weight_global_scale.dtype == torch.float32
+    assert m.bias.dtype == torch.bfloat16
+    assert torch.equal(m.dequantized_weight(), w_before)
+    assert not list(m.parameters())                           # frozen: nothing for the optimizer
+
+
+def test_nvfp4_linear_from_checkpoint_tensors():
+    lin = nn.Linear(64, 32, bias=False)
+    m = q.NVFP4Linear.from_linear(lin)
+    tensors = {f"a.b.q_proj.{k}": v for k, v in m.state_dict().items()}
+    m2 = q.load_nvfp4_linear_state(tensors, "a.b.q_proj")
+    assert m2.in_features == 64 and m2.bias is None
+    assert torch.equal(m2.dequantized_weight(), m.dequantized_weight())
+
+
+def test_nvfp4_linear_through_triton_kernel_on_cpu(monkeypatch):
+    pytest.importorskip("kernels")
+    kernels = importlib.import_module("kernels")
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton not installed")
+    monkeypatch.setenv("QERL_TRITON_CPU", "1")
+    lin = nn.Linear(40, 24, bias=True)
+    m = q.NVFP4Linear.from_linear(lin)
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(m(x), F.linear(x, m.dequantized_weight(), lin.bias.detach()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def nf4_golden():
+    return load_file(os.path.join(DATA, "nf4_golden.safetensors"))
+
+
+@pytest.mark.parametrize("case", ["gauss_bf16", "odd_fp32", "special_fp32", "fp16"])
+def test_nf4_matches_bitsandbytes(nf4_golden, case):
+    w = nf4_golden[f"{case}.weight"]
+    packed, absmax = q.quantize_nf4(w)
+    assert same_bytes(packed, nf4_golden[f"{case}.packed"])
+    assert same_bytes(absmax, nf4_golden[f"{case}.absmax"])
+    deq = q.dequantize_nf4(packed, absmax, tuple(w.shape)).to(w.dtype)
+    assert same_bytes(deq, nf4_golden[f"{case}.dequant"])
+
+
+def test_nf4_linear_forward():
+    lin = nn.Linear(96, 20, bias=True)
+    m = q.NF4Linear.from_linear(lin)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(4))
+    w = m.dequantized_weight()
+    assert w.shape == (20, 96) and ((w - lin.weight).norm() / lin.weight.norm()).item() < 0.12
+    torch.testing.assert_close(m(x), F.linear(x, w, lin.bias.detach()), rtol=0, atol=0)
+    m.to(torch.bfloat16)
+    assert m.weight_absmax.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole models: fused-group scales, and checkpoints
+
+
+def tiny_model(seed=0, hidden=32, inter=48, kv=16, layers=2, vocab=64):
+    """A random module tree with Hugging Face Qwen2 names (biases on q/k/v, as in Qwen2)."""
+    g = torch.Generator().manual_seed(seed)
+    root, model = nn.Module(), nn.Module()
+    root.model = model
+    model.embed_tokens = nn.Embedding(vocab, hidden)
+    model.layers = nn.ModuleList()
+    for _ in range(layers):
+        layer, attn, mlp = nn.Module(), nn.Module(), nn.Module()
+        attn.q_proj, attn.k_proj = nn.Linear(hidden, hidden), nn.Linear(hidden, kv)
+        attn.v_proj, attn.o_proj = nn.Linear(hidden, kv), nn.Linear(hidden, hidden, bias=False)
+        mlp.gate_proj, mlp.up_proj = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False)
+        mlp.down_proj = nn.Linear(inter, hidden, bias=False)
+        layer.self_attn, layer.mlp = attn, mlp
+        layer.input_layernorm = nn.LayerNorm(hidden, bias=False)
+        layer.post_attention_layernorm = nn.LayerNorm(hidden, bias=False)
+        model.layers.append(layer)
+    model.norm = nn.LayerNorm(hidden, bias=False)
+    root.lm_head = nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        for i, (name, p) in enumerate(root.named_parameters()):
+            # different magnitudes per tensor, so a shared group scale differs from each own scale
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02 * (1 + i % 5))
+    return root.to(torch.bfloat16)
+
+
+def write_hf_folder(path, model, sharded=False):
+    os.makedirs(path)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if not sharded:
+        save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        # layer 0's k_proj sits in the second shard: a fused group split across files
+        first = {k for k in sd if k.startswith("model.layers.0.") and "k_proj" not in k} | {"model.embed_tokens.weight"}
+        files = {"model-00001-of-00002.safetensors": {k: sd[k] for k in first},
+                 "model-00002-of-00002.safetensors": {k: sd[k] for k in sd if k not in first}}
+        for f, part in files.items():
+            save_file(part, os.path.join(path, f), metadata={"format": "pt"})
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {}, "weight_map": {k: f for f, part in files.items() for k in part}}, fh)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump({"model_type": "qwen2", "hidden_size": 32, "torch_dtype": "bfloat16"}, fh)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(path, name), "w") as fh:
+            fh.write("{}")
+
+
+def test_quantize_model_groups_share_global_scale():
+    model = tiny_model()
+    ref = copy.deepcopy(model)
+    q.quantize_model(model)
+    assert isinstance(model.lm_head, nn.Linear)               # skipped
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        own = {n: q.quantize_nvfp4(getattr(ref.model.layers[i].self_attn, n).weight)[2]
+               for n in ("q_proj", "k_proj", "v_proj")}
+        gs = [attn.q_proj.weight_global_scale, attn.k_proj.weight_global_scale, attn.v_proj.weight_global_scale]
+        assert gs[0] == gs[1] == gs[2] == min(own.values())   # largest amax -> smallest gs
+        assert len(set(v.item() for v in own.values())) > 1    # the test means something
+        assert mlp.gate_proj.weight_global_scale == mlp.up_proj.weight_global_scale
+        own_o = q.quantize_nvfp4(ref.model.layers[i].self_attn.o_proj.weight)
+        assert all(same_bytes(a, b) for a, b in zip(own_o, (attn.o_proj.weight_packed, attn.o_proj.weight_scale,
+                                                              attn.o_proj.weight_global_scale)))
+    nf4 = q.quantize_model(copy.deepcopy(ref), fmt="nf4")
+    assert isinstance(nf4.model.layers[0].mlp.down_proj, q.NF4Linear) and isinstance(nf4.lm_head, nn.Linear)
+    with pytest.raises(ValueError, match="format"):
+        q.quantize_model(copy.deepcopy(ref), fmt="int3")
+
+
+def test_quantize_model_nan_names_module():
+    model = tiny_model()
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj"):
+        q.quantize_model(model)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_checkpoint_round_trip(tmp_path, sharded):
+    model = tiny_model(seed=5)
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    write_hf_folder(src, model, sharded)
+    lines = []
+    summary = q.quantize_checkpoint(src, out, log=lines.append)
+    assert summary["quantized"] == 14 and summary["bytes_out"] < summary["bytes_in"]
+    assert sum(line.startswith("nvfp4") for line in lines) == 14 and lines[-1].startswith("done |")
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]    # no temp folder left behind
+    files = sorted(os.listdir(out))
+    assert "tokenizer.json" in files and "tokenizer_config.json" in files
+    assert ("model.safetensors.index.json" in files) == sharded
+
+    config, tensors = q.read_nvfp4_checkpoint(out)
+    qc = config["quantization_config"]
+    assert qc["format"] == "nvfp4-pack-quantized" and qc["quant_method"] == "compressed-tensors"
+    assert qc["config_groups"]["group_0"]["input_activations"] is None and qc["ignore"] == ["lm_head"]
+    assert qc["config_groups"]["group_0"]["weights"]["group_size"] == 16
+    assert config["hidden_size"] == 32
+
+    ref = q.quantize_model(copy.deepcopy(model))
+    sd_in = model.state_dict()
+    for name, mod in ref.named_modules():
+        if isinstance(mod, q.NVFP4Linear):
+            for k in NAMES:
+                assert same_bytes(tensors[f"{name}.{k}"], getattr(mod, k)), f"{name}.{k}"
+            assert f"{name}.weight" not in tensors
+    for k, v in sd_in.items():
+        if not k.endswith("_proj.weight"):                     # embeddings, norms, biases, lm_head
+            assert same_bytes(tensors[k], v), k                 # copied unchanged (bf16)
+    # stage 03's path: a model skeleton with plain Linears, swapped and loaded from the checkpoint
+    skeleton = tiny_model(seed=99)
+    swapped = q.load_nvfp4_linears(skeleton, tensors)
+    assert len(swapped) == 14
+    skeleton.load_state_dict(tensors, strict=True)
+    for (n1, m1), (n2, m2) in zip(skeleton.named_modules(), ref.named_modules()):
+        if isinstance(m2, q.NVFP4Linear):
+            assert torch.equal(m1.dequantized_weight(), m2.dequantized_weight()), n1
+    if sharded:
+        index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+        assert index["weight_map"]["model.layers.0.self_attn.k_proj.weight_packed"] == "model-00002-of-00002.safetensors"
+        assert index["weight_map"]["model.layers.0.self_attn.q_proj.weight_scale"] == "model-00001-of-00002.safetensors"
+        assert index["metadata"]["total_size"] == summary["bytes_out"]
+
+
+def test_checkpoint_refuses_existing_out_and_force_replaces(tmp_path):
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    write_hf_folder(src, tiny_model())
+    os.makedirs(out)
+    open(os.path.join(out, "keep.txt"), "w").close()
+    with pytest.raises(FileExistsError, match="--force"):
+        q.quantize_checkpoint(src, out, log=lambda s: None)
+    assert q.main(["--model", src, "--out", out]) == 2
+    assert os.listdir(out) == ["keep.txt"]
+    q.quantize_checkpoint(src, out, force=True, log=lambda s: None)
+    assert "keep.txt" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
+def test_checkpoint_bad_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        q.quantize_checkpoint(str(tmp_path / "nope"), str(tmp_path / "o"))
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        q.quantize_checkpoint(str(tmp_path / "empty"), str(tmp_path / "o"))
+    (tmp_path / "empty" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        q.quantize_checkpoint(str(tmp_path / "empty"), str(tmp_path / "o"))
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        q.quantize_checkpoint(str(tmp_path / "empty"), str(tmp_path / "o"))
+    (tmp_path / "empty" / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+    with pytest.raises(ValueError, match="safetensors"):
+        q.quantize_checkpoint(str(tmp_path / "empty"), str(tmp_path / "o"))
+    assert not (tmp_path / "o").exists()
+
+
+def test_checkpoint_failure_midway_leaves_nothing(tmp_path):
+    model = tiny_model()
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("inf")
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    write_hf_folder(src, model)
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.down_proj"):
+        q.quantize_checkpoint(src, out, log=lambda s: None)
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_cli_error_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "01_quantize.py"), "--model", str(tmp_path / "missing"),
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: model folder not found") and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_autodetect_device():
+    assert q.autodetect_device() == ("cuda" if torch.cuda.is_available() else "cpu")
