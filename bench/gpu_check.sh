@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# GPU check: the whole test suite on CUDA, then the GPU benchmarks, in under 8 minutes.
+#
+# What it runs, each part under its own `timeout` (and all of them under one overall deadline):
+#   1. tests          python -m pytest -q tests                   (the suite, now on CUDA: compiled kernel)
+#   2. kernel_qwen7b  bench/bench_kernel.py --shapes qwen7b       (fused NVFP4 matmul vs bf16 torch.matmul,
+#                                                                  Qwen2.5-7B linear shapes, M 1 16 64 4096)
+#   3. kernel_square  bench/bench_kernel.py --shapes square       (4096^2 and 8192^2, M 1 16 4096)
+#   4. rollout_7b     bench/bench_rollout.py --shape qwen2.5-7b   (generate() tok/s, bf16 vs NVFP4, random 7B)
+#   5. memory         bench/bench_memory.py                       (LoRA step peak memory, none/nf4/nvfp4)
+# then prints one summary. Logs go to $OUT (if set) or ./gpu_check_out/. It always exits 0: a part that
+# fails or times out is listed as such. Without a CUDA GPU it says so and exits 0.
+#
+#   bash bench/gpu_check.sh                   # from anywhere; runs in the repository root
+#   GPU_CHECK_DEADLINE_S=300 bash bench/gpu_check.sh
+#
+# Setup on a bare machine: torch is only installed when it is missing, and then only through
+# requirements.txt (which pins torch==2.13.0: never an unpinned torch). A machine without internet
+# makes pip fail fast (short timeout, one retry); pip's own PIP_* settings (PIP_NO_INDEX,
+# PIP_FIND_LINKS, ...) are respected, and a local ./.whl wheel folder is used when present.
+set -u
+cd "$(dirname "$0")/.." || exit 0
+export PYTHONUNBUFFERED=1
+
+OUT_DIR="${OUT:-./gpu_check_out}"
+mkdir -p "$OUT_DIR"
+SETUP_LOG="$OUT_DIR/0_setup.log"
+SUMMARY="$OUT_DIR/summary.txt"
+: > "$SETUP_LOG"
+DEADLINE_S="${GPU_CHECK_DEADLINE_S:-465}"   # 8 minutes minus a margin for the summary
+SECONDS=0
+
+log() { echo "$*" | tee -a "$SETUP_LOG"; }
+
+# ---------------------------------------------------------------------------------------------------
+# Python and packages (best effort)
+
+# $PYTHON if given; else the project's .venv when it has torch (a dev machine); else python3.
+if [ -n "${PYTHON:-}" ]; then
+    PY="$PYTHON"
+elif [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+    PY=.venv/bin/python
+else
+    PY=python3
+fi
+if ! command -v "$PY" >/dev/null 2>&1; then
+    log "gpu_check: no Python interpreter ($PY) found; nothing to run"
+    exit 0
+fi
+
+PIP_OPTS=(-q --disable-pip-version-check --retries 1 --timeout 15)
+[ -d .whl ] && PIP_OPTS+=(--find-links .whl)
+
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    log "setup | torch missing: pip install -r requirements.txt (pins torch==2.13.0; best effort, 300 s max)"
+    timeout -k 10 300 "$PY" -m pip install "${PIP_OPTS[@]}" -r requirements.txt >>"$SETUP_LOG" 2>&1 \
+        || log "setup | pip install -r requirements.txt failed (no internet?); see $SETUP_LOG"
+fi
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    log "gpu_check: torch is not importable with $PY and could not be installed; nothing to run"
+    exit 0
+fi
+# The other requirements, one at a time and only if missing. Not triton: an unpinned triton can break
+# the torch it came with (CUDA torch wheels ship a matching one); without it the kernel parts say so.
+for mod in numpy safetensors tokenizers pytest; do
+    if ! "$PY" -c "import $mod" >/dev/null 2>&1; then
+        log "setup | $mod missing: pip install $mod (best effort)"
+        timeout -k 10 120 "$PY" -m pip install "${PIP_OPTS[@]}" "$mod" >>"$SETUP_LOG" 2>&1 \
+            || log "setup | could not install $mod"
+    fi
+done
+
+"$PY" - >>"$SETUP_LOG" 2>&1 <<'EOF'
+import platform, sys, torch
+print(f"python {platform.python_version()} ({sys.executable}) | torch {torch.__version__} "
+      f"| cuda {torch.version.cuda} | cuda available {torch.cuda.is_available()}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"gpu {p.name} | sm_{p.major}{p.minor} | {p.total_memory / 2**30:.0f} GiB | {p.multi_processor_count} SMs")
+try:
+    import triton
+    print(f"triton {triton.__version__}")
+except ImportError:
+    print("triton MISSING: the kernel tests and benchmarks will fail or skip")
+EOF
+command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >>"$SETUP_LOG" 2>&1
+cat "$SETUP_LOG"
+
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+    echo "gpu_check: no CUDA GPU visible to torch ($PY): nothing to check here. Run this on a GPU machine."
+    exit 0
+fi
+
+# ---------------------------------------------------------------------------------------------------
+# The parts
+
+NAMES=(); STATUS=(); TIMES=(); LOGS=()
+
+# run_part NAME CAP_SECONDS COMMAND...: runs COMMAND with a timeout of min(CAP, time left), logs to
+# $OUT_DIR/<n>_NAME.log, records ok / FAIL (rc N) / TIMEOUT / SKIPPED.
+run_part() {
+    local name="$1" cap="$2"
+    shift 2
+    local n=$(( ${#NAMES[@]} + 1 ))
+    local logf="$OUT_DIR/${n}_${name}.log"
+    local left=$(( DEADLINE_S - SECONDS ))
+    local t=$(( cap < left ? cap : left ))
+    NAMES+=("$name"); LOGS+=("$logf")
+    if [ "$t" -lt 20 ]; then
+        echo "part $name | SKIPPED: only ${left}s left of the ${DEADLINE_S}s budget" | tee "$logf"
+        STATUS+=("SKIPPED (no time left)"); TIMES+=(0)
+        return
+    fi
+    echo ""
+    echo "=== part $n: $name (timeout ${t}s) | $*" | tee "$logf"
+    local t0=$SECONDS rc
+    timeout -k 10 "$t" "$@" 2>&1 | tee -a "$logf"
+    rc=${PIPESTATUS[0]}
+    TIMES+=($(( SECONDS - t0 )))
+    if [ "$rc" -eq 0 ]; then
+        STATUS+=("ok")
+    elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        STATUS+=("TIMEOUT after ${t}s")
+    else
+        STATUS+=("FAIL (rc $rc)")
+    fi
+}
+
+run_part tests 140 "$PY" -m pytest -q -p no:cacheprovider tests
+run_part kernel_qwen7b 80 "$PY" bench/bench_kernel.py --shapes qwen7b --m 1 16 64 4096 --warmup 10 --rep 50
+run_part kernel_square 45 "$PY" bench/bench_kernel.py --shapes square --m 1 16 4096 --warmup 10 --rep 50
+run_part rollout_7b 170 "$PY" bench/bench_rollout.py --shape qwen2.5-7b --quants none,nvfp4 --batches 1,16 \
+    --prompt-len 128 --decode-steps 32 --repeats 2
+run_part memory 60 "$PY" bench/bench_memory.py --configs none,nf4,nvfp4 --shape 350m --dtype bf16
+
+# ---------------------------------------------------------------------------------------------------
+# Summary (also written to $OUT_DIR/summary.txt)
+
+{
+    echo ""
+    echo "=================================== gpu_check summary ==================================="
+    grep -E "^(python|gpu |triton)" "$SETUP_LOG" || true
+    printf "%-15s | %-24s | %6s | %s\n" "part" "status" "sec" "log"
+    failed=()
+    for i in "${!NAMES[@]}"; do
+        printf "%-15s | %-24s | %6s | %s\n" "${NAMES[$i]}" "${STATUS[$i]}" "${TIMES[$i]}" "${LOGS[$i]}"
+        [ "${STATUS[$i]}" = "ok" ] || failed+=("${NAMES[$i]}")
+    done
+    echo "total ${SECONDS}s"
+    if [ ${#failed[@]} -gt 0 ]; then
+        echo "FAILED / incomplete parts: ${failed[*]} (see their logs)"
+    else
+        echo "all parts ok"
+    fi
+
+    echo ""
+    echo "-- tests: $(grep -E '(passed|failed|error)' "${LOGS[0]}" 2>/dev/null | tail -n 1)"
+
+    echo ""
+    echo "-- NVFP4 kernel vs bf16 torch.matmul (microseconds; x = bf16 time / nvfp4 time)"
+    printf "%-13s %-12s %5s | %9s %9s %9s | %7s\n" "layer" "N x K" "M" "nvfp4" "bf16" "deq+mm" "speedup"
+    for f in "${LOGS[1]:-}" "${LOGS[2]:-}"; do
+        [ -f "$f" ] || continue
+        sed -nE 's/^ *([^ ]+) +([0-9]+x[0-9]+) *\| M +([0-9]+) \| us nvfp4 +([0-9.]+) bf16 +([0-9.]+) deq\+mm +([0-9.]+) .*vs bf16 nvfp4 +([0-9.]+x).*/\1 \2 \3 \4 \5 \6 \7/p' "$f" |
+            while read -r name shape m a b c x; do
+                printf "%-13s %-12s %5s | %9s %9s %9s | %7s\n" "$name" "$shape" "$m" "$a" "$b" "$c" "$x"
+            done
+    done
+
+    echo ""
+    echo "-- rollout tok/s, random Qwen2.5-7B-shaped model (bench_rollout.py)"
+    [ -f "${LOGS[3]:-}" ] && sed -n '/^summary |/,$p' "${LOGS[3]}"
+
+    echo ""
+    echo "-- LoRA training-step memory (bench_memory.py)"
+    [ -f "${LOGS[4]:-}" ] && sed -n '/^max_memory_allocated/,$p' "${LOGS[4]}"
+} | tee "$SUMMARY"
+exit 0
