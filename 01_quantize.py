@@ -103,9 +103,13 @@ def unpack_nvfp4_codes(packed):
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
 
 
+# Byte -> its two decoded values (low nibble first): one gather per byte instead of unpack + two gathers.
+_NVFP4_BYTE_LUT = torch.stack((E2M1_VALUES[torch.arange(256) & 0xF], E2M1_VALUES[torch.arange(256) >> 4]), -1)
+
+
 def dequantize_nvfp4(packed, scale, global_scale, dtype=torch.float32):
     """-> [out, K_pad]: E2M1 value * (fp8 scale / global scale), in fp32, then cast to dtype."""
-    vals = E2M1_VALUES.to(packed.device)[unpack_nvfp4_codes(packed).long()]   # (out, K_pad)
+    vals = _NVFP4_BYTE_LUT.to(packed.device)[packed.long()]                  # (out, K_pad/2, 2)
     step = scale.float() / global_scale.float().to(packed.device)             # (out, nb)
     w = vals.view(*step.shape, NVFP4_BLOCK) * step.unsqueeze(-1)              # (out, nb, 16)
     return w.view(packed.shape[0], -1).to(dtype)
@@ -147,13 +151,15 @@ def quantize_nf4(w, blocksize=64, name="weight"):
     return (q[0::2] << 4) | q[1::2], absmax
 
 
+_NF4_BYTE_LUT = torch.stack((NF4_CODE[torch.arange(256) >> 4], NF4_CODE[torch.arange(256) & 0xF]), -1)
+
+
 def dequantize_nf4(packed, absmax, shape, blocksize=64):
     """-> fp32 tensor of `shape`: code book value * its block's absmax."""
     n = 1
     for s in shape:
         n *= s
-    codes = torch.stack((packed >> 4, packed & 0xF), dim=-1).reshape(-1)[:n].long()
-    vals = NF4_CODE.to(packed.device)[codes]                             # (numel,)
+    vals = _NF4_BYTE_LUT.to(packed.device)[packed.long()].reshape(-1)[:n]  # (numel,), high nibble first
     per_elem = absmax.float().repeat_interleave(blocksize)[:n]
     return (vals * per_elem).view(*shape)
 
@@ -174,6 +180,32 @@ def _nvfp4_kernel():
         except ImportError:
             _KERNEL = False
     return _KERNEL or None
+
+
+class _RebuiltWeightLinear(torch.autograd.Function):
+    """y = x @ W^T + b for a frozen 4-bit weight, rebuilding W in backward instead of saving it.
+
+    A plain `F.linear(x, module.dequantized_weight())` makes autograd keep every layer's
+    full-precision weight alive until backward, so a LoRA training step would need as much memory as
+    the unquantized model. The weight is frozen, so only dL/dx = dL/dy @ W is needed, and W can be
+    dequantized again then (the Triton kernel's backward does the same on the GPU)."""
+
+    @staticmethod
+    def forward(ctx, x, module):
+        ctx.module = module
+        b = None if module.bias is None else module.bias.to(x.dtype)
+        return F.linear(x, module.dequantized_weight(x.dtype), b)
+
+    @staticmethod
+    def backward(ctx, grad_out):                                         # (..., out)
+        return grad_out @ ctx.module.dequantized_weight(grad_out.dtype), None  # (..., in)
+
+
+def _dequant_linear(module, x):
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RebuiltWeightLinear.apply(x, module)
+    b = None if module.bias is None else module.bias.to(x.dtype)
+    return F.linear(x, module.dequantized_weight(x.dtype), b)
 
 
 class _FrozenFormat(nn.Module):
@@ -222,8 +254,7 @@ class NVFP4Linear(_FrozenFormat):
         kernel = _nvfp4_kernel() if (x.is_cuda or os.environ.get("QERL_TRITON_CPU") == "1") else None
         if kernel is not None:
             return kernel(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantized_weight(x.dtype), b)
+        return _dequant_linear(self, x)
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, format=nvfp4"
@@ -255,8 +286,7 @@ class NF4Linear(_FrozenFormat):
         return dequantize_nf4(self.weight_packed, self.weight_absmax, shape, self.blocksize).to(dtype)
 
     def forward(self, x):                                                # (..., in) -> (..., out)
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantized_weight(x.dtype), b)
+        return _dequant_linear(self, x)
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, format=nf4"

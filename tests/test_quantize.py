@@ -232,6 +232,28 @@ def test_nf4_matches_bitsandbytes(nf4_golden, case):
     assert same_bytes(deq, nf4_golden[f"{case}.dequant"])
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+def test_backward_rebuilds_the_weight_instead_of_saving_it(fmt):
+    # A LoRA step only needs dL/dx through the frozen layer; saving the dequantized weight for it
+    # would cost the full-precision model's memory. Only x may be kept for backward.
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=True)
+    m = q.quantize_model(nn.Sequential(lin), fmt=fmt, skip=())[0]
+    x = torch.randn(5, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        y = m(x)
+    assert all(s != (96, 64) for s in saved), saved
+    w = m.dequantized_weight()
+    ref = x.detach().clone().requires_grad_(True)
+    y_ref = F.linear(ref, w, m.bias)
+    torch.testing.assert_close(y, y_ref)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, ref.grad)
+
+
 def test_nf4_linear_forward():
     lin = nn.Linear(96, 20, bias=True)
     m = q.NF4Linear.from_linear(lin)
