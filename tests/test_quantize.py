@@ -243,7 +243,7 @@ def test_backward_rebuilds_the_weight_instead_of_saving_it(fmt):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
         y = m(x)
-    assert all(s != (96, 64) for s in saved), saved
+    assert all(s.numel() < 96 * 64 for s in saved), saved  # x (5x64) only, no (96x64) weight
     w = m.dequantized_weight()
     ref = x.detach().clone().requires_grad_(True)
     y_ref = F.linear(ref, w, m.bias)
