@@ -23,10 +23,9 @@ materialised one decoder layer at a time, each quantized as soon as it exists (b
     python bench/bench_memory.py --one nvfp4                     # one configuration, prints its RESULT line
 
 What to expect on the CPU: NVFP4Linear and NF4Linear run `F.linear(x, dequantized_weight)` there, so
-every forward materialises each layer's weight in full precision, and autograd keeps that temporary
-alive for the backward pass (it needs W for dL/dx). The CPU training-step peak therefore holds the
-dequantized weights of every layer, and the quantized models save little there. The GPU path
-(kernels/nvfp4_matmul.py) saves only the packed weight and dequantizes again in the backward pass.
+every forward materialises one layer's weight in full precision at a time. Autograd does not keep it:
+their backward (01_quantize's _RebuiltWeightLinear, and the Triton kernel's on the GPU) dequantizes the
+frozen weight again for dL/dx, so a training step holds only the packed weights plus activations.
 """
 import argparse
 import gc
@@ -221,11 +220,8 @@ def print_table(results, configs, args, device):
         print(f"(CPU: resident = RSS with the model loaded, before the steps; every figure includes the Python + torch "
               f"baseline of ~{gb(base['baseline'])} GB, which 'step-baseline' subtracts; peak reset after the build: "
               f"{'yes' if base['peak_reset'] else 'NO, the build peak is included'})")
-        print("(CPU: NVFP4Linear/NF4Linear dequantize each weight to a full-precision temporary in every forward, and "
-              "autograd keeps those temporaries for the backward pass, so they are part of the CPU step peak)")
-    elif "nf4" in results:
-        print("(CUDA: NF4Linear dequantizes to a bf16 temporary in every forward and autograd keeps it for the backward "
-              "pass; NVFP4Linear uses the Triton kernel, whose backward re-dequantizes instead)")
+        print("(CPU: NVFP4Linear/NF4Linear dequantize one layer's weight to a full-precision temporary per forward; "
+              "their backward dequantizes again instead of keeping it)")
 
 
 def main(argv=None):
