@@ -752,7 +752,7 @@ def build_parser():
     p.add_argument("--num-stages", type=int, default=10)
     p.add_argument("--target-entropy", type=float, default=0.15, help="aqn-kind feedback: entropy to hold")
     # GRPO
-    p.add_argument("--steps", type=int, default=800, help="planned steps (sets the LR and AQN schedules)")
+    p.add_argument("--steps", type=int, default=750, help="planned steps (sets the LR and AQN schedules)")
     p.add_argument("--batch", type=int, default=16, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--max-new-tokens", type=int, default=42)
@@ -770,7 +770,7 @@ def build_parser():
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to this fraction of --lr")
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--lora-alpha", type=float, default=32)
+    p.add_argument("--lora-alpha", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     # evaluation, output
     p.add_argument("--eval-size", type=int, default=500, help="held-out problems (0: no evaluation)")
