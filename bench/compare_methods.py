@@ -1,0 +1,626 @@
+"""The paper's Table 1 comparison at laptop scale: LoRA vs QLoRA vs NVFP4-LoRA vs QeRL (+ a control).
+
+QeRL's Table 1 trains Qwen2.5-3B/7B on GSM8K with GRPO and reports, after RL, QeRL (NVFP4 + LoRA +
+AQN) >= NVFP4 + LoRA >= BF16 LoRA >= NF4 LoRA (QLoRA). Its explanation is exploration: 4-bit rounding
+error flattens the sampling distribution, and AQN adds scheduled noise on top. The paper never runs
+the control that separates the two causes -- noise on an *unquantized* base -- so we add it.
+
+This script trains every method with stage 05 on the bundled tiny model and the synthetic arithmetic
+task, with identical budgets: the same number of GRPO steps (not wall time: quantized layers are
+slower on a CPU, and a time budget would hand the unquantized runs more training), the same seeds,
+the same held-out set. Each run is a separate `python 05_grpo.py` process with one thread, several
+at a time, writing to bench/results/runs/<method>-s<seed>/. Then it reads every run's summary.json
+and metrics.jsonl and writes:
+  results.json  one record per run (final greedy accuracy, pass@k, steps to reach +threshold points,
+                entropy over the first and last fifth of training, wall time, the eval curve)
+  table.md      per method: mean +- std over seeds, and whether the paper's ordering holds
+  curves.png    reward, held-out accuracy and entropy vs step, a band across seeds (needs
+                matplotlib, an optional extra: without it the plot is skipped and the rest still works)
+
+Run it (from the repository root; 15 runs of 300 steps take ~1 h on 2 cores with --parallel 2):
+    python bench/compare_methods.py                                  # 5 methods x seeds 0 1 2, 300 steps
+    python bench/compare_methods.py --steps 200 --seeds 0 1 2 3 4 --parallel 2
+    python bench/compare_methods.py --methods lora qerl --steps 4 --seeds 0 --eval-size 20 --out /tmp/cmp
+    python bench/compare_methods.py --from-results                   # only re-render table and plot
+    python bench/compare_methods.py -- --lr 5e-4                     # arguments after -- go to 05_grpo.py
+A second copy started later with the same arguments (e.g. once the machine has a free core) trains
+the runs the first has not taken yet; rerun with --from-results at the end to report all of them.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRPO = os.path.join(ROOT, "05_grpo.py")
+DEFAULT_OUT = os.path.join(ROOT, "bench", "results")
+
+# ---------------------------------------------------------------------------------------------------
+# The methods: each is stage 05 with a quantization and AQN on or off; everything else is shared.
+
+METHODS = {  # key -> (label, 05_grpo.py flags, plot colour)
+    "lora": ("LoRA (fp32 base)", ["--quant", "none", "--no-aqn"], "tab:blue"),
+    "qlora": ("QLoRA (NF4 base)", ["--quant", "nf4", "--no-aqn"], "tab:orange"),
+    "nvfp4-lora": ("NVFP4 + LoRA", ["--quant", "nvfp4", "--no-aqn"], "tab:green"),
+    "qerl": ("QeRL (NVFP4 + LoRA + AQN)", ["--quant", "nvfp4", "--aqn"], "tab:red"),
+    "lora-aqn": ("LoRA + AQN (fp32 base, control)", ["--quant", "none", "--aqn"], "tab:purple"),
+}
+# Table 1's ordering (GSM8K, 3B and 7B), as adjacent pairs "first >= second"; then the two questions
+# the missing control answers: does AQN help without quantization, and does quantization add to AQN?
+PAPER_PAIRS = [("qerl", "nvfp4-lora"), ("nvfp4-lora", "lora"), ("lora", "qlora")]
+CONTROL_PAIRS = [("lora-aqn", "lora"), ("qerl", "lora-aqn")]
+# flags this script sets per run; passing them after -- would break the identical-budget comparison
+OWNED_FLAGS = ("--out", "--seed", "--steps", "--quant", "--aqn", "--no-aqn", "--time-budget", "--eval-size",
+               "--eval-every", "--eval-k", "--save-every", "--resume", "--stop-at")
+RUN_DIR = re.compile(r"^(?P<method>[a-z0-9-]+)-s(?P<seed>\d+)$")
+
+# ---------------------------------------------------------------------------------------------------
+# Running: one subprocess per (method, seed), at most --parallel at a time
+
+
+CODE_FILES = ("01_quantize.py", "02_lora.py", "03_rollout.py", "04_aqn.py", "05_grpo.py", "kernels")
+
+
+def code_hash(root):
+    """md5 over the stage files and kernels/ (what a run executes)."""
+    h = hashlib.md5()
+    for name in CODE_FILES:
+        path = os.path.join(root, name)
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py")) \
+            if os.path.isdir(path) else [path]
+        for f in files:
+            h.update(os.path.relpath(f, root).encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+def snapshot_code(runs_root):
+    """Copy the stage files into <runs>/.code and run them from there, so that every run of the
+    comparison executes the same code even if someone edits 05_grpo.py while it trains (15 runs take
+    most of an hour). A second copy of this script started while the first runs reuses the snapshot."""
+    snap = os.path.join(runs_root, ".code")
+    if os.path.isdir(snap) and live_claims(runs_root):
+        return snap
+    tmp = snap + f".tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name in CODE_FILES:
+        src = os.path.join(ROOT, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(tmp, name), ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, tmp)
+    shutil.rmtree(snap, ignore_errors=True)
+    os.replace(tmp, snap)
+    return snap
+
+
+def live_claims(runs_root):
+    found = []
+    for f in os.listdir(runs_root):
+        if f.endswith(".claim"):
+            try:
+                with open(os.path.join(runs_root, f)) as fh:
+                    os.kill(int(fh.read().strip() or 0), 0)
+                found.append(f)
+            except (OSError, ValueError):
+                pass
+    return found
+
+
+def run_command(args, method, seed, run_dir, code_dir=ROOT):
+    """The exact 05_grpo.py command line of one run."""
+    model = [] if any(a.split("=")[0] == "--model" for a in args.train_args) else \
+        ["--model", os.path.join(ROOT, "assets", "tiny-qwen")]
+    return ([sys.executable, os.path.join(code_dir, "05_grpo.py"), "--out", run_dir, "--seed", str(seed), "--steps", str(args.steps),
+             "--time-budget", "0",  # a fixed number of steps, never cut short by the clock
+             "--eval-size", str(args.eval_size), "--eval-every", str(args.eval_every), "--eval-k", str(args.eval_k),
+             "--save-every", "0", "--quiet"] + model + METHODS[method][1] + args.train_args)
+
+
+def short(path):
+    """A path inside the repository as a relative one (for printing commands)."""
+    full = os.path.abspath(path) if os.sep in path else path
+    return os.path.relpath(full, ROOT) if full.startswith(ROOT + os.sep) else path
+
+
+def is_done(run_dir, steps):
+    """A finished run of the same budget is reused instead of trained again (unless --force)."""
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            s = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return s.get("steps_done") == steps and s.get("args", {}).get("steps") == steps
+
+
+def claim(runs_root, name):
+    """Take a run for this process, so that a second copy of this script (started later, e.g. when
+    the machine frees up) trains other runs instead of the same one. A claim whose owner has exited
+    is stale and taken over."""
+    path = os.path.join(runs_root, f".{name}.claim")
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    owner = int(f.read().strip() or 0)
+                os.kill(owner, 0)  # signal 0 only asks whether the owner still exists
+                return False
+            except (OSError, ValueError):
+                os.remove(path)
+                continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
+def run_all(args):
+    """Train every (method, seed) not already done. Returns the (method, seed) list in order."""
+    runs_root = os.path.join(args.out, "runs")
+    # seed-major order: if the runs are stopped early, every method has the same number of seeds
+    jobs = [(m, s) for s in args.seeds for m in args.methods]
+    todo = []
+    for m, s in jobs:
+        run_dir = os.path.join(runs_root, f"{m}-s{s}")
+        if not args.force and is_done(run_dir, args.steps):
+            print(f"skip | {m}-s{s} | already done with {args.steps} steps (--force to retrain)")
+        else:
+            todo.append((m, s, run_dir))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+               PYTHONUNBUFFERED="1")
+    print(f"plan | {len(todo)} run(s) to train, {len(jobs) - len(todo)} reused | {args.steps} steps each | "
+          f"parallel {args.parallel} x {args.threads} thread(s) | out {runs_root}")
+    if args.dry_run:
+        for m, s, d in todo:
+            print(shlex.join(short(c) for c in run_command(args, m, s, d)))
+        return jobs
+
+    os.makedirs(runs_root, exist_ok=True)
+    code_dir = snapshot_code(runs_root)
+    code = code_hash(code_dir)
+    print(f"code | running the stage files copied to {short(code_dir)} | md5 {code}")
+    if todo:
+        m, s, d = todo[0]
+        print("command | " + shlex.join(short(c) for c in run_command(args, m, s, d, code_dir)))
+    t0, running, finished, durations = time.time(), [], 0, []
+    pending = list(todo)
+    try:
+        while pending or running:
+            # start runs while there is a free slot (and, with --max-wall, time for one more)
+            while pending and len(running) < args.parallel:
+                expected = statistics.mean(durations) if durations else 0.0
+                if args.max_wall and time.time() - t0 + expected > args.max_wall:
+                    print(f"stop | --max-wall {args.max_wall:.0f}s reached: {len(pending)} run(s) not started")
+                    pending = []
+                    break
+                m, s, run_dir = pending.pop(0)
+                if (not args.force and is_done(run_dir, args.steps)) or not claim(runs_root, f"{m}-s{s}"):
+                    print(f"skip | {m}-s{s} | done or being trained by another copy of this script")
+                    continue
+                shutil.rmtree(run_dir, ignore_errors=True)  # 05 appends to metrics.jsonl: start clean
+                os.makedirs(run_dir)
+                write_text(os.path.join(run_dir, "code.md5"), code + "\n")  # checked when reporting
+                log = open(os.path.join(run_dir, "train.log"), "w")
+                proc = subprocess.Popen(run_command(args, m, s, run_dir, code_dir), cwd=ROOT, env=env, stdout=log,
+                                        stderr=subprocess.STDOUT)
+                running.append((proc, m, s, run_dir, log, time.time()))
+            time.sleep(1.0)
+            for item in [r for r in running if r[0].poll() is not None]:
+                proc, m, s, run_dir, log, started = item
+                running.remove(item)
+                log.close()
+                os.remove(os.path.join(runs_root, f".{m}-s{s}.claim"))
+                finished += 1
+                durations.append(time.time() - started)
+                if not args.keep_checkpoints:  # metrics are what we compare; adapters would bloat results/
+                    for d in os.listdir(run_dir):
+                        if d.startswith("checkpoint-"):
+                            shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
+                print(finish_line(finished, len(todo), m, s, run_dir, proc.returncode, args.threshold,
+                                  time.time() - t0), flush=True)
+    except KeyboardInterrupt:
+        for proc, *_ in running:  # only the processes this script started
+            proc.terminate()
+        for proc, m, s, *_ in running:
+            proc.wait()
+            os.remove(os.path.join(runs_root, f".{m}-s{s}.claim"))
+        raise SystemExit("interrupted: finished runs are kept; rerun the same command to train the rest")
+    if not live_claims(runs_root):  # the last worker out removes the code snapshot
+        shutil.rmtree(code_dir, ignore_errors=True)
+    return jobs
+
+
+def finish_line(i, n, method, seed, run_dir, rc, threshold, elapsed):
+    head = f"run {i}/{n} | {method}-s{seed}"
+    try:
+        r = load_run(run_dir, method, seed, threshold)
+    except (OSError, ValueError) as e:
+        return f"{head} | FAILED (exit {rc}): {e} | see {os.path.join(run_dir, 'train.log')}"
+    stt = r["steps_to_threshold"]
+    return (f"{head} | greedy {r['start_greedy']:.3f} -> {r['final_greedy']:.3f} ({r['gain_points']:+.1f}) | "
+            f"pass@{r['k']} {fmt(r['final_pass_k'], '.3f')} | steps to +{threshold:g} {stt if stt else '-'} | "
+            f"entropy {r['entropy_first_fifth']:.3f} -> {r['entropy_last_fifth']:.3f} | "
+            f"wall {r['wall_s']:.0f}s | elapsed {elapsed / 60:.1f} min")
+
+# ---------------------------------------------------------------------------------------------------
+# Reading one run folder
+
+
+def read_metrics(run_dir):
+    """(step records, eval records) from metrics.jsonl."""
+    steps, evals = [], []
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                (evals if "eval" in rec else steps).append(rec.get("eval", rec))
+    return steps, evals
+
+
+def fifth_mean(values, last):
+    """Mean over the first (or last) fifth of the list (at least one element)."""
+    n = max(1, len(values) // 5)
+    part = values[-n:] if last else values[:n]
+    return statistics.mean(part) if part else float("nan")
+
+
+def load_run(run_dir, method, seed, threshold):
+    """One run's record for results.json. Raises ValueError for an unfinished or foreign run."""
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no summary.json in {run_dir} (the run did not finish)")
+    with open(path) as f:
+        summary = json.load(f)
+    a = summary.get("args", {})
+    want_quant, want_aqn = METHODS[method][1][1], METHODS[method][1][2] == "--aqn"
+    if a.get("quant") != want_quant or bool(a.get("aqn")) != want_aqn:
+        raise ValueError(f"{run_dir} was trained with --quant {a.get('quant')} aqn {a.get('aqn')}, not as "
+                         f"{method!r}: delete or rename the folder")
+    steps, evals = read_metrics(run_dir)
+    first, final = summary.get("first_eval"), summary.get("final_eval")
+    if not first or not final or not steps:
+        raise ValueError(f"{run_dir} has no evaluation or no steps (was it run with --eval-size 0?)")
+    # steps to threshold: the first evaluation after the start that is `threshold` points above it
+    target = first["greedy"] + threshold / 100 - 1e-9
+    reached = [e["step"] for e in evals if e["step"] > first["step"] and e["greedy"] >= target]
+    k = final.get("k")
+    entropy = [r["entropy"] for r in steps]
+    reward = [r["reward"] for r in steps]
+    return {"method": method, "label": METHODS[method][0], "seed": seed, "dir": os.path.relpath(run_dir, ROOT),
+            "steps": summary["steps_done"], "planned_steps": a.get("steps"), "stopped_by": summary.get("stopped_by"),
+            "quant": a.get("quant"), "aqn": a.get("aqn"), "eval_every": a.get("eval_every"),
+            "start_greedy": first["greedy"], "final_greedy": final["greedy"],
+            "gain_points": 100 * (final["greedy"] - first["greedy"]), "eval_n": final["n"], "k": k,
+            "start_pass_k": first.get(f"pass@{k}"), "final_pass_1": final.get("pass@1"),
+            "final_pass_k": final.get(f"pass@{k}"),
+            "steps_to_threshold": reached[0] if reached else None,
+            "entropy_first_fifth": fifth_mean(entropy, last=False), "entropy_last_fifth": fifth_mean(entropy, last=True),
+            "reward_first_fifth": fifth_mean(reward, last=False), "reward_last_fifth": fifth_mean(reward, last=True),
+            "s_per_step": statistics.mean(r["s/step"] for r in steps), "wall_s": summary["wall_s"],
+            "eval_curve": [[e["step"], e["greedy"]] for e in evals],
+            "skipped_updates": summary.get("skipped_updates", 0), "code_md5": read_code_md5(run_dir)}
+
+
+def read_code_md5(run_dir):
+    try:
+        with open(os.path.join(run_dir, "code.md5")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def collect(args, jobs=None):
+    """Records of the finished runs: the requested (method, seed) pairs, or with jobs=None every
+    <method>-s<seed> folder under <out>/runs (the --from-results mode)."""
+    runs_root = os.path.join(args.out, "runs")
+    if jobs is None:
+        if not os.path.isdir(runs_root):
+            raise FileNotFoundError(f"--from-results: no folder {runs_root} (train first, or pass --out)")
+        jobs = []
+        for d in sorted(os.listdir(runs_root)):
+            m = RUN_DIR.match(d)
+            if m and m["method"] in METHODS:
+                jobs.append((m["method"], int(m["seed"])))
+        if not jobs:
+            raise FileNotFoundError(f"--from-results: no <method>-s<seed> run folders in {runs_root}")
+    records = []
+    for method, seed in jobs:
+        try:
+            records.append(load_run(os.path.join(runs_root, f"{method}-s{seed}"), method, seed, args.threshold))
+        except (OSError, ValueError) as e:
+            print(f"missing | {method}-s{seed} | {e}")
+    codes = sorted({str(r["code_md5"]) for r in records})
+    if len(codes) > 1:
+        print(f"warning | the runs executed {len(codes)} different versions of the stage files ({', '.join(codes)}): "
+              f"the comparison mixes code versions")
+    budgets = sorted({r["steps"] for r in records})
+    if len(budgets) > 1:
+        raise ValueError(f"runs in {runs_root} have different step counts {budgets}: an unequal budget is not a "
+                         f"fair comparison (move the odd ones away or retrain them with --force)")
+    return records
+
+# ---------------------------------------------------------------------------------------------------
+# Summaries: per-method mean +- std over seeds, and the paper's ordering
+
+
+def mean_std(values):
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not values:
+        return float("nan"), float("nan"), 0
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0), len(values)
+
+
+def summarize(records, methods):
+    out = {}
+    for m in methods:
+        rs = [r for r in records if r["method"] == m]
+        if not rs:
+            continue
+        stt = [r["steps_to_threshold"] for r in rs]
+        out[m] = {"label": METHODS[m][0], "runs": len(rs), "seeds": [r["seed"] for r in rs],
+                  "start_greedy": mean_std([r["start_greedy"] for r in rs]),
+                  "final_greedy": mean_std([r["final_greedy"] for r in rs]),
+                  "gain_points": mean_std([r["gain_points"] for r in rs]),
+                  "final_pass_k": mean_std([r["final_pass_k"] for r in rs]),
+                  "steps_to_threshold": mean_std([s for s in stt if s is not None]),
+                  "reached": sum(s is not None for s in stt),
+                  "entropy_first_fifth": mean_std([r["entropy_first_fifth"] for r in rs]),
+                  "entropy_last_fifth": mean_std([r["entropy_last_fifth"] for r in rs]),
+                  "s_per_step": mean_std([r["s_per_step"] for r in rs]),
+                  "wall_s": mean_std([r["wall_s"] for r in rs]), "k": rs[0]["k"]}
+    return out
+
+
+def compare(summary, a, b):
+    """Does mean final greedy accuracy of a >= b hold? With 3 seeds this is a rough reading: a gap
+    under two standard errors of the difference is called noise."""
+    if a not in summary or b not in summary:
+        return None
+    (ma, sa, na), (mb, sb, nb) = summary[a]["final_greedy"], summary[b]["final_greedy"]
+    diff = 100 * (ma - mb)
+    se = 100 * math.sqrt(sa ** 2 / na + sb ** 2 / nb)
+    noise = abs(diff) < 2 * se or min(na, nb) < 2
+    verdict = ("holds" if diff >= 0 else "reversed") + (" (within noise)" if noise else "")
+    return {"pair": f"{a} >= {b}", "diff_points": diff, "se_points": se, "verdict": verdict}
+
+
+def pct(ms, digits=1):
+    m, s, n = ms
+    if n == 0:
+        return "-"
+    return f"{100 * m:.{digits}f} ± {100 * s:.{digits}f}" if n > 1 else f"{100 * m:.{digits}f}"
+
+
+def fmt(x, spec=".3f"):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def render_table(summary, records, args, checks):
+    k = next(iter(summary.values()))["k"] if summary else 0
+    steps = records[0]["steps"] if records else 0
+    n_eval = records[0]["eval_n"] if records else 0
+    lines = [f"# Method comparison: {steps} GRPO steps per run, bundled tiny model, synthetic arithmetic", "",
+             f"Mean ± std over seeds (sample std). Accuracies in % on {n_eval} held-out problems (greedy; "
+             f"pass@{k} at temperature 1). Steps to +{args.threshold:g}: first evaluation (every "
+             f"{records[0].get('eval_every', args.eval_every) if records else args.eval_every} steps) at least "
+             f"{args.threshold:g} points above the start, mean over the seeds that got there. Entropy: mean "
+             f"per-token sampling entropy (nats) over the first and last fifth of the steps.", "",
+             f"| method | seeds | start greedy | final greedy | gain (points) | final pass@{k} | "
+             f"steps to +{args.threshold:g} (reached) | entropy first → last fifth | s/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for m, s in summary.items():
+        stm, sts, _ = s["steps_to_threshold"]
+        stt = f"{stm:.0f} ({s['reached']}/{s['runs']})" if s["reached"] else f"- (0/{s['runs']})"
+        g, gs, gn = s["gain_points"]
+        gain = f"{g:+.1f} ± {gs:.1f}" if gn > 1 else f"{g:+.1f}"
+        lines.append(f"| {s['label']} | {s['runs']} | {pct(s['start_greedy'])} | {pct(s['final_greedy'])} | {gain} | "
+                     f"{pct(s['final_pass_k'])} | {stt} | {s['entropy_first_fifth'][0]:.3f} → "
+                     f"{s['entropy_last_fifth'][0]:.3f} | {s['s_per_step'][0]:.2f} |")
+    ranked = sorted(summary, key=lambda m: -summary[m]["final_greedy"][0])
+    lines += ["", "Ordering by mean final greedy accuracy: " + " > ".join(ranked) + ".", "",
+              "Paper (Table 1, GSM8K, Qwen2.5-3B/7B): qerl >= nvfp4-lora >= lora >= qlora. Here (difference of "
+              "means in points, ± one standard error; 'within noise' = under two standard errors):", ""]
+    if not any(checks):
+        lines.append("- (no pair of compared methods was run)")
+    for c in checks:
+        if c:
+            lines.append(f"- {c['pair']}: {c['diff_points']:+.1f} ± {c['se_points']:.1f} -> {c['verdict']}")
+    lines += ["", "Per run (seed: final greedy %, steps to threshold):", ""]
+    for m in summary:
+        rs = sorted((r for r in records if r["method"] == m), key=lambda r: r["seed"])
+        cells = ", ".join(f"s{r['seed']}: {100 * r['final_greedy']:.1f} / {r['steps_to_threshold'] or '-'}"
+                          for r in rs)
+        lines.append(f"- {m}: {cells}")
+    return "\n".join(lines) + "\n"
+
+# ---------------------------------------------------------------------------------------------------
+# The plot (optional): reward, held-out greedy accuracy and entropy vs step, min-max band over seeds
+
+
+def smooth(values, window):
+    """Trailing moving average (the first points average what exists so far)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def band(curves):
+    """curves: lists of equal length -> (mean, min, max) per position."""
+    cols = list(zip(*curves))
+    return ([statistics.mean(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols])
+
+
+def render_plot(records, summary, out_dir, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot | matplotlib is not installed: skipped curves.png (pip install matplotlib to get it)")
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    steps_total = records[0]["steps"]
+    window = max(1, steps_total // 20)
+    for m in summary:
+        rs = [r for r in records if r["method"] == m]
+        colour, label = METHODS[m][2], f"{METHODS[m][0]} (n={len(rs)})"
+        per_run = [read_metrics(os.path.join(ROOT, r["dir"]))[0] for r in rs]
+        n = min(len(p) for p in per_run)
+        x = [rec["step"] for rec in per_run[0][:n]]
+        for ax, key in ((axes[0], "reward"), (axes[2], "entropy")):
+            mean, lo, hi = band([smooth([rec[key] for rec in p[:n]], window) for p in per_run])
+            ax.plot(x, mean, color=colour, label=label, lw=1.6)
+            ax.fill_between(x, lo, hi, color=colour, alpha=0.15, lw=0)
+        curves = [r["eval_curve"] for r in rs]
+        ne = min(len(c) for c in curves)
+        ex = [c[0] for c in curves[0][:ne]]
+        mean, lo, hi = band([[100 * g for _, g in c[:ne]] for c in curves])
+        axes[1].plot(ex, mean, color=colour, label=label, lw=1.6, marker="o", ms=3)
+        axes[1].fill_between(ex, lo, hi, color=colour, alpha=0.15, lw=0)
+    axes[0].set_title(f"training reward (moving average of {window} steps)")
+    axes[1].set_title("held-out greedy accuracy (%)")
+    axes[2].set_title(f"sampling entropy, nats/token (moving average of {window})")
+    for ax in axes:
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.suptitle("Line: mean over seeds; band: min-max over seeds", fontsize=9)
+    fig.tight_layout()
+    tmp = path + ".tmp"
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+# ---------------------------------------------------------------------------------------------------
+# Writing results.json, table.md, curves.png
+
+
+def write_text(path, text):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def clean(obj):
+    """NaN -> None so results.json is strict JSON; (mean, std, n) tuples -> dicts."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, tuple) and len(obj) == 3:
+        return {"mean": clean(obj[0]), "std": clean(obj[1]), "n": obj[2]}
+    if isinstance(obj, dict):
+        return {k: clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clean(v) for v in obj]
+    return obj
+
+
+def report(args, records):
+    if not records:
+        raise ValueError(f"no finished runs to report in {os.path.join(args.out, 'runs')}")
+    order = [m for m in METHODS if any(r["method"] == m for r in records)]
+    summary = summarize(records, order)
+    checks = [compare(summary, a, b) for a, b in PAPER_PAIRS + CONTROL_PAIRS]
+    first_args = os.path.join(ROOT, records[0]["dir"], "args.json")
+    train_args = json.load(open(first_args)) if os.path.isfile(first_args) else {}
+    for key in ("out", "seed", "quant", "aqn", "model"):
+        train_args.pop(key, None)
+    results = {"threshold_points": args.threshold, "steps": records[0]["steps"],
+               "shared_05_args": train_args, "methods": summary, "ordering_checks": [c for c in checks if c],
+               "runs": records}
+    os.makedirs(args.out, exist_ok=True)
+    write_text(os.path.join(args.out, "results.json"), json.dumps(clean(results), indent=1) + "\n")
+    table = render_table(summary, records, args, checks)
+    write_text(os.path.join(args.out, "table.md"), table)
+    print(table)
+    plot = render_plot(records, summary, args.out, os.path.join(args.out, "curves.png"))
+    print(f"wrote | {os.path.join(args.out, 'results.json')} | {os.path.join(args.out, 'table.md')}"
+          + (f" | {plot}" if plot else ""))
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="Train LoRA / QLoRA / NVFP4-LoRA / QeRL / LoRA+AQN with identical "
+                                "budgets and compare them (arguments after -- go to 05_grpo.py)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=300, help="GRPO steps per run (the identical budget)")
+    p.add_argument("--parallel", type=int, default=2, help="runs at a time")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    p.add_argument("--eval-size", type=int, default=500, help="held-out problems (05's default)")
+    p.add_argument("--eval-every", type=int, default=50, help="greedy evaluation every N steps")
+    p.add_argument("--eval-k", type=int, default=8, help="pass@k at the start and the end")
+    p.add_argument("--threshold", type=float, default=10.0, help="points above the start for steps-to-threshold")
+    p.add_argument("--out", default=DEFAULT_OUT, help="results folder (runs go to <out>/runs/<method>-s<seed>)")
+    p.add_argument("--from-results", action="store_true", help="only re-render results/table/plot from run folders")
+    p.add_argument("--force", action="store_true", help="retrain runs that are already done")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final adapter checkpoint")
+    p.add_argument("--max-wall", type=float, default=0, help="start no new run after this many seconds "
+                   "(running ones finish; 0: no limit)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    return p
+
+
+def parse_args(argv):
+    train_args = []
+    if "--" in argv:  # everything after -- is passed to 05_grpo.py unchanged
+        i = argv.index("--")
+        argv, train_args = argv[:i], argv[i + 1:]
+    args = build_parser().parse_args(argv)
+    args.train_args = train_args
+    args.out = os.path.abspath(args.out)
+    for flag in train_args:
+        if flag.split("=")[0] in OWNED_FLAGS:
+            raise ValueError(f"{flag} after -- would change one run's budget or identity; use this script's own "
+                             f"flag instead (--steps, --seeds, --eval-size, --methods, ...)")
+    if args.steps < 1 or args.parallel < 1 or args.threads < 1:
+        raise ValueError(f"need --steps, --parallel and --threads >= 1 (got {args.steps}, {args.parallel}, "
+                         f"{args.threads})")
+    if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        raise ValueError(f"--seeds must be distinct non-negative integers (got {args.seeds})")
+    if len(set(args.methods)) != len(args.methods):
+        raise ValueError(f"--methods lists a method twice ({args.methods})")
+    if args.eval_size < 1 or args.eval_every < 1:
+        raise ValueError(f"need --eval-size and --eval-every >= 1 (got {args.eval_size}, {args.eval_every}): the "
+                         f"comparison is on held-out accuracy")
+    if args.eval_k < 0 or args.threshold <= 0:
+        raise ValueError(f"need --eval-k >= 0 and --threshold > 0 (got {args.eval_k}, {args.threshold})")
+    return args
+
+
+def main(argv):
+    args = parse_args(argv)
+    if args.from_results:
+        report(args, collect(args))
+        return
+    if not os.path.isfile(GRPO):
+        raise FileNotFoundError(f"{GRPO} not found (run this from a checkout of the repository)")
+    jobs = run_all(args)
+    if not args.dry_run:
+        report(args, collect(args, jobs))
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
