@@ -16,7 +16,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) 01_quantize.py
+	$(PY) 05_grpo.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache __pycache__ */__pycache__
