@@ -69,12 +69,14 @@ RUN_DIR = re.compile(r"^(?P<method>[a-z0-9-]+)-s(?P<seed>\d+)$")
 CODE_FILES = ("01_quantize.py", "02_lora.py", "03_rollout.py", "04_aqn.py", "05_grpo.py", "kernels")
 
 
-def code_hash(root):
-    """md5 over the stage files and kernels/ (what a run executes)."""
+def code_hash(root, names=CODE_FILES, suffix=".py"):
+    """md5 over the stage files and kernels/ (what a run executes), or with names=("",) and
+    suffix="" over every file of a model folder."""
     h = hashlib.md5()
-    for name in CODE_FILES:
+    for name in names:
         path = os.path.join(root, name)
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py")) \
+        files = sorted(os.path.join(path, f) for f in os.listdir(path)
+                       if f.endswith(suffix) and os.path.isfile(os.path.join(path, f))) \
             if os.path.isdir(path) else [path]
         for f in files:
             h.update(os.path.relpath(f, root).encode())
@@ -117,10 +119,19 @@ def live_claims(runs_root):
     return found
 
 
+def model_dir(args):
+    """The model folder the runs load: --model after --, or the bundled tiny model."""
+    for i, a in enumerate(args.train_args):
+        if a.startswith("--model="):
+            return a.split("=", 1)[1]
+        if a == "--model" and i + 1 < len(args.train_args):
+            return args.train_args[i + 1]
+    return os.path.join(ROOT, "assets", "tiny-qwen")
+
+
 def run_command(args, method, seed, run_dir, code_dir=ROOT):
     """The exact 05_grpo.py command line of one run."""
-    model = [] if any(a.split("=")[0] == "--model" for a in args.train_args) else \
-        ["--model", os.path.join(ROOT, "assets", "tiny-qwen")]
+    model = [] if any(a.split("=")[0] == "--model" for a in args.train_args) else ["--model", model_dir(args)]
     return ([sys.executable, os.path.join(code_dir, "05_grpo.py"), "--out", run_dir, "--seed", str(seed), "--steps", str(args.steps),
              "--time-budget", "0",  # a fixed number of steps, never cut short by the clock
              "--eval-size", str(args.eval_size), "--eval-every", str(args.eval_every), "--eval-k", str(args.eval_k),
@@ -211,7 +222,9 @@ def run_all(args):
                     continue
                 shutil.rmtree(run_dir, ignore_errors=True)  # 05 appends to metrics.jsonl: start clean
                 os.makedirs(run_dir)
-                write_text(os.path.join(run_dir, "code.md5"), code + "\n")  # checked when reporting
+                # which code and which weights this run used (the report refuses to hide a mix)
+                model_md5 = code_hash(model_dir(args), names=("",), suffix="")
+                write_text(os.path.join(run_dir, "versions.txt"), f"code {code}\nmodel {model_md5}\n")
                 log = open(os.path.join(run_dir, "train.log"), "w")
                 proc = subprocess.Popen(run_command(args, m, s, run_dir, code_dir), cwd=ROOT, env=env, stdout=log,
                                         stderr=subprocess.STDOUT)
@@ -310,15 +323,21 @@ def load_run(run_dir, method, seed, threshold):
             "reward_first_fifth": fifth_mean(reward, last=False), "reward_last_fifth": fifth_mean(reward, last=True),
             "s_per_step": statistics.mean(r["s/step"] for r in steps), "wall_s": summary["wall_s"],
             "eval_curve": [[e["step"], e["greedy"]] for e in evals],
-            "skipped_updates": summary.get("skipped_updates", 0), "code_md5": read_code_md5(run_dir)}
+            "skipped_updates": summary.get("skipped_updates", 0), **read_versions(run_dir)}
 
 
-def read_code_md5(run_dir):
+def read_versions(run_dir):
+    """{"code_md5", "model_md5"} from versions.txt (None where unknown)."""
+    out = {"code_md5": None, "model_md5": None}
     try:
-        with open(os.path.join(run_dir, "code.md5")) as f:
-            return f.read().strip()
+        with open(os.path.join(run_dir, "versions.txt")) as f:
+            for line in f:
+                key, _, value = line.strip().partition(" ")
+                if key in ("code", "model"):
+                    out[f"{key}_md5"] = value
     except OSError:
-        return None
+        pass
+    return out
 
 
 def collect(args, jobs=None):
@@ -329,10 +348,11 @@ def collect(args, jobs=None):
         if not os.path.isdir(runs_root):
             raise FileNotFoundError(f"--from-results: no folder {runs_root} (train first, or pass --out)")
         jobs = []
-        for d in sorted(os.listdir(runs_root)):
+        for d in os.listdir(runs_root):
             m = RUN_DIR.match(d)
             if m and m["method"] in METHODS:
                 jobs.append((m["method"], int(m["seed"])))
+        jobs.sort(key=lambda j: (list(METHODS).index(j[0]), j[1]))  # the table's order, not the alphabet's
         if not jobs:
             raise FileNotFoundError(f"--from-results: no <method>-s<seed> run folders in {runs_root}")
     records = []
@@ -341,10 +361,11 @@ def collect(args, jobs=None):
             records.append(load_run(os.path.join(runs_root, f"{method}-s{seed}"), method, seed, args.threshold))
         except (OSError, ValueError) as e:
             print(f"missing | {method}-s{seed} | {e}")
-    codes = sorted({str(r["code_md5"]) for r in records})
-    if len(codes) > 1:
-        print(f"warning | the runs executed {len(codes)} different versions of the stage files ({', '.join(codes)}): "
-              f"the comparison mixes code versions")
+    for key, what in (("code_md5", "stage files"), ("model_md5", "model weights")):
+        seen = sorted({str(r[key]) for r in records})
+        if len(seen) > 1:
+            print(f"warning | the runs used {len(seen)} different versions of the {what} ({', '.join(seen)}): "
+                  f"the comparison mixes them")
     budgets = sorted({r["steps"] for r in records})
     if len(budgets) > 1:
         raise ValueError(f"runs in {runs_root} have different step counts {budgets}: an unequal budget is not a "
@@ -407,6 +428,11 @@ def fmt(x, spec=".3f"):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def versions(records, key):
+    seen = sorted({str(r[key])[:12] for r in records})
+    return " / ".join(seen) + (" (MIXED)" if len(seen) > 1 else "")
+
+
 def render_table(summary, records, args, checks):
     k = next(iter(summary.values()))["k"] if summary else 0
     steps = records[0]["steps"] if records else 0
@@ -416,7 +442,8 @@ def render_table(summary, records, args, checks):
              f"pass@{k} at temperature 1). Steps to +{args.threshold:g}: first evaluation (every "
              f"{records[0].get('eval_every', args.eval_every) if records else args.eval_every} steps) at least "
              f"{args.threshold:g} points above the start, mean over the seeds that got there. Entropy: mean "
-             f"per-token sampling entropy (nats) over the first and last fifth of the steps.", "",
+             f"per-token sampling entropy (nats) over the first and last fifth of the steps. Versions (md5): "
+             f"stage files {versions(records, 'code_md5')}, model weights {versions(records, 'model_md5')}.", "",
              f"| method | seeds | start greedy | final greedy | gain (points) | final pass@{k} | "
              f"steps to +{args.threshold:g} (reached) | entropy first → last fifth | s/step |",
              "|---|---|---|---|---|---|---|---|---|"]

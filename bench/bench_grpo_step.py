@@ -1,0 +1,171 @@
+"""Where one GRPO step's time goes: rollout, reward, update -- per base-model quantization.
+
+QeRL's speed claim is about the rollout: sampling runs the model once per generated token, so it is
+memory-bound and a 4-bit base streams ~3.5x fewer weight bytes. The update (one forward + backward
+over the sampled tokens, AdamW on the adapters) and the reward barely change with the base format.
+This script measures that split on the bundled tiny model with stage 05's own step function
+(`grpo_step`), default batch 16 prompts x 8 samples, for an unquantized, an NF4 and an NVFP4 base:
+  rollout  building the prompts + sampling B*G completions (05's t_sample, with its merged weights)
+  reward   scoring the completions and computing group advantages (05's reward_fn and
+           group_advantages, timed by wrapping them)
+  update   the rest of the step: log-probs with gradients, the clipped loss, backward, clip, AdamW
+Each quantization gets its own model; after `--warmup` unmeasured steps each, the steps of the three
+are interleaved and averaged over `--steps` per quantization.
+
+On the CPU the quantized layers dequantize their weights (05 merges them once per step for
+sampling, but the update's forward and backward dequantize in every layer call), so they are
+expected to be *slower* here; the rollout gain is a GPU effect (bench/bench_rollout.py).
+
+    python bench/bench_grpo_step.py                          # none, nf4, nvfp4; 1 thread; < 1 min
+    python bench/bench_grpo_step.py --quants none nvfp4 --steps 10 --warmup 3 --threads 2
+    python bench/bench_grpo_step.py -- --no-aqn --max-new-tokens 64   # after --: 05_grpo.py flags
+"""
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+grpo = importlib.import_module("05_grpo")
+lora = importlib.import_module("02_lora")
+rollout = importlib.import_module("03_rollout")
+quantize = importlib.import_module("01_quantize")
+
+# ---------------------------------------------------------------------------------------------------
+# Timing the reward phase: wrap 05's module-level functions (grpo_step looks them up at call time)
+
+
+class PhaseTimer:
+    """Accumulates the seconds spent inside the wrapped functions since the last reset()."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+    def reset(self):
+        self.seconds = 0.0
+
+# ---------------------------------------------------------------------------------------------------
+# One quantization: build what 05's train() builds, then run grpo_step and split its time
+
+
+def setup(args):
+    """Model, tokenizer, optimizer and the other inputs of grpo_step, as 05's train() makes them."""
+    device = args.device or quantize.autodetect_device()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+    system = {"auto": grpo.wants_instruction(args.model), "paper": True, "none": False}[args.system]
+    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
+    lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
+    params = lora.lora_parameters(model)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    lr_at = grpo.lr_lambda(args.warmup, args.steps, args.min_lr_ratio)
+    train_set, _ = grpo.make_splits(args)
+    pool = grpo.arithmetic_problems(max(grpo.EVAL_POOL, args.eval_size), grpo.EVAL_SEED, args.digits, args.nops)
+    exclude = frozenset(p["question"] for p in pool) if train_set is None else frozenset()
+    return dict(model=model, tok=tok, opt=opt, lr_at=lr_at, params=params, feedback=None, train_set=train_set,
+                exclude=exclude, system=system, device=device)
+
+
+def measure(bench_args, train_argv):
+    """Mean seconds per phase for each quantization. All models are loaded first and the steps are
+    interleaved (none, nf4, nvfp4, none, ...), so a slow spell of a shared CPU hits every format alike
+    instead of whichever happened to run then."""
+    runs = {}
+    for q in bench_args.quants:
+        args = grpo.build_parser().parse_args(train_argv + ["--quant", q])
+        grpo.validate_args(args)
+        runs[q] = (args, setup(args), [])
+    timer = PhaseTimer()
+    orig = grpo.reward_fn, grpo.group_advantages
+    grpo.reward_fn, grpo.group_advantages = timer.wrap(orig[0]), timer.wrap(orig[1])
+    try:
+        for step in range(bench_args.warmup + bench_args.steps):
+            for q, (args, s, rows) in runs.items():
+                timer.reset()
+                rec = grpo.grpo_step(args, step, s["model"], s["tok"], s["opt"], s["lr_at"], s["params"],
+                                     s["feedback"], s["train_set"], s["exclude"], s["system"], s["device"])
+                if step >= bench_args.warmup:
+                    total, roll, rew = rec["s/step"], rec["t_sample"], timer.seconds
+                    rows.append({"rollout": roll, "reward": rew, "update": total - roll - rew, "total": total,
+                                 "tokens": rec["len"] * args.batch * args.group,
+                                 "rows_updated": (1 - rec["frac_zero_std"]) * args.batch * args.group})
+    finally:
+        grpo.reward_fn, grpo.group_advantages = orig
+    results = {q: {k: statistics.mean(r[k] for r in rows) for k in rows[0]} for q, (_, _, rows) in runs.items()}
+    return results, next(iter(runs.values()))[0]
+
+# ---------------------------------------------------------------------------------------------------
+# Report
+
+
+def print_table(results, base):
+    # 05 updates only the rows of groups with mixed rewards, and that count differs between runs, so
+    # the update is also given per updated row (the cost the base format actually changes)
+    for r in results.values():
+        r["update_per_row"] = r["update"] / max(r["rows_updated"], 1)
+    print(f"\n| quant | rollout s | reward s | update s | step s | rollout share | rows updated | update ms/row | "
+          f"rollout x | update/row x | step x (vs {base}) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    ref = results.get(base)
+    for q, r in results.items():
+        ratio = (lambda k: f"{r[k] / ref[k]:.2f}") if ref else (lambda k: "-")
+        print(f"| {q} | {r['rollout']:.3f} | {r['reward']:.4f} | {r['update']:.3f} | {r['total']:.3f} | "
+              f"{100 * r['rollout'] / r['total']:.0f}% | {r['rows_updated']:.0f} | {1000 * r['update_per_row']:.2f} | "
+              f"{ratio('rollout')} | {ratio('update_per_row')} | {ratio('total')} |")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="Split one GRPO step (05_grpo.grpo_step) into rollout / reward / update "
+                                "per quantization (arguments after -- go to 05_grpo.py's parser)")
+    p.add_argument("--quants", nargs="+", default=["none", "nf4", "nvfp4"], choices=["none", "nf4", "nvfp4"])
+    p.add_argument("--steps", type=int, default=5, help="measured steps per quantization")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 on a shared machine)")
+    return p
+
+
+def main(argv):
+    train_argv = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, train_argv = argv[:i], argv[i + 1:]
+    args = build_parser().parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.threads < 1:
+        raise ValueError(f"need --steps >= 1, --warmup >= 0, --threads >= 1 (got {args.steps}, {args.warmup}, "
+                         f"{args.threads})")
+    if any(a.split("=")[0] in ("--quant", "--out", "--resume") for a in train_argv):
+        raise ValueError("--quant/--out/--resume after -- are not used here: pick quantizations with --quants")
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    results, last = measure(args, train_argv)
+    for q, r in results.items():
+        print(f"quant {q} | rollout {r['rollout']:.3f}s | reward {r['reward']:.4f}s | update {r['update']:.3f}s | "
+              f"step {r['total']:.3f}s", flush=True)
+    print(f"({time.time() - t0:.0f}s incl. loading and warm-up)")
+    print(f"\nbundled model {os.path.relpath(last.model, ROOT)} | B {last.batch} x G {last.group} | "
+          f"max_new_tokens {last.max_new_tokens} | aqn {'on' if last.aqn else 'off'} | device "
+          f"{last.device or quantize.autodetect_device()} | threads {args.threads} | mean of {args.steps} steps "
+          f"after {args.warmup} warm-up")
+    print_table(results, args.quants[0])
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
