@@ -22,6 +22,10 @@ per step, 464 s in all, greedy 23.0% -> 49.2% and pass@8 44.4% -> 65.0% on 500 h
     python 05_grpo.py
     python 05_grpo.py --quant none --no-aqn --steps 200 --out runs/lora-only
     python 05_grpo.py --resume runs/qerl/checkpoint-000200
+Data parallel: the same script under torchrun (gloo between CPU processes, NCCL between GPUs). --batch
+stays the global number of prompts per step; each rank samples its share of whole groups and the
+adapter gradients are summed across ranks (section "Data parallel" below; README "Scaling out"):
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 05_grpo.py --out runs/dp2
 Qwen2.5-7B-Instruct + GSM8K on one GPU, close to the paper's GSM8K setting (Table 4: 128 samples per
 step as 16 prompts x 8, lr 1e-5, LoRA rank 32, AQN 1e-2 -> 5e-4 over 10 stages; the official
 scripts' gradient clip 0.2 and 10% warmup; the paper's instruction goes in the system prompt). The
@@ -31,6 +35,8 @@ JSONL files are GSM8K's train/test splits as {"question", "answer"} lines (answe
         --max-new-tokens 1024 --steps 600 --warmup 60 --grad-clip 0.2 --sigma-start 1e-2 --sigma-end 5e-4 \
         --eval-every 50 --eval-size 500 --eval-k 4 --eval-chunk 128 --save-every 50 --time-budget 0 \
         --out runs/qwen7b-gsm8k
+On one node with 8 GPUs, the same flags after `torchrun --standalone --nproc_per_node 8 05_grpo.py`
+(each GPU then samples 2 of the 16 groups).
 """
 import argparse
 import contextlib
@@ -47,6 +53,7 @@ import time
 from fractions import Fraction
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 quantize = importlib.import_module("01_quantize")
@@ -246,23 +253,25 @@ def group_advantages(rewards, group, scale_std=True, eps=1e-4):
     return adv.reshape(-1)  # (B*G,)
 
 
-def aggregate(values, mask, mode, max_new_tokens=None, num_seqs=None):
+def aggregate(values, mask, mode, max_new_tokens=None, num_seqs=None, denom=None):
     """Reduce per-token values (N, T) under mask (N, T) to a scalar.
     token-mean: sum / number of tokens (DAPO; long answers weigh more).
     seq-mean-token-mean: mean over sequences of each one's token mean (original GRPO).
     seq-mean-token-sum-norm: sum / (num_seqs * max_new_tokens), a constant (Dr. GRPO: no length
-    bias); num_seqs defaults to N (pass the full batch size when only some rows are given)."""
+    bias); num_seqs defaults to N (pass the full batch size when only some rows are given).
+    denom, when given, replaces the divisor (tokens, non-empty sequences, num_seqs * max_new_tokens):
+    data parallel passes the count over all ranks, so each rank gets its share of the global value."""
     mask = mask.to(values.dtype)
     if mode == "token-mean":
-        return (values * mask).sum() / mask.sum().clamp(min=1)
+        return (values * mask).sum() / (mask.sum().clamp(min=1) if denom is None else denom)
     if mode == "seq-mean-token-mean":
         per_seq = (values * mask).sum(1) / mask.sum(1).clamp(min=1)  # (N,)
         has = (mask.sum(1) > 0).to(values.dtype)  # (N,) empty rows do not count
-        return (per_seq * has).sum() / has.sum().clamp(min=1)
+        return (per_seq * has).sum() / (has.sum().clamp(min=1) if denom is None else denom)
     if mode == "seq-mean-token-sum-norm":
-        if not max_new_tokens:
+        if denom is None and not max_new_tokens:
             raise ValueError("loss aggregation seq-mean-token-sum-norm needs max_new_tokens")
-        return (values * mask).sum() / ((num_seqs or values.shape[0]) * max_new_tokens)
+        return (values * mask).sum() / ((num_seqs or values.shape[0]) * max_new_tokens if denom is None else denom)
     raise ValueError(f"unknown loss aggregation {mode!r}; choose token-mean, seq-mean-token-mean or "
                      f"seq-mean-token-sum-norm")
 
@@ -271,11 +280,11 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def grpo_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="token-mean", max_new_tokens=None,
-              ref_logp=None, beta=0.0, entropy=None, entropy_coef=0.0, num_seqs=None):
+              ref_logp=None, beta=0.0, entropy=None, entropy_coef=0.0, num_seqs=None, denom=None):
     """The clipped surrogate (to minimise) and its statistics.
     logp (N, T) current policy, with gradients; old_logp (N, T) the sampler's (pi_old); adv (N,);
     mask (N, T) 1 on completion tokens; ref_logp (N, T) the reference policy (for beta > 0);
-    entropy (N, T) with gradients (for entropy_coef > 0)."""
+    entropy (N, T) with gradients (for entropy_coef > 0); num_seqs, denom: see aggregate."""
     mask = mask.float()
     ratio = torch.exp(logp - old_logp)  # (N, T) pi_theta / pi_old per token
     a = adv.view(-1, 1)  # (N, 1)
@@ -289,7 +298,7 @@ def grpo_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="token-
             per_tok = per_tok + beta * kl
     if entropy is not None and entropy_coef:
         per_tok = per_tok - entropy_coef * entropy  # a bonus: higher entropy lowers the loss
-    loss = aggregate(per_tok, mask, agg, max_new_tokens, num_seqs)
+    loss = aggregate(per_tok, mask, agg, max_new_tokens, num_seqs, denom)
     with torch.no_grad():
         # a token is clipped when the clamp, not the raw ratio, sets the surrogate (zero gradient)
         clipped = ((ratio < 1 - eps_low) & (a < 0)) | ((ratio > 1 + eps_high) & (a > 0))  # (N, T)
@@ -393,6 +402,83 @@ def eval_line(step, res, seconds):
     return s + f" | {seconds:.1f}s"
 
 # -----------------------------------------------------------------------------
+# Data parallel (torchrun)
+#
+# `torchrun --nproc_per_node N 05_grpo.py ...` starts N copies of this script, and torch.distributed
+# connects them: NCCL between GPUs, gloo between CPU processes. Every rank holds the whole (frozen,
+# quantized) model and an identical adapter. Each step's B prompts are split across ranks in whole
+# groups (a group's advantage needs all G of its rewards); each rank samples and scores its share.
+# The loss on a rank is divided by the *global* normaliser (tokens or sequences counted over all
+# ranks), so its gradient is exactly its share of the gradient one process would get on all B*G rows:
+# one all_reduce (a sum) of the flattened adapter gradients restores that gradient on every rank, and
+# every rank takes the same AdamW step, so the adapters never drift apart. Rank 0 alone prints,
+# evaluates and writes files. Launched as a plain `python 05_grpo.py`, every helper here is a no-op.
+
+
+def init_distributed(device):
+    """(rank, world_size, device). Joins the process group when torchrun started us (WORLD_SIZE > 1);
+    on CUDA each rank takes the GPU of its LOCAL_RANK."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device
+    if device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        # Rank 0 evaluates while the others wait at their next collective: allow a long evaluation.
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                timeout=datetime.timedelta(hours=2))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def rank_and_world():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shard(items, rank, world):
+    """This rank's contiguous share of `items` (shares differ in size by at most one)."""
+    n = len(items)
+    return items[rank * n // world:(rank + 1) * n // world]
+
+
+def _comm_device():
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_reduce(values, op="sum"):
+    """A list of Python numbers -> the list summed (op "sum") or maximised ("max") over all ranks."""
+    if rank_and_world()[1] == 1:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_comm_device())  # (n,)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def all_reduce_grads(params):
+    """Sum every parameter's gradient over ranks with one all_reduce of their concatenation (a rank
+    with no rows to train on contributes zeros)."""
+    if rank_and_world()[1] == 1:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])  # (P,)
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+
+
+def broadcast_parameters(params):
+    """Rank 0's values to every rank: the adapters start equal even if initialisation were to differ."""
+    if rank_and_world()[1] == 1:
+        return
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.data, src=0)
+
+
+# -----------------------------------------------------------------------------
 # Checkpointing
 #
 # A checkpoint folder holds the adapter in PEFT's layout (stage 02) and trainer_state.pt: the AdamW
@@ -472,8 +558,11 @@ def check_model_dir(path):
 
 
 def train(args):
-    """The GRPO loop. Returns the summary dict (also written to <out>/summary.json)."""
+    """The GRPO loop. Returns the summary dict (also written to <out>/summary.json by rank 0)."""
     t_start = time.time()
+    rank, world, device = init_distributed(args.device or quantize.autodetect_device())
+    if rank > 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors still reach stderr
     state = None
     if args.resume:
         ckpt = find_checkpoint(args.resume)
@@ -488,12 +577,15 @@ def train(args):
         if not args.out:
             args.out = os.path.dirname(os.path.abspath(ckpt))
     validate_args(args)
+    if args.batch < world:
+        raise ValueError(f"--batch {args.batch} is smaller than the number of ranks ({world}): every rank "
+                         f"needs at least one prompt group; raise --batch or launch fewer processes")
     check_model_dir(args.model)
     train_set, eval_set = make_splits(args)  # bad data fails here, before the model loads
     if not args.out:
         args.out = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(args.out, exist_ok=True)
-    device = args.device or quantize.autodetect_device()
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
     system = {"auto": wants_instruction(args.model), "paper": True, "none": False}[args.system]
@@ -517,6 +609,7 @@ def train(args):
         random.setstate(state["python_rng"])
         start = state["step"]
         print(f"resume | {ckpt} | step {start}/{args.steps} | hyper-parameters from the checkpoint")
+    broadcast_parameters(params)
 
     # the whole held-out pool (not just --eval-size of it) stays out of training
     exclude = frozenset()
@@ -524,12 +617,14 @@ def train(args):
         pool = arithmetic_problems(max(EVAL_POOL, args.eval_size), EVAL_SEED, args.digits, args.nops)
         exclude = frozenset(p["question"] for p in pool)
     metrics_path = os.path.join(args.out, "metrics.jsonl")
-    truncate_metrics(metrics_path, start)
-    with open(os.path.join(args.out, "args.json"), "w") as f:
-        json.dump(vars(args), f, indent=2)
+    if rank == 0:
+        truncate_metrics(metrics_path, start)
+        with open(os.path.join(args.out, "args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
     print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
           f"device {device} | dtype {str(dtype).replace('torch.', '')} | steps {args.steps} | B {args.batch} | "
-          f"G {args.group} | lr {args.lr:g} | out {args.out}")
+          f"G {args.group} | lr {args.lr:g} | out {args.out}" + (f" | ranks {world}" if world > 1 else ""))
+    evaluating = rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
 
     def run_eval(step, k):
         t0 = time.time()
@@ -543,38 +638,40 @@ def train(args):
     if state is not None and state.get("first_eval"):
         first_eval = state["first_eval"]  # the gain is measured from the start of the whole run
     else:
-        first_eval = run_eval(start, args.eval_k) if args.eval_size > 0 else None
+        first_eval = run_eval(start, args.eval_k) if evaluating else None
     last_eval, done, skipped, stopped, last_ckpt = first_eval, start, 0, "steps", None
     # keep back time for the final evaluation (it also samples pass@k): 1.5x the first one
     reserve = 1.5 * first_eval["seconds"] if first_eval else 0.0
     recent = []  # s/step of the last few steps
     for step in range(start, args.steps):
         next_step = sum(recent[-5:]) / len(recent[-5:]) if recent else 0.0
-        if args.time_budget and time.time() - t_start + reserve + next_step > args.time_budget:
+        out_of_time = args.time_budget and time.time() - t_start + reserve + next_step > args.time_budget
+        if all_reduce([rank == 0 and out_of_time])[0]:  # rank 0's clock decides for everyone
             stopped = "time budget"
             break
         rec = grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, exclude, system, device)
         skipped += rec.pop("skipped")
         recent.append(rec["s/step"])
         rec["time"] = time.time() - t_start
-        log_jsonl(metrics_path, rec)
+        if rank == 0:
+            log_jsonl(metrics_path, rec)
         if not args.quiet:
             print(f"step {rec['step']}/{args.steps} | reward {rec['reward']:.3f} | acc {rec['acc']:.3f} | "
                   f"entropy {rec['entropy']:.3f} | kl {fmt(rec['kl'])} | clip {rec['clip']:.4f} | "
                   f"len {rec['len']:.1f} | sigma {rec['sigma']:.2e} | tok/s {rec['tok/s']:.0f} | "
                   f"s/step {rec['s/step']:.2f}", flush=True)
         done = step + 1
-        if args.eval_every and done % args.eval_every == 0 and done < args.steps and args.eval_size > 0:
+        if args.eval_every and done % args.eval_every == 0 and done < args.steps and evaluating:
             last_eval = run_eval(done, 0)
-        if (args.save_every and done % args.save_every == 0) or done == args.stop_at:
+        if rank == 0 and ((args.save_every and done % args.save_every == 0) or done == args.stop_at):
             last_ckpt = checkpoint(args, done, model, opt, feedback, first_eval) or last_ckpt
         if args.stop_at and done >= args.stop_at:
             stopped = "stop-at"
             break
-    if stopped != "stop-at":
+    if stopped != "stop-at" and rank == 0:
         if done > start and (last_ckpt is None or not last_ckpt.endswith(f"{done:06d}")):
             last_ckpt = checkpoint(args, done, model, opt, feedback, first_eval) or last_ckpt
-        if args.eval_size > 0 and (last_eval is None or last_eval["step"] != done or "k" not in last_eval):
+        if evaluating and (last_eval is None or last_eval["step"] != done or "k" not in last_eval):
             last_eval = run_eval(done, args.eval_k)
     summary = {"steps_done": done, "stopped_by": stopped, "skipped_updates": skipped,
                "wall_s": time.time() - t_start, "first_eval": first_eval, "final_eval": last_eval,
@@ -583,17 +680,21 @@ def train(args):
         summary["greedy_gain"] = last_eval["greedy"] - first_eval["greedy"]
         print(f"summary | steps {done} | greedy {first_eval['greedy']:.3f} -> {last_eval['greedy']:.3f} "
               f"({100 * summary['greedy_gain']:+.1f} points) | wall {summary['wall_s']:.0f}s | out {args.out}")
-    write_json(os.path.join(args.out, "summary.json"), summary)
+    if rank == 0:
+        write_json(os.path.join(args.out, "summary.json"), summary)
     return summary
 
 
 def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, exclude, system, device):
-    """Sample, score, update once (or --mu times). Returns the step's metrics."""
+    """Sample this rank's share of the step's groups, score them, update once (or --mu times) with
+    the gradient summed over ranks. Returns the step's metrics, reduced over ranks."""
     t0 = time.time()
+    rank, world = rank_and_world()
     lr = args.lr * lr_at(step)
     for group in opt.param_groups:
         group["lr"] = lr
     problems = train_batch(train_set, step, args.batch, args.seed, args.digits, args.nops, exclude)
+    problems = shard(problems, rank, world)  # whole groups: a group's advantage needs all G rewards
     prompts = [tok.encode(prompt_text(p["question"], system)) for p in problems]
     if feedback is not None:
         sigma = feedback.sigma
@@ -603,20 +704,55 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
     else:
         sigma = 0.0
     # One generator per step, derived from (seed, step): sampling and AQN draws are then the same
-    # whether or not the run was interrupted and resumed.
-    gen = torch.Generator(device=device).manual_seed(args.seed * 1_000_003 + step)
+    # whether or not the run was interrupted and resumed. Every rank draws the same AQN noise (it
+    # perturbs the one model everybody samples from); ranks > 0 then sample from streams of their own,
+    # while rank 0 continues the first, so a single process is unchanged by all this.
+    seed = args.seed * 1_000_003 + step
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen), \
             merged_sampling_weights(model, enabled=str(device).startswith("cpu")):
+        if rank > 0:
+            gen = torch.Generator(device=device).manual_seed(seed + rank * 2 ** 40)
         ro = rollout.generate(model, prompts, num_samples=args.group, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, eos_token_ids=tok.eos_token_ids, generator=gen,
                               tokenizer=tok)
     t_sample = time.time() - t0
-    # inference-mode tensors cannot enter autograd: take plain copies (small) for the update
-    ids, mask = ro.completion_ids.clone(), ro.completion_mask.float().clone()  # (N, T) N = B*G rows, prompt-major
-    old_logp = ro.logprobs.float().clone()  # (N, T) pi_old = the noisy sampler
     golds = [p["answer"] for p in problems for _ in range(args.group)]
-    rewards = torch.tensor([reward_fn(t, g) for t, g in zip(ro.texts, golds)])  # (N,)
-    correct = (rewards >= 1.0).float()  # (N,)
+    rewards = torch.tensor([reward_fn(t, g) for t, g in zip(ro.texts, golds)])  # (N,) N = this rank's B*G rows
+    # inference-mode tensors cannot enter autograd: take plain copies (small) for the update
+    mask = ro.completion_mask.float().clone()  # (N, T)
+    upd = policy_update(args, model, opt, params, ro.prompt_ids, ro.completion_ids.clone(), mask,
+                        ro.logprobs.float().clone(), rewards)
+
+    if upd["skipped"]:
+        print(f"step {step + 1} | {upd['skipped']} | skipping this update (no weights changed)")
+    # the step's numbers over all ranks: sums in one all_reduce, maxima in another
+    reward_sum, correct_sum, rows, ent_sum, tok_sum, trunc_sum, kept_sum = all_reduce([
+        float(rewards.sum()), float((rewards >= 1.0).sum()), float(mask.shape[0]),
+        float((ro.entropy.float() * mask).sum()), float(mask.sum()),
+        float((mask.sum(1) >= args.max_new_tokens).sum()), float(upd["kept_rows"])])
+    t_sample_max, ratio_max = all_reduce([t_sample, upd["ratio_max"]], op="max")
+    entropy = ent_sum / max(tok_sum, 1.0)
+    if feedback is not None:
+        feedback.update(entropy)  # the same global entropy on every rank: sigma stays in step
+    return {"step": step + 1, "reward": reward_sum / rows, "acc": correct_sum / rows, "entropy": entropy,
+            "kl": upd["kl"], "clip": upd["clip"], "len": tok_sum / rows, "sigma": sigma,
+            "tok/s": tok_sum / max(t_sample_max, 1e-9), "s/step": time.time() - t0, "t_sample": t_sample_max,
+            "loss": upd["loss"], "grad_norm": upd["grad_norm"], "lr": lr, "kl_old": upd["kl_old"],
+            "ratio_max": ratio_max, "frac_zero_std": 1.0 - kept_sum / rows, "truncated": trunc_sum / rows,
+            "skipped": int(bool(upd["skipped"]))}
+
+
+def policy_update(args, model, opt, params, prompt_ids, ids, mask, old_logp, rewards):
+    """--mu optimizer steps on this rank's rows; the gradient is summed over ranks first.
+
+    prompt_ids: list of N token lists; ids, mask, old_logp (N, T) from the sampler; rewards (N,) in
+    whole groups of args.group. Each rank's loss is divided by the *global* normaliser (tokens,
+    sequences or rows summed over ranks), so it is exactly its share of the loss one process would
+    compute on all rows, and the summed gradient is that process's gradient. Returns the global loss,
+    gradient norm and clipping/KL statistics; "skipped" says why no step was taken (non-finite loss
+    or gradient), the same on every rank."""
+    device = model_device(model)
     adv = group_advantages(rewards, args.group, scale_std=not args.no_std_scale).to(device)  # (N,)
     # Groups whose G rewards are all equal have zero advantage: they add nothing to the surrogate, so
     # the update (forward + backward, the larger half of a step) runs on the other rows only.
@@ -624,11 +760,21 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
     rows = keep.nonzero().squeeze(1).tolist()
     t_max = int(mask[rows].sum(1).max()) if rows else 0  # the kept rows may all be shorter than T
     k_ids, k_mask, k_old = ids[rows, :t_max], mask[rows, :t_max], old_logp[rows, :t_max]  # (n, t_max) each
-    k_adv, k_prompts = adv[rows], [ro.prompt_ids[i] for i in rows]
-
-    stats, loss_val, grad_norm, skipped = {"clip": 0.0, "kl": float("nan")}, 0.0, 0.0, 0
-    if rows:
-        for _ in range(args.mu):
+    k_adv, k_prompts = adv[rows], [prompt_ids[i] for i in rows]
+    k_tok = float(k_mask.sum())
+    g_tok, g_seqs, g_kept, g_rows = all_reduce([k_tok, float((k_mask.sum(1) > 0).sum()), float(len(rows)),
+                                                float(mask.shape[0])])
+    denom = {"token-mean": max(g_tok, 1.0), "seq-mean-token-mean": max(g_seqs, 1.0),
+             "seq-mean-token-sum-norm": g_rows * args.max_new_tokens}[args.loss_agg]
+    out = {"loss": 0.0, "grad_norm": 0.0, "skipped": "", "kept_rows": len(rows), "clip": 0.0,
+           "kl": float("nan"), "kl_old": float("nan"), "ratio_max": 1.0}
+    if g_kept == 0:  # no rank has a group with signal: nobody updates (a global decision)
+        return out
+    for _ in range(args.mu):
+        opt.zero_grad(set_to_none=True)
+        stats = {"clip": 0.0, "kl": 0.0, "kl_old": 0.0, "ratio_max": 1.0}
+        loss = torch.zeros((), device=device)
+        if rows:
             logp, ent = rollout.sequence_logprobs(model, k_prompts, k_ids, k_mask,
                                                   temperature=args.temperature)  # (n, T) each
             ref_logp = None
@@ -638,32 +784,26 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
                                                             temperature=args.temperature)  # (n, T)
             loss, stats = grpo_loss(logp.float(), k_old, k_adv, k_mask, args.eps_low, args.eps_high, args.loss_agg,
                                     args.max_new_tokens, ref_logp, args.beta, ent.float(), args.entropy_coef,
-                                    num_seqs=mask.shape[0])
-            opt.zero_grad(set_to_none=True)
-            if not torch.isfinite(loss):
-                print(f"step {step + 1} | loss is {loss.item()} | skipping this update (no weights changed)")
-                skipped = 1
-                break
+                                    denom=denom)
+        # the statistics are token means over this rank's kept rows: weight them by its share of tokens
+        share = k_tok / max(g_tok, 1.0)
+        loss_sum, out["clip"], out["kl"], out["kl_old"] = all_reduce([
+            float(loss.detach()), stats["clip"] * share, stats["kl"] * share, stats["kl_old"] * share])
+        out["ratio_max"] = stats["ratio_max"]
+        if not math.isfinite(loss_sum):  # the same verdict on every rank
+            out["skipped"] = f"loss is {loss_sum}"
+            break
+        if rows:
             loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
-            if not math.isfinite(grad_norm):
-                print(f"step {step + 1} | gradient norm is {grad_norm} | skipping this update (no weights changed)")
-                skipped = 1
-                break
-            opt.step()
-            loss_val = loss.item()
-        opt.zero_grad(set_to_none=True)
-
-    entropy = float((ro.entropy.float() * mask).sum() / mask.sum().clamp(min=1))
-    if feedback is not None:
-        feedback.update(entropy)
-    n_tok = float(mask.sum())
-    return {"step": step + 1, "reward": rewards.mean().item(), "acc": correct.mean().item(), "entropy": entropy,
-            "kl": stats["kl"], "clip": stats["clip"], "len": n_tok / mask.shape[0], "sigma": sigma,
-            "tok/s": n_tok / max(t_sample, 1e-9), "s/step": time.time() - t0, "t_sample": t_sample,
-            "loss": loss_val, "grad_norm": grad_norm, "lr": lr, "kl_old": stats.get("kl_old", float("nan")),
-            "ratio_max": stats.get("ratio_max", 1.0), "frac_zero_std": 1.0 - keep.float().mean().item(),
-            "truncated": float((mask.sum(1) >= args.max_new_tokens).float().mean()), "skipped": skipped}
+        all_reduce_grads(params)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
+        if not math.isfinite(grad_norm):
+            out["skipped"] = f"gradient norm is {grad_norm}"
+            break
+        opt.step()
+        out["loss"], out["grad_norm"] = loss_sum, grad_norm
+    opt.zero_grad(set_to_none=True)
+    return out
 
 
 def checkpoint(args, step, model, opt, feedback, first_eval):
@@ -794,3 +934,6 @@ if __name__ == "__main__":
         train(build_parser().parse_args())
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

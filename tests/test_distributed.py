@@ -1,0 +1,155 @@
+"""Stage 05 under torchrun: data-parallel GRPO on 2 CPU processes (gloo) against 1 process.
+
+The equivalence test samples real rollouts from a random micro model once, then gives the same rows
+to one process (all groups) and to two torchrun ranks (each its share of whole groups) and compares
+the adapters after the update. It uses SGD as well as AdamW because AdamW's first step is nearly
+lr * sign(gradient): a gradient off by a constant factor (a mean where a sum belongs) would pass.
+This file is also the worker torchrun starts: `python -m torch.distributed.run ... test_distributed.py`.
+"""
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # when torchrun runs this file as the worker
+    sys.path.insert(0, ROOT)
+
+grpo = importlib.import_module("05_grpo")
+rollout = importlib.import_module("03_rollout")
+lora = importlib.import_module("02_lora")
+
+G = 4  # samples per group
+# (name, 05_grpo.py flags, optimizer, number of groups, index of a group whose rewards are all equal)
+CASES = [
+    ("token-mean", ["--loss-agg", "token-mean"], "sgd", 2, None),
+    ("seq-mean-token-mean", ["--loss-agg", "seq-mean-token-mean"], "sgd", 2, None),
+    ("seq-mean-token-sum-norm", ["--loss-agg", "seq-mean-token-sum-norm"], "sgd", 2, None),
+    ("global-norm-clipping", ["--grad-clip", "1e-2"], "sgd", 2, None),
+    # rank 0's only group has no signal: it trains on nothing but must still join every collective
+    ("idle-rank-mu2-kl", ["--mu", "2", "--beta", "0.05"], "sgd", 2, 0),
+    ("adamw-uneven-3-groups", [], "adamw", 3, None),
+]
+
+
+def micro_model(lora_seed=0):
+    """A random 2-layer model with a trained-looking adapter (B != 0, so A gets gradients too)."""
+    tok = rollout.byte_tokenizer()
+    model = rollout.random_model(tok, seed=0)
+    lora.add_lora(model, r=4, alpha=8, generator=torch.Generator().manual_seed(lora_seed))
+    gen = torch.Generator().manual_seed(lora_seed + 1)
+    with torch.no_grad():
+        for p in lora.lora_parameters(model):
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model, tok
+
+
+def make_rows(model, tok, n_groups, flat_group, seed):
+    """Real samples of n_groups prompts x G, with ragged lengths (one row empty), hand-set rewards and
+    a perturbed pi_old (so that some tokens are clipped)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [tok.encode(f"{10 + i}+{3 * i}=?") for i in range(n_groups)]
+    ro = rollout.generate(model, prompts, num_samples=G, max_new_tokens=10, temperature=1.0,
+                          eos_token_ids=[], generator=gen)
+    ids, mask = ro.completion_ids.clone(), ro.completion_mask.float().clone()  # (N, T)
+    lengths = torch.randint(1, ids.shape[1] + 1, (ids.shape[0],), generator=gen)  # (N,)
+    lengths[1] = 0  # an empty completion (only the seq-mean aggregation must skip it)
+    cut = torch.arange(ids.shape[1])[None, :] >= lengths[:, None]  # (N, T)
+    mask[cut] = 0.0
+    ids[cut] = 0
+    old_logp = ro.logprobs.float() + 0.3 * torch.randn(ids.shape, generator=gen)  # (N, T)
+    rewards = torch.tensor([1.1, 0.0, 0.1, 1.0, 0.0, 1.1, 1.1, 0.1, 1.0, 0.0, 0.0, 0.1][:n_groups * G])  # (N,)
+    if flat_group is not None:
+        rewards[flat_group * G:(flat_group + 1) * G] = 1.0
+    return {"prompt_ids": ro.prompt_ids, "ids": ids, "mask": mask, "old_logp": old_logp * mask, "rewards": rewards}
+
+
+def run_case(name, flags, optimizer, rows, rank=0, world=1):
+    """One policy_update on this rank's share of the groups -> (adapter after, the update's report)."""
+    model, _ = micro_model()
+    params = lora.lora_parameters(model)
+    grpo.broadcast_parameters(params)
+    args = grpo.build_parser().parse_args(["--group", str(G), "--max-new-tokens", "10", "--grad-clip", "1e9",
+                                           *flags])
+    opt = torch.optim.SGD(params, lr=0.5) if optimizer == "sgd" else torch.optim.AdamW(params, lr=1e-2)
+    n_groups = rows["ids"].shape[0] // G
+    mine = grpo.shard(list(range(n_groups)), rank, world)
+    r = [g * G + j for g in mine for j in range(G)]
+    report = grpo.policy_update(args, model, opt, params, [rows["prompt_ids"][i] for i in r], rows["ids"][r],
+                                rows["mask"][r], rows["old_logp"][r], rows["rewards"][r])
+    return [p.detach().clone() for p in params], report
+
+
+def worker(case_file, out_dir):
+    rank, world, _ = grpo.init_distributed("cpu")
+    cases = torch.load(case_file, weights_only=False)
+    results = {name: run_case(name, flags, optimizer, rows, rank, world) for name, flags, optimizer, rows in cases}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def torchrun(*argv, nproc=2, timeout=180):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           *map(str, argv)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert r.returncode == 0, f"torchrun failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def test_two_ranks_take_the_same_step_as_one_process(tmp_path):
+    model, tok = micro_model()
+    cases = [(name, flags, optimizer, make_rows(model, tok, n_groups, flat, seed=i))
+             for i, (name, flags, optimizer, n_groups, flat) in enumerate(CASES)]
+    torch.save(cases, tmp_path / "cases.pt")
+    torchrun(os.path.abspath(__file__), tmp_path / "cases.pt", tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    before = [p.detach().clone() for p in lora.lora_parameters(model)]
+    for name, flags, optimizer, rows in cases:
+        want, report = run_case(name, flags, optimizer, rows)
+        assert report["skipped"] == "" and report["grad_norm"] > 0, name
+        moved = max(float((w - b).abs().max()) for w, b in zip(want, before))
+        assert moved > 1e-4, f"{name}: the update is too small to compare"
+        for rank in range(2):
+            got, got_report = ranks[rank][name]
+            # AdamW divides by |gradient|: where that is near its eps, summation-order rounding is
+            # amplified up to ~1e-4 of lr; SGD's update is the gradient itself, held to fp32 rounding
+            atol = 1e-5 if optimizer == "adamw" else 1e-7
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=atol, msg=lambda m: f"{name}, rank {rank}: {m}")
+            for key in ("loss", "grad_norm", "clip", "kl_old", "kl"):  # the logged numbers are global too
+                assert got_report[key] == pytest.approx(report[key], rel=1e-5, abs=1e-8, nan_ok=True), (name, key)
+        for a, b in zip(ranks[0][name][0], ranks[1][name][0]):  # the ranks hold identical adapters
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert ranks[0]["global-norm-clipping"][1]["grad_norm"] > 1e-2  # the clip really acted
+    assert ranks[1]["idle-rank-mu2-kl"][1]["kept_rows"] == G and ranks[0]["idle-rank-mu2-kl"][1]["kept_rows"] == 0
+
+
+def test_torchrun_run_prints_once_checkpoints_and_resumes_on_one_process(tmp_path):
+    out = tmp_path / "dp"
+    common = ["--batch", "3", "--group", "4", "--max-new-tokens", "40", "--eval-size", "4", "--eval-k", "0",
+              "--save-every", "0", "--time-budget", "0", "--device", "cpu", "--warmup", "1", "--lr", "5e-3"]
+    stdout = torchrun("05_grpo.py", "--steps", "3", "--stop-at", "2", "--out", out, *common)
+    assert sum(line.startswith("run |") for line in stdout.splitlines()) == 1  # rank 0 alone prints
+    assert "ranks 2" in stdout and sum(line.startswith("step ") for line in stdout.splitlines()) == 2
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "eval" not in r] == [1, 2]
+    assert [r["eval"]["step"] for r in rows if "eval" in r] == [0]
+    assert {"adapter_model.safetensors", "trainer_state.pt"} <= set(os.listdir(out / "checkpoint-000002"))
+    assert sorted(os.listdir(tmp_path)) == ["dp"]  # no other rank wrote a run folder
+    # a 2-rank checkpoint resumes on 1 process (the global batch does not depend on the rank count)
+    summary = grpo.train(grpo.build_parser().parse_args(["--resume", str(out), "--quiet", "--time-budget", "0"]))
+    assert summary["steps_done"] == 3 and summary["final_eval"]["step"] == 3
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "eval" not in r] == [1, 2, 3]
+    for r in rows:
+        if "eval" not in r:
+            assert 0.0 <= r["reward"] <= 1.1 and 0.0 <= r["frac_zero_std"] <= 1.0 and r["len"] > 0
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2])
