@@ -196,10 +196,12 @@ def load_jsonl(path):
 
 
 def make_splits(args):
-    """(train, eval). train is a list of problems, or None for the endless synthetic stream."""
+    """(train, eval, exclude). train is a list of problems, or None for the endless synthetic stream;
+    exclude is the set of questions the synthetic stream must skip: the whole held-out pool, not just
+    the --eval-size of it that is evaluated (a data file's split is already disjoint)."""
     if args.data == "arith":
         pool = arithmetic_problems(max(EVAL_POOL, args.eval_size), EVAL_SEED, args.digits, args.nops)
-        return None, pool[:args.eval_size]
+        return None, pool[:args.eval_size], frozenset(p["question"] for p in pool)
     train = load_jsonl(args.data)
     if args.eval_data:
         held = load_jsonl(args.eval_data)[:args.eval_size]
@@ -212,7 +214,7 @@ def make_splits(args):
     train = [p for p in train if p["question"] not in held_q]  # eval problems never train
     if not train:
         raise ValueError(f"no training problems left in {args.data!r} after removing the evaluation set")
-    return train, held
+    return train, held, frozenset()
 
 
 def train_batch(train, step, n, seed, digits=3, nops=2, exclude=frozenset()):
@@ -557,6 +559,18 @@ def check_model_dir(path):
         raise ValueError(f"--model {path!r}: config.json is not valid JSON ({e})") from None
 
 
+def build_policy(args, device):
+    """The frozen (quantized) base with fresh LoRA adapters and their AdamW -> (model, tok, params, opt).
+    The adapter initialisation depends on --seed alone, so every rank builds the same one."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        args.dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")]
+    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
+    lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
+    params = lora.lora_parameters(model)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    return model, tok, params, opt
+
+
 def train(args):
     """The GRPO loop. Returns the summary dict (also written to <out>/summary.json by rank 0)."""
     t_start = time.time()
@@ -581,20 +595,13 @@ def train(args):
         raise ValueError(f"--batch {args.batch} is smaller than the number of ranks ({world}): every rank "
                          f"needs at least one prompt group; raise --batch or launch fewer processes")
     check_model_dir(args.model)
-    train_set, eval_set = make_splits(args)  # bad data fails here, before the model loads
+    train_set, eval_set, exclude = make_splits(args)  # bad data fails here, before the model loads
     if not args.out:
         args.out = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
     system = {"auto": wants_instruction(args.model), "paper": True, "none": False}[args.system]
-
-    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
-    lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha,
-                  generator=torch.Generator().manual_seed(args.seed))
-    params = lora.lora_parameters(model)
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    model, tok, params, opt = build_policy(args, device)
     lr_at = lr_lambda(args.warmup, args.steps, args.min_lr_ratio)  # a pure function of the step: nothing to save
     feedback = None
     if args.aqn and args.aqn_kind == "feedback":
@@ -611,18 +618,14 @@ def train(args):
         print(f"resume | {ckpt} | step {start}/{args.steps} | hyper-parameters from the checkpoint")
     broadcast_parameters(params)
 
-    # the whole held-out pool (not just --eval-size of it) stays out of training
-    exclude = frozenset()
-    if train_set is None:
-        pool = arithmetic_problems(max(EVAL_POOL, args.eval_size), EVAL_SEED, args.digits, args.nops)
-        exclude = frozenset(p["question"] for p in pool)
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     if rank == 0:
         truncate_metrics(metrics_path, start)
         with open(os.path.join(args.out, "args.json"), "w") as f:
             json.dump(vars(args), f, indent=2)
+    dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
     print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
-          f"device {device} | dtype {str(dtype).replace('torch.', '')} | steps {args.steps} | B {args.batch} | "
+          f"device {device} | dtype {dtype} | steps {args.steps} | B {args.batch} | "
           f"G {args.group} | lr {args.lr:g} | out {args.out}" + (f" | ranks {world}" if world > 1 else ""))
     evaluating = rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
 

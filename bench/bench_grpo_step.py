@@ -33,8 +33,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 grpo = importlib.import_module("05_grpo")
-lora = importlib.import_module("02_lora")
-rollout = importlib.import_module("03_rollout")
 quantize = importlib.import_module("01_quantize")
 
 # ---------------------------------------------------------------------------------------------------
@@ -60,25 +58,18 @@ class PhaseTimer:
         self.seconds = 0.0
 
 # ---------------------------------------------------------------------------------------------------
-# One quantization: build what 05's train() builds, then run grpo_step and split its time
+# One quantization: build what 05's train() builds (with its functions), then run grpo_step and split its time
 
 
 def setup(args):
-    """Model, tokenizer, optimizer and the other inputs of grpo_step, as 05's train() makes them."""
+    """Model, tokenizer, optimizer and the other inputs of grpo_step, made by 05's own functions."""
     device = args.device or quantize.autodetect_device()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
-    system = {"auto": grpo.wants_instruction(args.model), "paper": True, "none": False}[args.system]
-    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
-    lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
-    params = lora.lora_parameters(model)
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    lr_at = grpo.lr_lambda(args.warmup, args.steps, args.min_lr_ratio)
-    train_set, _ = grpo.make_splits(args)
-    pool = grpo.arithmetic_problems(max(grpo.EVAL_POOL, args.eval_size), grpo.EVAL_SEED, args.digits, args.nops)
-    exclude = frozenset(p["question"] for p in pool) if train_set is None else frozenset()
-    return dict(model=model, tok=tok, opt=opt, lr_at=lr_at, params=params, feedback=None, train_set=train_set,
-                exclude=exclude, system=system, device=device)
+    train_set, _, exclude = grpo.make_splits(args)
+    model, tok, params, opt = grpo.build_policy(args, device)
+    return dict(model=model, tok=tok, opt=opt, lr_at=grpo.lr_lambda(args.warmup, args.steps, args.min_lr_ratio),
+                params=params, feedback=None, train_set=train_set, exclude=exclude,
+                system={"auto": grpo.wants_instruction(args.model), "paper": True, "none": False}[args.system],
+                device=device)
 
 
 def measure(bench_args, train_argv):

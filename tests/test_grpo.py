@@ -65,6 +65,9 @@ def test_splits_exclude_eval_and_are_pure_functions_of_seed_and_step():
     assert first not in {p["question"] for p in grpo.train_batch(None, 0, 4, seed=1, exclude=frozenset([first]))}
     # the eval set is a prefix of the held-out stream, so --eval-size 200 is part of --eval-size 500
     assert grpo.arithmetic_problems(20, grpo.EVAL_SEED) == grpo.arithmetic_problems(50, grpo.EVAL_SEED)[:20]
+    # training skips the whole held-out pool, not just the part that is evaluated
+    train, held, skipped = grpo.make_splits(parse("--eval-size", "300"))
+    assert train is None and len(held) == 300 and skipped == pool
 
 # -----------------------------------------------------------------------------
 # Data
@@ -102,8 +105,8 @@ def test_gsm8k_loader(tmp_path, capsys):
 def test_jsonl_splits_hold_out_eval(tmp_path):
     rows = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(20)]
     args = grpo.build_parser().parse_args(["--data", write_jsonl(tmp_path / "d.jsonl", rows), "--eval-size", "5"])
-    train, held = grpo.make_splits(args)
-    assert len(held) == 5 and len(train) == 15
+    train, held, exclude = grpo.make_splits(args)
+    assert len(held) == 5 and len(train) == 15 and exclude == frozenset()  # a file's split is disjoint already
     assert not {p["question"] for p in held} & {p["question"] for p in train}
     # every training problem is visited once per epoch, in a seeded order
     seen = [p["question"] for s in range(5) for p in grpo.train_batch(train, s, 3, seed=0)]
