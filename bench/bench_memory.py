@@ -46,7 +46,8 @@ for p in (ROOT, BENCH):
         sys.path.insert(0, p)
 ro = importlib.import_module("03_rollout")
 lora = importlib.import_module("02_lora")
-from bench_rollout import DTYPES, QUANTS, SHAPES, build_random_model, model_config, weight_bytes  # noqa: E402
+from bench_rollout import (DTYPES, QUANTS, SHAPES, build_random_model, model_config, pick_device,  # noqa: E402
+                           weight_bytes)
 
 # ---------------------------------------------------------------------------------------------------
 # Memory readings (bytes)
@@ -246,11 +247,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    if args.device not in (None, "cpu", "cuda"):
-        raise SystemExit(f"error: --device must be cpu or cuda, got {args.device!r}")
-    device = torch.device(args.device or ro.autodetect_device())
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but torch sees no CUDA GPU; use --device cpu")
+    device = pick_device(args.device)
     if args.shape not in SHAPES:
         raise SystemExit(f"error: unknown --shape {args.shape!r}; choose one of {', '.join(SHAPES)}")
     if args.hidden and not args.heads:

@@ -190,6 +190,16 @@ def bench_quant(cfg, quant, args, device, dtype):
 # ---------------------------------------------------------------------------------------------------
 # Command line
 
+def pick_device(name):
+    """--device (None, "cpu" or "cuda") -> torch.device, or exit with a one-line error."""
+    if name not in (None, "cpu", "cuda"):
+        raise SystemExit(f"error: --device must be cpu or cuda, got {name!r}")
+    device = torch.device(name or ro.autodetect_device())
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch sees no CUDA GPU; use --device cpu")
+    return device
+
+
 def parse_int_list(text, flag):
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -215,11 +225,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    if args.device not in (None, "cpu", "cuda"):
-        raise SystemExit(f"error: --device must be cpu or cuda, got {args.device!r}")
-    device = torch.device(args.device or ro.autodetect_device())
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but torch sees no CUDA GPU; use --device cpu")
+    device = pick_device(args.device)
     args.shape = args.shape or ("qwen2.5-7b" if device.type == "cuda" else "tiny")
     if args.shape not in SHAPES:
         raise SystemExit(f"error: unknown --shape {args.shape!r}; choose one of {', '.join(SHAPES)}")
