@@ -8,8 +8,9 @@ It reads each run's metrics.jsonl and prints the mean seconds per step after --w
 rollout's share, and the speed-up of the ranks over the single process. The two runs alternate
 (--repeats times), so a slow spell of a shared machine hits both.
 
-A small model's operations are too small to keep several threads busy, so on a CPU data parallelism
-is the better use of N cores. On N GPUs it is the only way to use them. Run on a quiet machine:
+On a CPU the question is whether N processes use N cores better than one process with N threads
+(measured on 2 cores: no, 0.94x, see the README's "Scaling out"); on N GPUs data parallelism is the
+only way to use them all. Run on a quiet machine:
     python bench/bench_data_parallel.py                        # 2 ranks vs 1 process x 2 threads, ~2 min
     python bench/bench_data_parallel.py --ranks 4 --steps 40 --repeats 1
     python bench/bench_data_parallel.py -- --quant none --no-aqn   # after --: 05_grpo.py flags
