@@ -17,7 +17,7 @@ and metrics.jsonl and writes:
   curves.png    reward, held-out accuracy and entropy vs step, a band across seeds (needs
                 matplotlib, an optional extra: without it the plot is skipped and the rest still works)
 
-Run it (from the repository root; 15 runs of 300 steps take ~1 h on 2 cores with --parallel 2):
+Run it (from the repository root; 15 runs of 300 steps took 45 min on 2 cores with --parallel 2):
     python bench/compare_methods.py                                  # 5 methods x seeds 0 1 2, 300 steps
     python bench/compare_methods.py --steps 200 --seeds 0 1 2 3 4 --parallel 2
     python bench/compare_methods.py --methods lora qerl --steps 4 --seeds 0 --eval-size 20 --out /tmp/cmp
