@@ -151,5 +151,21 @@ def test_torchrun_run_prints_once_checkpoints_and_resumes_on_one_process(tmp_pat
             assert 0.0 <= r["reward"] <= 1.1 and 0.0 <= r["frac_zero_std"] <= 1.0 and r["len"] > 0
 
 
+def test_shards_are_whole_contiguous_and_balanced():
+    items = list(range(7))
+    for world in (1, 2, 3, 7):
+        parts = [grpo.shard(items, r, world) for r in range(world)]
+        assert sum(parts, []) == items  # every group once, in order
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_fewer_prompts_than_ranks_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(grpo, "init_distributed", lambda device: (0, 4, "cpu"))  # as if torchrun started 4
+    args = grpo.build_parser().parse_args(["--batch", "2", "--out", str(tmp_path / "o")])
+    with pytest.raises(ValueError, match=r"--batch 2 is smaller than the number of ranks \(4\)"):
+        grpo.train(args)
+    assert not (tmp_path / "o").exists()  # nothing written
+
+
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2])
