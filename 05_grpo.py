@@ -255,14 +255,14 @@ def group_advantages(rewards, group, scale_std=True, eps=1e-4):
     return adv.reshape(-1)  # (B*G,)
 
 
-def aggregate(values, mask, mode, max_new_tokens=None, num_seqs=None, denom=None):
+def aggregate(values, mask, mode, max_new_tokens=None, denom=None):
     """Reduce per-token values (N, T) under mask (N, T) to a scalar.
     token-mean: sum / number of tokens (DAPO; long answers weigh more).
     seq-mean-token-mean: mean over sequences of each one's token mean (original GRPO).
-    seq-mean-token-sum-norm: sum / (num_seqs * max_new_tokens), a constant (Dr. GRPO: no length
-    bias); num_seqs defaults to N (pass the full batch size when only some rows are given).
-    denom, when given, replaces the divisor (tokens, non-empty sequences, num_seqs * max_new_tokens):
-    data parallel passes the count over all ranks, so each rank gets its share of the global value."""
+    seq-mean-token-sum-norm: sum / (N * max_new_tokens), a constant (Dr. GRPO: no length bias).
+    denom, when given, replaces the divisor (tokens, non-empty sequences, N * max_new_tokens): the
+    update passes the count over all rows of the step (all ranks, including the rows it leaves out),
+    so each call gets its share of the step's value."""
     mask = mask.to(values.dtype)
     if mode == "token-mean":
         return (values * mask).sum() / (mask.sum().clamp(min=1) if denom is None else denom)
@@ -273,7 +273,7 @@ def aggregate(values, mask, mode, max_new_tokens=None, num_seqs=None, denom=None
     if mode == "seq-mean-token-sum-norm":
         if denom is None and not max_new_tokens:
             raise ValueError("loss aggregation seq-mean-token-sum-norm needs max_new_tokens")
-        return (values * mask).sum() / ((num_seqs or values.shape[0]) * max_new_tokens if denom is None else denom)
+        return (values * mask).sum() / (values.shape[0] * max_new_tokens if denom is None else denom)
     raise ValueError(f"unknown loss aggregation {mode!r}; choose token-mean, seq-mean-token-mean or "
                      f"seq-mean-token-sum-norm")
 
@@ -282,11 +282,11 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def grpo_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="token-mean", max_new_tokens=None,
-              ref_logp=None, beta=0.0, entropy=None, entropy_coef=0.0, num_seqs=None, denom=None):
+              ref_logp=None, beta=0.0, entropy=None, entropy_coef=0.0, denom=None):
     """The clipped surrogate (to minimise) and its statistics.
     logp (N, T) current policy, with gradients; old_logp (N, T) the sampler's (pi_old); adv (N,);
     mask (N, T) 1 on completion tokens; ref_logp (N, T) the reference policy (for beta > 0);
-    entropy (N, T) with gradients (for entropy_coef > 0); num_seqs, denom: see aggregate."""
+    entropy (N, T) with gradients (for entropy_coef > 0); denom: see aggregate."""
     mask = mask.float()
     ratio = torch.exp(logp - old_logp)  # (N, T) pi_theta / pi_old per token
     a = adv.view(-1, 1)  # (N, 1)
@@ -300,7 +300,7 @@ def grpo_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="token-
             per_tok = per_tok + beta * kl
     if entropy is not None and entropy_coef:
         per_tok = per_tok - entropy_coef * entropy  # a bonus: higher entropy lowers the loss
-    loss = aggregate(per_tok, mask, agg, max_new_tokens, num_seqs, denom)
+    loss = aggregate(per_tok, mask, agg, max_new_tokens, denom)
     with torch.no_grad():
         # a token is clipped when the clamp, not the raw ratio, sets the surrogate (zero gradient)
         clipped = ((ratio < 1 - eps_low) & (a < 0)) | ((ratio > 1 + eps_high) & (a > 0))  # (N, T)
@@ -541,10 +541,13 @@ def lr_lambda(warmup, total, min_ratio):
     return f
 
 
-def wants_instruction(path):
-    """The paper's instruction as system prompt, unless the model says it learned the format in
-    pretraining (the bundled tiny model's config.json has "qerl_prompt": "bare")."""
-    with open(os.path.join(path, "config.json")) as f:
+def wants_instruction(args):
+    """Whether prompts carry the paper's instruction as system prompt: --system paper / none, or auto:
+    yes unless the model says it learned the format in pretraining (the bundled tiny model's
+    config.json has "qerl_prompt": "bare")."""
+    if args.system != "auto":
+        return args.system == "paper"
+    with open(os.path.join(args.model, "config.json")) as f:
         return json.load(f).get("qerl_prompt") != "bare"
 
 
@@ -600,7 +603,7 @@ def train(args):
         args.out = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-    system = {"auto": wants_instruction(args.model), "paper": True, "none": False}[args.system]
+    system = wants_instruction(args)
     model, tok, params, opt = build_policy(args, device)
     lr_at = lr_lambda(args.warmup, args.steps, args.min_lr_ratio)  # a pure function of the step: nothing to save
     feedback = None
@@ -730,10 +733,10 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
     if upd["skipped"]:
         print(f"step {step + 1} | {upd['skipped']} | skipping this update (no weights changed)")
     # the step's numbers over all ranks: sums in one all_reduce, maxima in another
-    reward_sum, correct_sum, rows, ent_sum, tok_sum, trunc_sum, kept_sum = all_reduce([
-        float(rewards.sum()), float((rewards >= 1.0).sum()), float(mask.shape[0]),
-        float((ro.entropy.float() * mask).sum()), float(mask.sum()),
-        float((mask.sum(1) >= args.max_new_tokens).sum()), float(upd["kept_rows"])])
+    reward_sum, correct_sum, ent_sum, tok_sum, trunc_sum = all_reduce([
+        float(rewards.sum()), float((rewards >= 1.0).sum()), float((ro.entropy.float() * mask).sum()),
+        float(mask.sum()), float((mask.sum(1) >= args.max_new_tokens).sum())])
+    rows = upd["rows_all"]  # over all ranks, counted by the update
     t_sample_max, ratio_max = all_reduce([t_sample, upd["ratio_max"]], op="max")
     entropy = ent_sum / max(tok_sum, 1.0)
     if feedback is not None:
@@ -742,7 +745,7 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
             "kl": upd["kl"], "clip": upd["clip"], "len": tok_sum / rows, "sigma": sigma,
             "tok/s": tok_sum / max(t_sample_max, 1e-9), "s/step": time.time() - t0, "t_sample": t_sample_max,
             "loss": upd["loss"], "grad_norm": upd["grad_norm"], "lr": lr, "kl_old": upd["kl_old"],
-            "ratio_max": ratio_max, "frac_zero_std": 1.0 - kept_sum / rows, "truncated": trunc_sum / rows,
+            "ratio_max": ratio_max, "frac_zero_std": 1.0 - upd["kept_rows_all"] / rows, "truncated": trunc_sum / rows,
             "skipped": int(bool(upd["skipped"]))}
 
 
@@ -753,8 +756,9 @@ def policy_update(args, model, opt, params, prompt_ids, ids, mask, old_logp, rew
     whole groups of args.group. Each rank's loss is divided by the *global* normaliser (tokens,
     sequences or rows summed over ranks), so it is exactly its share of the loss one process would
     compute on all rows, and the summed gradient is that process's gradient. Returns the global loss,
-    gradient norm and clipping/KL statistics; "skipped" says why no step was taken (non-finite loss
-    or gradient), the same on every rank."""
+    gradient norm and clipping/KL statistics, this rank's and all ranks' count of kept rows and all
+    ranks' count of rows; "skipped" says why no step was taken (non-finite loss or gradient), the same
+    on every rank."""
     device = model_device(model)
     adv = group_advantages(rewards, args.group, scale_std=not args.no_std_scale).to(device)  # (N,)
     # Groups whose G rewards are all equal have zero advantage: they add nothing to the surrogate, so
@@ -769,8 +773,8 @@ def policy_update(args, model, opt, params, prompt_ids, ids, mask, old_logp, rew
                                                 float(mask.shape[0])])
     denom = {"token-mean": max(g_tok, 1.0), "seq-mean-token-mean": max(g_seqs, 1.0),
              "seq-mean-token-sum-norm": g_rows * args.max_new_tokens}[args.loss_agg]
-    out = {"loss": 0.0, "grad_norm": 0.0, "skipped": "", "kept_rows": len(rows), "clip": 0.0,
-           "kl": float("nan"), "kl_old": float("nan"), "ratio_max": 1.0}
+    out = {"loss": 0.0, "grad_norm": 0.0, "skipped": "", "clip": 0.0, "kl": float("nan"), "kl_old": float("nan"),
+           "ratio_max": 1.0, "kept_rows": len(rows), "kept_rows_all": g_kept, "rows_all": g_rows}
     if g_kept == 0:  # no rank has a group with signal: nobody updates (a global decision)
         return out
     for _ in range(args.mu):

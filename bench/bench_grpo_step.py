@@ -68,7 +68,7 @@ def setup(args):
     model, tok, params, opt = grpo.build_policy(args, device)
     return dict(model=model, tok=tok, opt=opt, lr_at=grpo.lr_lambda(args.warmup, args.steps, args.min_lr_ratio),
                 params=params, feedback=None, train_set=train_set, exclude=exclude,
-                system={"auto": grpo.wants_instruction(args.model), "paper": True, "none": False}[args.system],
+                system=grpo.wants_instruction(args),
                 device=device)
 
 
