@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
+from torch.utils.checkpoint import checkpoint
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
 
@@ -615,26 +616,58 @@ def left_pad(prompt_ids, completion_ids):
     return ids, key_ok, positions, P
 
 
-def completion_logits(model, prompt_ids, completion_ids):
-    """fp32 logits (B, T, V) of the distributions that produced each completion token."""
+def completion_hidden(model, prompt_ids, completion_ids):
+    """Final-norm hidden states (B, T, C) at the positions that predict each completion token."""
     T = completion_ids.shape[1]
     ids, key_ok, positions, P = left_pad(prompt_ids, completion_ids.to(model_device(model)))
     h = model.hidden_states(ids, positions, key_ok)  # (B, P+T, C)
+    return h[:, P - 1:P + T - 1]  # (B, T, C): the state at P-1+t predicts completion token t
+
+
+def completion_logits(model, prompt_ids, completion_ids):
+    """fp32 logits (B, T, V) of the distributions that produced each completion token."""
     # Running lm_head on just these T positions keeps (B, T, V) the only vocabulary-sized tensor.
-    return model.lm_head(h[:, P - 1:P + T - 1]).float()  # (B, T, V)
+    return model.lm_head(completion_hidden(model, prompt_ids, completion_ids)).float()  # (B, T, V)
+
+
+# Log-probs without the full logits. At a real vocabulary (Qwen2.5: 151,936) one fp32 (rows, T, V)
+# tensor for 128 rows x 1,024 tokens is ~80 GB, and log_softmax, the entropy's exp and their gradients
+# each make another. So the vocabulary-sized part runs over chunks of at most LOGITS_CHUNK_BYTES of fp32
+# logits, each under activation checkpointing: the forward keeps only the chunk's hidden states (C per
+# token, not V), and the backward recomputes one chunk's logits at a time.
+LOGITS_CHUNK_BYTES = 2 ** 28  # 256 MiB of fp32 logits per chunk: 441 tokens at V = 151,936
+
+
+def _token_logprobs(lm_head, h, ids, temperature):
+    """Log-prob of ids and entropy, each (n,), from hidden states h (n, C)."""
+    logits = lm_head(h).float()  # (n, V)
+    logp = (logits / temperature if temperature > 0 else logits).log_softmax(-1)  # (n, V)
+    return logp.gather(-1, ids[:, None]).squeeze(-1), entropy_from_logp(logp)  # (n,) each
 
 
 def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0):
     """Log-probs and entropies (B, T) of `completion_ids` after each row's prompt, with gradients.
 
     One left-padded forward over prompt + completion; positions after EOS come out as 0. For temperature
-    sampling without top-k/top-p this equals what `generate` recorded (up to fp rounding)."""
+    sampling without top-k/top-p this equals what `generate` recorded (up to fp rounding). Only the
+    completion tokens (mask > 0) reach lm_head, in chunks (see LOGITS_CHUNK_BYTES above)."""
     completion_ids = completion_ids.to(model_device(model))
-    logits = completion_logits(model, prompt_ids, completion_ids)  # (B, T, V)
-    logp = (logits / temperature if temperature > 0 else logits).log_softmax(-1)  # (B, T, V)
-    m = completion_mask.to(logp.device, logp.dtype)
-    lp = logp.gather(-1, completion_ids[..., None]).squeeze(-1)  # (B, T)
-    return lp * m, entropy_from_logp(logp) * m
+    B, T = completion_ids.shape
+    h = completion_hidden(model, prompt_ids, completion_ids)  # (B, T, C)
+    m = completion_mask.to(h.device, torch.float32)  # (B, T)
+    sel = m.reshape(-1).nonzero().squeeze(1)  # (n,) flat indices of the completion tokens
+    h_sel, ids_sel = h.reshape(B * T, -1)[sel], completion_ids.reshape(-1)[sel]  # (n, C), (n,)
+    step = max(1, LOGITS_CHUNK_BYTES // (4 * model.config.vocab_size))  # tokens per chunk
+    grad = torch.is_grad_enabled() and h_sel.requires_grad
+    lps, ents = [], []
+    for i in range(0, len(sel), step):
+        args = (model.lm_head, h_sel[i:i + step], ids_sel[i:i + step], temperature)
+        lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if grad else _token_logprobs(*args)
+        lps.append(lp)  # (chunk,)
+        ents.append(ent)
+    zero = h.sum(-1).float().reshape(-1) * 0  # (B*T,) zeros that keep the graph even with no token selected
+    lp, ent = (zero.index_put((sel,), torch.cat(v)) if v else zero for v in (lps, ents))  # (B*T,) each
+    return lp.view(B, T) * m, ent.view(B, T) * m  # (B, T) each
 
 
 def random_model(tok, seed=0, device="cpu"):

@@ -55,6 +55,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 quantize = importlib.import_module("01_quantize")
 lora = importlib.import_module("02_lora")
@@ -322,6 +323,25 @@ def grpo_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="token-
 # function up to float rounding (the sampler's log-probs are pi_old anyway, and the clipped ratio
 # absorbs any difference). On CUDA the NVFP4 kernel reads the 4-bit weights directly, and a merged
 # bf16 copy of a 7B model would cost its full size in memory, so there we sample the modules as they are.
+# --gpu-path takes that CUDA path on the CPU too (QERL_TRITON_CPU=1: stage 01 calls the interpreted kernel).
+
+
+def merge_for_sampling(device):
+    """Whether sampling merges the weights: on the CPU, unless the kernel path (--gpu-path) is on."""
+    return torch.device(device).type == "cpu" and os.environ.get("QERL_TRITON_CPU") != "1"
+
+
+def use_gpu_path(device):
+    """--gpu-path: run CUDA's code path (NVFP4Linear through the Triton kernel) on any device."""
+    if torch.device(device).type == "cpu":
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if "triton" in sys.modules and not interpreted:
+            raise ValueError("--gpu-path on the CPU runs the Triton kernel under the interpreter, which must be "
+                             "on before triton is imported: set TRITON_INTERPRET=1 in the environment")
+        os.environ["TRITON_INTERPRET"] = "1"
+    if quantize._nvfp4_kernel() is None:
+        raise ValueError("--gpu-path needs triton (pip install triton; Linux only)")
+    os.environ["QERL_TRITON_CPU"] = "1"
 
 
 @contextlib.contextmanager
@@ -372,7 +392,7 @@ def evaluate(model, tok, problems, system, max_new_tokens, k=0, temperature=1.0,
     the k samples) and pass@k (any of k correct) at `temperature`. Returns counts and rates."""
     prompts = [tok.encode(prompt_text(p["question"], system)) for p in problems]
     golds = [p["answer"] for p in problems]
-    with merged_sampling_weights(model, enabled=model_device(model).type == "cpu"):
+    with merged_sampling_weights(model, enabled=merge_for_sampling(model_device(model))):
         return _evaluate(model, tok, prompts, golds, max_new_tokens, k, temperature, seed, chunk)
 
 
@@ -489,7 +509,8 @@ def broadcast_parameters(params):
 # so these are only a safety net) and the run's arguments. It is written to a temporary folder and
 # renamed, so a crash never leaves half a checkpoint.
 
-RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_every", "device", "quiet")
+RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_every", "device", "quiet",
+                "micro_batch", "grad_checkpoint", "gpu_path")  # how to compute, not what: a resume may change them
 
 
 def save_checkpoint(out, step, model, opt, args, feedback=None, extra=None):
@@ -566,7 +587,7 @@ def build_policy(args, device):
     """The frozen (quantized) base with fresh LoRA adapters and their AdamW -> (model, tok, params, opt).
     The adapter initialisation depends on --seed alone, so every rank builds the same one."""
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        args.dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")]
+        args.dtype or ("bfloat16" if str(device).startswith("cuda") or args.gpu_path else "float32")]
     model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
     lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
     params = lora.lora_parameters(model)
@@ -598,6 +619,8 @@ def train(args):
         raise ValueError(f"--batch {args.batch} is smaller than the number of ranks ({world}): every rank "
                          f"needs at least one prompt group; raise --batch or launch fewer processes")
     check_model_dir(args.model)
+    if args.gpu_path:
+        use_gpu_path(device)
     train_set, eval_set, exclude = make_splits(args)  # bad data fails here, before the model loads
     if not args.out:
         args.out = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
@@ -716,7 +739,7 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
     seed = args.seed * 1_000_003 + step
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen), \
-            merged_sampling_weights(model, enabled=str(device).startswith("cpu")):
+            merged_sampling_weights(model, enabled=merge_for_sampling(device)):
         if rank > 0:
             gen = torch.Generator(device=device).manual_seed(seed + rank * 2 ** 40)
         ro = rollout.generate(model, prompts, num_samples=args.group, max_new_tokens=args.max_new_tokens,
@@ -749,6 +772,21 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
             "skipped": int(bool(upd["skipped"]))}
 
 
+@contextlib.contextmanager
+def grad_checkpointing(model, enabled=True):
+    """Inside: activation checkpointing per decoder layer. A layer keeps only its input for backward
+    and reruns its forward then, so the update holds one (rows, T, C) tensor per layer plus one
+    layer's activations at a time, for the price of a second forward."""
+    layers = list(model.model.layers) if enabled else []
+    for layer in layers:  # an instance attribute wins over the class's forward, as in merged_sampling_weights
+        layer.forward = lambda *a, f=layer.forward: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
 def policy_update(args, model, opt, params, prompt_ids, ids, mask, old_logp, rewards):
     """--mu optimizer steps on this rank's rows; the gradient is summed over ranks first.
 
@@ -777,31 +815,43 @@ def policy_update(args, model, opt, params, prompt_ids, ids, mask, old_logp, rew
            "ratio_max": 1.0, "kept_rows": len(rows), "kept_rows_all": g_kept, "rows_all": g_rows}
     if g_kept == 0:  # no rank has a group with signal: nobody updates (a global decision)
         return out
+    mb = args.micro_batch or max(len(rows), 1)  # rows per forward/backward
     for _ in range(args.mu):
         opt.zero_grad(set_to_none=True)
-        stats = {"clip": 0.0, "kl": 0.0, "kl_old": 0.0, "ratio_max": 1.0}
-        loss = torch.zeros((), device=device)
-        if rows:
-            logp, ent = rollout.sequence_logprobs(model, k_prompts, k_ids, k_mask,
-                                                  temperature=args.temperature)  # (n, T) each
+        # Micro-batches: each slice's loss is its share of the step's loss (the denominator is global),
+        # so summing their gradients in .grad gives the all-rows gradient while only one slice's
+        # activations are alive. The statistics are token means: weight each slice by its tokens.
+        loss_sum, stats = 0.0, {"clip": 0.0, "kl": 0.0, "kl_old": 0.0, "ratio_max": 1.0}
+        for i in range(0, len(rows), mb):
+            j = slice(i, i + mb)
+            t = int(k_mask[j].sum(1).max())  # this slice's longest completion
+            s_ids, s_mask, s_old, s_prompts = k_ids[j, :t], k_mask[j, :t], k_old[j, :t], k_prompts[j]
+            with grad_checkpointing(model, args.grad_checkpoint):
+                logp, ent = rollout.sequence_logprobs(model, s_prompts, s_ids, s_mask,
+                                                      temperature=args.temperature)  # (mb, t) each
             ref_logp = None
             if args.beta > 0:
                 with torch.no_grad(), lora.lora_disabled(model):
-                    ref_logp, _ = rollout.sequence_logprobs(model, k_prompts, k_ids, k_mask,
-                                                            temperature=args.temperature)  # (n, T)
-            loss, stats = grpo_loss(logp.float(), k_old, k_adv, k_mask, args.eps_low, args.eps_high, args.loss_agg,
-                                    args.max_new_tokens, ref_logp, args.beta, ent.float(), args.entropy_coef,
-                                    denom=denom)
+                    ref_logp, _ = rollout.sequence_logprobs(model, s_prompts, s_ids, s_mask,
+                                                            temperature=args.temperature)  # (mb, t)
+            loss, st = grpo_loss(logp.float(), s_old, k_adv[j], s_mask, args.eps_low, args.eps_high, args.loss_agg,
+                                 args.max_new_tokens, ref_logp, args.beta, ent.float(), args.entropy_coef,
+                                 denom=denom)
+            if torch.isfinite(loss):  # a non-finite loss skips the step below; its backward is wasted work
+                loss.backward()
+            loss_sum += float(loss.detach())
+            w = float(s_mask.sum()) / max(k_tok, 1.0)
+            for key in ("clip", "kl", "kl_old"):
+                stats[key] += st[key] * w
+            stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
         # the statistics are token means over this rank's kept rows: weight them by its share of tokens
         share = k_tok / max(g_tok, 1.0)
         loss_sum, out["clip"], out["kl"], out["kl_old"] = all_reduce([
-            float(loss.detach()), stats["clip"] * share, stats["kl"] * share, stats["kl_old"] * share])
+            loss_sum, stats["clip"] * share, stats["kl"] * share, stats["kl_old"] * share])
         out["ratio_max"] = stats["ratio_max"]
         if not math.isfinite(loss_sum):  # the same verdict on every rank
             out["skipped"] = f"loss is {loss_sum}"
             break
-        if rows:
-            loss.backward()
         all_reduce_grads(params)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
         if not math.isfinite(grad_norm):
@@ -870,6 +920,8 @@ def validate_args(args):
         raise ValueError(f"unknown --loss-agg {args.loss_agg!r}; choose one of {', '.join(LOSS_AGGS)}")
     if args.steps < 1 or args.mu < 1:
         raise ValueError(f"need --steps >= 1 and --mu >= 1 (got {args.steps}, {args.mu})")
+    if args.micro_batch < 0:
+        raise ValueError(f"need --micro-batch >= 0 (0: all rows at once), got {args.micro_batch}")
     if args.aqn and args.aqn_kind != "feedback":
         aqn.check_sigma_range(args.sigma_start, args.sigma_end, args.aqn_kind)
 
@@ -912,6 +964,13 @@ def build_parser():
     p.add_argument("--mu", type=int, default=1, help="policy updates per batch")
     p.add_argument("--beta", type=float, default=0.0, help="k3 KL to the base (reference) policy")
     p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
+    # memory (the update at real scale; README "Scaling out")
+    p.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward of the update, "
+                   "gradients accumulated before the one optimizer step (0: all rows at once)")
+    p.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per decoder layer "
+                   "in the update (less memory, one more forward)")
+    p.add_argument("--gpu-path", action="store_true", help="on the CPU, run what CUDA runs: NVFP4Linear through "
+                   "the Triton kernel (interpreted), no merged sampling weights, bfloat16 by default")
     # optimisation
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10, help="warmup steps")

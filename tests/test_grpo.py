@@ -324,3 +324,85 @@ def test_bad_model_folder_is_one_clear_line(tmp_path):
         grpo.train(parse("--model", tmp_path / "broken", "--out", tmp_path / "o4"))
     with pytest.raises(FileNotFoundError, match="data file"):
         grpo.train(parse("--data", tmp_path / "none.jsonl", "--out", tmp_path / "o3"))
+
+# -----------------------------------------------------------------------------
+# The update at real scale: micro-batches, activation checkpointing
+
+
+@pytest.fixture(scope="module")
+def lora_policy():
+    """A small random fp32 Qwen2 (2 layers, width 32) with a trained-looking adapter (B != 0)."""
+    torch.manual_seed(0)
+    model = rollout.CausalLM(rollout.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, head_dim=8,
+                                                 num_attention_heads=4, num_key_value_heads=2)).eval()
+    grpo.lora.add_lora(model, r=4, alpha=8, generator=torch.Generator().manual_seed(0))
+    params = grpo.lora.lora_parameters(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model, params, [p.detach().clone() for p in params]
+
+
+def update_batch(vocab, group=4, T=9):
+    """Three groups of `group` rows (the middle one with equal rewards, so it is left out), prompts of
+    different lengths and completions of different lengths."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (4, 7, 2)]
+    prompt_ids = [p for p in prompts for _ in range(group)]
+    N = len(prompt_ids)
+    ids = torch.randint(0, vocab, (N, T), generator=g)  # (N, T)
+    lengths = torch.randint(1, T + 1, (N,), generator=g)
+    lengths[0] = T
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()  # (N, T)
+    old_logp = -(torch.rand(N, T, generator=g) * 4 + 1) * mask  # (N, T)
+    rewards = torch.tensor([1.1, 0.0, 0.1, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.1, 0.0, 0.0])
+    return prompt_ids, ids, mask, old_logp, rewards
+
+
+@pytest.mark.parametrize("agg", grpo.LOSS_AGGS)
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_micro_batches_give_the_same_update(lora_policy, agg, beta, monkeypatch):
+    model, params, start = lora_policy
+    monkeypatch.setattr(rollout, "LOGITS_CHUNK_BYTES", 4 * model.config.vocab_size * 6)  # 6 tokens per chunk
+    batch = update_batch(model.config.vocab_size)
+    results = []
+    for mb, ckpt in ((0, False), (1, False), (3, False), (3, True)):
+        with torch.no_grad():
+            for p, p0 in zip(params, start):
+                p.copy_(p0)
+        args = parse("--group", 4, "--loss-agg", agg, "--beta", beta, "--entropy-coef", 0.01, "--max-new-tokens", 9,
+                     "--grad-clip", 1e9, "--micro-batch", mb, *(["--grad-checkpoint"] if ckpt else []))
+        opt = torch.optim.SGD(params, lr=0.2)
+        out = grpo.policy_update(args, model, opt, params, *batch)
+        assert out["kept_rows"] == 8 and not out["skipped"] and math.isfinite(out["loss"])
+        results.append(([(p.detach() - p0) for p, p0 in zip(params, start)], out))
+    (want, ref), *others = results
+    assert max(float(d.abs().max()) for d in want) > 5e-4  # the adapter moved, by far more than the tolerance
+    for got, out in others:
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        for key in ("loss", "grad_norm", "clip", "kl", "kl_old", "ratio_max"):
+            if not (math.isnan(ref[key]) and math.isnan(out[key])):
+                assert out[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
+    with torch.no_grad():
+        for p, p0 in zip(params, start):
+            p.copy_(p0)
+
+
+def test_grad_checkpointing_keeps_only_layer_inputs(lora_policy):
+    """With --grad-checkpoint the update's forward saves no intermediate activations for backward
+    (checkpointing keeps each layer's input itself), and the modules are restored afterwards."""
+    model, params, _ = lora_policy
+    ids = torch.arange(40).view(2, 20) % model.config.vocab_size
+    counts = []
+    for enabled in (False, True):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t), \
+                grpo.grad_checkpointing(model, enabled):
+            h = model.hidden_states(ids)  # (2, 20, C)
+        h.float().pow(2).sum().backward()
+        counts.append(sum(saved))
+    model.zero_grad()
+    assert counts[1] < counts[0] / 5  # what is left: the embedding, RoPE tables and final norm
+    assert not any("forward" in vars(m) for m in model.modules())

@@ -356,3 +356,67 @@ def test_quant_on_load_equals_quantized_checkpoint(tmp_path):
     assert isinstance(nf4.model.layers[0].mlp.gate_proj, q.NF4Linear)
     with torch.no_grad():
         assert torch.isfinite(nf4(ref["input_ids"])).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Log-probs in chunks: no (rows, T, vocab) tensor in the forward or the backward
+
+def full_logits_reference(model, r, temperature):
+    """What sequence_logprobs computed before it was chunked: one (B, T, V) log-softmax."""
+    logp = (ro.completion_logits(model, r.prompt_ids, r.completion_ids) / temperature).log_softmax(-1)  # (B, T, V)
+    lp = logp.gather(-1, r.completion_ids[..., None]).squeeze(-1)  # (B, T)
+    return lp * r.completion_mask, ro.entropy_from_logp(logp) * r.completion_mask
+
+
+def test_chunked_logprobs_equal_full_logits_values_and_gradients(model, monkeypatch):
+    r = ro.generate(model, PROMPTS, num_samples=3, max_new_tokens=12, temperature=0.9,
+                    eos_token_ids=[3, 7], generator=torch.Generator().manual_seed(2))
+    assert (r.completion_mask.sum(-1) < 12).any()  # some rows end early: padded positions are skipped
+    monkeypatch.setattr(ro, "LOGITS_CHUNK_BYTES", 4 * model.config.vocab_size * 5)  # 5 tokens per chunk
+    grads = []
+    for fn in (full_logits_reference, lambda m, r, t: ro.sequence_logprobs(m, r.prompt_ids, r.completion_ids,
+                                                                         r.completion_mask, temperature=t)):
+        model.zero_grad()
+        lp, ent = fn(model, r, 0.9)
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        grads[-1] += [lp.detach(), ent.detach()]
+    model.zero_grad()
+    (*g_full, lp_full, ent_full), (*g_chunk, lp_chunk, ent_chunk) = grads
+    torch.testing.assert_close(lp_chunk, lp_full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent_chunk, ent_full, rtol=1e-5, atol=1e-5)
+    assert (lp_chunk[r.completion_mask == 0] == 0).all() and (lp_chunk[r.completion_mask > 0] < 0).all()
+    for a, b in zip(g_chunk, g_full):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert sum(float(g.abs().sum()) for g in g_chunk) > 0
+
+
+def test_chunked_logprobs_never_hold_a_vocabulary_sized_tensor(model, monkeypatch):
+    """Structural check of the memory claim: the forward saves nothing vocabulary-sized for backward,
+    and lm_head only ever sees one chunk, once in the forward and once again (recomputed) in backward."""
+    V, chunk = model.config.vocab_size, 4
+    monkeypatch.setattr(ro, "LOGITS_CHUNK_BYTES", 4 * V * chunk)
+    r = ro.generate(model, PROMPTS, num_samples=2, max_new_tokens=9, temperature=1.0,
+                    generator=torch.Generator().manual_seed(3))
+    n_tok = int(r.completion_mask.sum())
+    assert n_tok > 4 * chunk
+    rows_seen, saved = [], []
+    hook = model.lm_head.register_forward_hook(lambda m, i, out: rows_seen.append(out.shape))
+
+    def pack(t):
+        saved.append(t.numel() if t.shape and t.shape[-1] == V else 0)
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp, ent = ro.sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask)
+        n_forward = len(rows_seen)
+        (lp.sum() + ent.sum()).backward()
+    finally:
+        hook.remove()
+        model.zero_grad()
+    assert max(saved) == 0  # no logits-shaped tensor is kept for backward
+    assert n_forward == -(-n_tok // chunk) and len(rows_seen) == 2 * n_forward  # recomputed chunk by chunk
+    assert all(s[0] <= chunk and s[-1] == V for s in rows_seen)
+    # the sampler's own records still match (temperature 1, no top-k/top-p)
+    torch.testing.assert_close(lp.detach(), r.logprobs, rtol=1e-5, atol=1e-5)
