@@ -406,3 +406,54 @@ def test_grad_checkpointing_keeps_only_layer_inputs(lora_policy):
     model.zero_grad()
     assert counts[1] < counts[0] / 5  # what is left: the embedding, RoPE tables and final norm
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def random_model_folder(path, layers=1, hidden=64):
+    """A random Qwen2 folder with the bundled model's tokenizer (the interpreted kernel is slow: keep it tiny)."""
+    import shutil
+    from safetensors.torch import save_file
+    cfg = json.load(open(os.path.join(grpo.TINY_MODEL, "config.json")))
+    cfg.update(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=hidden, head_dim=hidden // 4)
+    torch.manual_seed(0)
+    model = rollout.CausalLM(rollout.ModelConfig.from_dict(cfg))
+    path.mkdir()
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    save_file(tensors, str(path / "model.safetensors"))
+    for f in ("tokenizer.json", "generation_config.json"):
+        shutil.copy(os.path.join(grpo.TINY_MODEL, f), path / f)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_gpu_code_path_runs_two_steps(tmp_path, monkeypatch):
+    """--gpu-path runs on the CPU what CUDA runs: NVFP4Linear through the Triton kernel (interpreted),
+    no merged sampling weights, bf16 activations; here with micro-batches and checkpointing on."""
+    monkeypatch.setenv("QERL_TRITON_CPU", "0")  # restored after the test (--gpu-path sets it to 1)
+    real_kernel, calls = grpo.quantize._nvfp4_kernel(), []
+    assert real_kernel is not None
+
+    def counting_kernel(x, *a, **kw):
+        calls.append((x.dtype, torch.is_grad_enabled() and x.requires_grad))
+        return real_kernel(x, *a, **kw)
+
+    monkeypatch.setattr(grpo.quantize, "_nvfp4_kernel", lambda: counting_kernel)
+    merged = []
+    real_merged = grpo.merged_sampling_weights
+    monkeypatch.setattr(grpo, "merged_sampling_weights", lambda m, enabled=True: merged.append(enabled) or
+                        real_merged(m, enabled))
+    rewards = iter([1.1, 0.0, 0.1, 1.0] * 2)  # every group has signal, so both steps update
+    monkeypatch.setattr(grpo, "reward_fn", lambda text, gold: next(rewards))
+    out = tmp_path / "gpu-path"
+    grpo.train(grpo.build_parser().parse_args([
+        "--model", random_model_folder(tmp_path / "model"), "--lora-r", "4",
+        "--out", str(out), "--steps", "2", "--batch", "1", "--group", "4", "--max-new-tokens", "3",
+        "--eval-size", "0", "--save-every", "0", "--time-budget", "0", "--device", "cpu", "--quiet",
+        "--warmup", "1", "--lr", "1e-2", "--gpu-path", "--micro-batch", "2", "--grad-checkpoint"]))
+    steps, _ = step_rows(out)
+    assert [r["step"] for r in steps] == [1, 2] and all(math.isfinite(r["loss"]) and r["loss"] != 0 for r in steps)
+    assert merged == [False, False]  # sampled through the modules, as on CUDA
+    assert calls and {dt for dt, _ in calls} == {torch.bfloat16}
+    assert any(g for _, g in calls) and any(not g for _, g in calls)  # the update and the sampler
+    adapter = load_file(str(out / "checkpoint-000002" / "adapter_model.safetensors"))
+    assert all(torch.isfinite(v).all() for v in adapter.values())
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())  # it moved
