@@ -15,6 +15,7 @@ Import it as `importlib.import_module("01_quantize")`; the exact format is in th
 import argparse
 import copy
 import json
+import math
 import os
 import shutil
 import sys
@@ -367,12 +368,18 @@ def _read_header(path):
             n = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(n))
         header.pop("__metadata__", None)
+        size = os.path.getsize(path)
         for v in header.values():
             if v["dtype"] not in ST_DTYPES:
                 raise ValueError(f"unsupported dtype {v['dtype']}")
-        return header, 8 + n
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+    for k, v in header.items():  # checked before anything is written: a cut-off download fails here
+        b, e = v["data_offsets"]
+        if e - b != ST_DTYPES[v["dtype"]][1] * math.prod(v["shape"]) or 8 + n + e > size:
+            raise ValueError(f"{path}: tensor {k} needs bytes {8 + n + b}..{8 + n + e} but the file has {size}; "
+                             f"the file is truncated or corrupt, download it again")
+    return header, 8 + n
 
 
 def find_weight_files(model_dir):
@@ -395,6 +402,23 @@ def find_weight_files(model_dir):
         if not os.path.isfile(os.path.join(model_dir, shard)):
             raise FileNotFoundError(f"shard {shard} listed in the index is missing from {model_dir}")
     return config, weight_map, os.path.isfile(index)
+
+
+def _expected_shape(name, config):
+    """The shape config.json implies for a decoder weight (None for names it does not describe)."""
+    c = lambda k, d=None: config.get(k, d)  # noqa: E731
+    if not all(isinstance(c(k), int) for k in ("hidden_size", "intermediate_size", "num_attention_heads")):
+        return None
+    C, I, H = c("hidden_size"), c("intermediate_size"), c("num_attention_heads")
+    D = c("head_dim") or C // H
+    KV = (c("num_key_value_heads") or H) * D
+    leaf = ".".join(name.split(".")[-2:])
+    V = c("vocab_size") if isinstance(c("vocab_size"), int) else None
+    if leaf in ("embed_tokens.weight", "lm_head.weight"):
+        return (V, C) if V else None
+    return {"q_proj.weight": (H * D, C), "k_proj.weight": (KV, C), "v_proj.weight": (KV, C),
+            "o_proj.weight": (C, H * D), "gate_proj.weight": (I, C), "up_proj.weight": (I, C),
+            "down_proj.weight": (C, I)}.get(leaf)
 
 
 def _is_quantizable(name, info):
@@ -429,21 +453,27 @@ class _SafetensorsWriter:
                 raise ValueError(f"{name}: dtype {data.dtype} does not match the planned header")
             data = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         b, e = self.header[name]["data_offsets"]
-        assert len(data) == e - b, f"{name}: {len(data)} bytes, header says {e - b}"
+        if len(data) != e - b:                                          # a source file changed under us
+            raise ValueError(f"{name}: {len(data)} bytes, the header says {e - b}")
         self.f.seek(self.start + b)
         self.f.write(data)
         self.todo.discard(name)
 
     def close(self):
         self.f.close()
-        assert not self.todo, f"tensors never written: {sorted(self.todo)[:3]}"
+        if self.todo:
+            raise ValueError(f"tensors never written: {sorted(self.todo)[:3]}")
 
 
-def _plan_shards(model_dir, weight_map):
+def _plan_shards(model_dir, weight_map, config=None):
     """-> (headers {shard: (header, data start)}, where {tensor: shard}, fused groups {gid: [weight names]})."""
     shards = sorted(set(weight_map.values()))
     headers = {s: _read_header(os.path.join(model_dir, s)) for s in shards}
     where = {k: s for s in shards for k in headers[s][0]}
+    for k, s in where.items():
+        want, got = _expected_shape(k, config or {}), tuple(headers[s][0][k]["shape"])
+        if want is not None and got != want:
+            raise ValueError(f"{os.path.join(model_dir, s)}: tensor {k} has shape {got}, config.json implies {want}")
     missing = sorted(set(weight_map) - set(where))
     if missing:
         raise ValueError(f"the index lists tensors that no shard holds, e.g. {missing[0]}")
@@ -533,7 +563,7 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
         raise ValueError(f"unknown device {device!r}: use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but no GPU is available")
-    headers, where, groups = _plan_shards(model_dir, weight_map)
+    headers, where, groups = _plan_shards(model_dir, weight_map, config)
     t0 = time.time()
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=os.path.dirname(out_dir))

@@ -312,18 +312,46 @@ def _checkpoint_index(path):
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: path / f for name, f in weight_map.items()}
     if single.exists():
-        with safe_open(single, "pt") as f:
+        with _open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def _put(model, name, t):
+def _open_safetensors(file):
+    """safe_open, with a truncated or corrupt file reported in one line naming the file and the tensor."""
+    if not Path(file).exists():
+        raise FileNotFoundError(f"{file} not found (listed in model.safetensors.index.json)")
+    try:
+        return safe_open(file, "pt", device="cpu")  # memory-mapped, reads lazily
+    except Exception as e:  # safetensors raises its own SafetensorError (not an OSError/ValueError)
+        raise ValueError(f"{file}: {_safetensors_problem(file) or e}; the file is truncated or corrupt, "
+                         f"download or write it again") from None
+
+
+def _safetensors_problem(file):
+    """What is wrong with a file safetensors refuses: an unreadable header, or the first tensor whose
+    bytes lie past the end of the file."""
+    size = Path(file).stat().st_size
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 8 + n <= size else None
+        bad = [(k, v["data_offsets"][1]) for k, v in header.items()
+               if k != "__metadata__" and 8 + n + v["data_offsets"][1] > size]
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+        return "its header is unreadable"
+    if bad:
+        return f"tensor {bad[0][0]} needs {8 + n + bad[0][1]} bytes but the file has {size}"
+    return None
+
+
+def _put(model, name, t, file="the checkpoint"):
     """Replace the meta tensor `name` by `t` (a Parameter stays a Parameter)."""
     mod_name, _, attr = name.rpartition(".")
     mod = model.get_submodule(mod_name)
     old = getattr(mod, attr)
     if tuple(old.shape) != tuple(t.shape):
-        raise ValueError(f"weight {name} has shape {tuple(t.shape)}, config.json implies {tuple(old.shape)}")
+        raise ValueError(f"{file}: weight {name} has shape {tuple(t.shape)}, config.json implies {tuple(old.shape)}")
     if attr in mod._parameters:
         mod._parameters[attr] = nn.Parameter(t, requires_grad=old.requires_grad)
     else:
@@ -382,14 +410,17 @@ def load_model(path, quant="none", dtype=None, device=None):
     order = sorted(expected, key=layer_of)
     for j, n in enumerate(order):
         if files[n] not in handles:
-            handles[files[n]] = safe_open(files[n], "pt", device="cpu")  # memory-mapped, reads lazily
-        t = handles[files[n]].get_tensor(n)
+            handles[files[n]] = _open_safetensors(files[n])
+        try:
+            t = handles[files[n]].get_tensor(n)
+        except Exception as e:
+            raise ValueError(f"{files[n]}: cannot read tensor {n} ({e}): the file is truncated or corrupt") from None
         # Float weights take the compute dtype; packed codes, fp8 scales and fp32 global scales keep
         # their stored dtypes (a bf16 global scale would shift every dequantized value). Weights about
         # to be quantized also stay as stored, so they quantize exactly as `01_quantize.py --out` does.
         keep = (t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or n.endswith("global_scale")
                 or (quant != "none" and n.startswith("model.layers.") and n.endswith("_proj.weight")))
-        _put(model, n, t.to(device=device, dtype=None if keep else dtype))
+        _put(model, n, t.to(device=device, dtype=None if keep else dtype), files[n])
         i = layer_of(n)
         if quant != "none" and i >= 0 and (j + 1 == len(order) or layer_of(order[j + 1]) != i):
             q.quantize_model(model.model.layers[i], fmt=quant, skip=())  # layer i complete: shrink it now

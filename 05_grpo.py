@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from safetensors import SafetensorError
 
 quantize = importlib.import_module("01_quantize")
 lora = importlib.import_module("02_lora")
@@ -545,6 +546,16 @@ def find_checkpoint(path):
     return os.path.join(path, found[-1])
 
 
+def load_adapter(model, ckpt):
+    """Stage 02's load_adapter, with a truncated or corrupt adapter file reported in one line."""
+    try:
+        lora.load_adapter(model, ckpt)
+    except SafetensorError as e:
+        file = os.path.join(ckpt, "adapter_model.safetensors")
+        raise ValueError(f"--resume: {file}: {rollout._safetensors_problem(file) or e}; the file is truncated "
+                         f"or corrupt, resume from another checkpoint") from None
+
+
 def load_trainer_state(ckpt):
     return torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=False)
 
@@ -634,7 +645,7 @@ def train(args):
         feedback = aqn.FeedbackSigma(args.target_entropy, sigma_init=args.sigma_start)
     start = 0
     if state is not None:
-        lora.load_adapter(model, ckpt)
+        load_adapter(model, ckpt)
         opt.load_state_dict(state["optimizer"])
         if feedback is not None and state.get("feedback"):
             feedback.load_state_dict(state["feedback"])

@@ -4,6 +4,7 @@ import importlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -457,3 +458,27 @@ def test_gpu_code_path_runs_two_steps(tmp_path, monkeypatch):
     adapter = load_file(str(out / "checkpoint-000002" / "adapter_model.safetensors"))
     assert all(torch.isfinite(v).all() for v in adapter.values())
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())  # it moved
+
+
+def test_truncated_safetensors_is_one_clear_line(tmp_path):
+    import shutil
+    model_dir = tmp_path / "model"
+    shutil.copytree(grpo.TINY_MODEL, model_dir)
+    data = (model_dir / "model.safetensors").read_bytes()
+    (model_dir / "model.safetensors").write_bytes(data[:len(data) // 3])
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--model", str(model_dir),
+                        "--out", str(tmp_path / "o"), "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    lines = [line for line in r.stderr.strip().splitlines() if line]
+    assert r.returncode != 0 and len(lines) == 1, r.stderr
+    assert re.match(r"error: \S+model.safetensors: tensor \S+ needs \d+ bytes but the file has \d+; the file is "
+                    r"truncated or corrupt", lines[0]), lines[0]
+    # a checkpoint whose adapter file was cut short: --resume names the file and a tensor
+    args = tiny_args(tmp_path / "run", "--eval-size", "0")
+    model, tok, params, opt = grpo.build_policy(args, "cpu")
+    ckpt = grpo.save_checkpoint(str(tmp_path / "run"), 1, model, opt, args)
+    adapter = os.path.join(ckpt, "adapter_model.safetensors")
+    data = open(adapter, "rb").read()
+    open(adapter, "wb").write(data[:-8])
+    with pytest.raises(ValueError, match=r"--resume: \S+adapter_model.safetensors: tensor \S+lora_\w.weight needs "
+                                         r"\d+ bytes but the file has \d+; the file is truncated or corrupt"):
+        grpo.train(parse("--resume", ckpt, "--quiet"))

@@ -8,6 +8,7 @@ Golden data (tests/data/) comes from tests/make_nvfp4_golden.py and tests/make_n
 import copy
 import importlib
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -445,3 +446,31 @@ def test_cli_error_is_one_line(tmp_path):
 
 def test_autodetect_device():
     assert q.autodetect_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_checkpoint_truncated_or_misshaped_tensor_is_one_line(tmp_path):
+    """A cut-off shard or a tensor at odds with config.json fails before anything is written,
+    naming the file and the tensor (and the CLI prints one line)."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    write_hf_folder(str(src), tiny_model(), sharded=True)
+    shards = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
+    data = (src / shards[-1]).read_bytes()
+    (src / shards[-1]).write_bytes(data[:-10])
+    with pytest.raises(ValueError, match=rf"{shards[-1]}: tensor \S+ needs bytes \d+\.\.{len(data)} but the file "
+                                         rf"has {len(data) - 10}; the file is truncated or corrupt"):
+        q.quantize_checkpoint(str(src), str(out), log=lambda s: None)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "01_quantize.py"), "--model", str(src), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "is truncated or corrupt" in lines[0], r.stderr
+    (src / shards[-1]).write_bytes(data)
+    cfg = dict(json.loads((src / "config.json").read_text()), intermediate_size=48, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=64)  # what tiny_model's shapes imply
+    (src / "config.json").write_text(json.dumps(cfg))
+    q.quantize_checkpoint(str(src), str(out), log=lambda s: None)  # the shapes agree: it is written
+    shutil.rmtree(out)
+    (src / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=64)))
+    with pytest.raises(ValueError, match=r"model-\S+.safetensors: tensor model.layers.\d.mlp.\w+_proj.weight has "
+                                         r"shape \(\d+, \d+\), config.json implies"):
+        q.quantize_checkpoint(str(src), str(out), log=lambda s: None)
+    assert sorted(os.listdir(tmp_path)) == ["src"]  # nothing half-written

@@ -420,3 +420,41 @@ def test_chunked_logprobs_never_hold_a_vocabulary_sized_tensor(model, monkeypatc
     assert all(s[0] <= chunk and s[-1] == V for s in rows_seen)
     # the sampler's own records still match (temperature 1, no top-k/top-p)
     torch.testing.assert_close(lp.detach(), r.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_truncated_or_corrupt_safetensors_is_one_line(tmp_path):
+    d = _copy(tmp_path)
+    data = (d / "model.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    (d / "model.safetensors").write_bytes(data[:-100])  # an interrupted download: the last tensor is cut
+    with pytest.raises(ValueError, match=rf"model.safetensors: tensor {last} needs {len(data)} bytes but the "
+                                         rf"file has {len(data) - 100}; the file is truncated or corrupt"):
+        ro.load_model(d, device="cpu")
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!" + data[100:])
+    with pytest.raises(ValueError, match=r"model.safetensors: its header is unreadable; the file is truncated"):
+        ro.load_model(d, device="cpu")
+
+
+def test_truncated_shard_and_wrong_shape_name_the_file(tmp_path):
+    d = _copy(tmp_path)
+    t = load_file(d / "model.safetensors")
+    names = sorted(t)
+    save_file({k: t[k] for k in names[:5]}, d / "model-00001-of-00002.safetensors")
+    save_file({k: t[k] for k in names[5:]}, d / "model-00002-of-00002.safetensors")
+    os.remove(d / "model.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        k: f"model-0000{1 + (i >= 5)}-of-00002.safetensors" for i, k in enumerate(names)}}))
+    good = (d / "model-00002-of-00002.safetensors").read_bytes()
+    (d / "model-00002-of-00002.safetensors").write_bytes(good[:len(good) // 2])
+    with pytest.raises(ValueError, match=r"model-00002-of-00002.safetensors: tensor \S+ needs \d+ bytes but the file "
+                                         r"has \d+; the file is truncated or corrupt"):
+        ro.load_model(d, device="cpu")
+    (d / "model-00002-of-00002.safetensors").write_bytes(good)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model-0000\d-of-00002.safetensors: weight model.layers.0.mlp.\w+_proj.weight "
+                                         r"has shape \(\d+, \d+\), config.json implies"):
+        ro.load_model(d, device="cpu")
