@@ -35,7 +35,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-from torch.utils.checkpoint import checkpoint
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
 
@@ -664,9 +663,10 @@ def completion_logits(model, prompt_ids, completion_ids):
 # Log-probs without the full logits. At a real vocabulary (Qwen2.5: 151,936) one fp32 (rows, T, V)
 # tensor for 128 rows x 1,024 tokens is ~80 GB, and log_softmax, the entropy's exp and their gradients
 # each make another. So the vocabulary-sized part runs over chunks of at most LOGITS_CHUNK_BYTES of fp32
-# logits, each under activation checkpointing: the forward keeps only the chunk's hidden states (C per
-# token, not V), and the backward recomputes one chunk's logits at a time.
-LOGITS_CHUNK_BYTES = 2 ** 28  # 256 MiB of fp32 logits per chunk: 441 tokens at V = 151,936
+# logits: the forward keeps only each chunk's hidden states (C per token, not V), and the backward
+# recomputes one chunk's logits at a time. (torch.utils.checkpoint would do the same, but it keeps the
+# recomputed entropy branch alive until the whole backward ends when the loss does not use the entropy.)
+LOGITS_CHUNK_BYTES = 2 ** 26  # 64 MiB of fp32 logits per chunk: 110 tokens at V = 151,936
 
 
 def _token_logprobs(lm_head, h, ids, temperature):
@@ -674,6 +674,29 @@ def _token_logprobs(lm_head, h, ids, temperature):
     logits = lm_head(h).float()  # (n, V)
     logp = (logits / temperature if temperature > 0 else logits).log_softmax(-1)  # (n, V)
     return logp.gather(-1, ids[:, None]).squeeze(-1), entropy_from_logp(logp)  # (n,) each
+
+
+class _ChunkLogprobs(torch.autograd.Function):
+    """(log-prob, entropy) of one chunk of tokens; saves h, not the logits, and recomputes them in backward."""
+
+    @staticmethod
+    def forward(ctx, h, ids, lm_head, temperature):  # h (n, C), ids (n,)
+        ctx.save_for_backward(h, ids)
+        ctx.lm_head, ctx.temperature = lm_head, temperature
+        ctx.set_materialize_grads(False)  # an unused output (often the entropy) gets None: skip its branch
+        with torch.no_grad():
+            return _token_logprobs(lm_head, h, ids, temperature)
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        h, ids = ctx.saved_tensors
+        with torch.enable_grad():
+            h = h.detach().requires_grad_()
+            outs = _token_logprobs(ctx.lm_head, h, ids, ctx.temperature)  # (n,) each, now with a graph
+            used = [(o, g) for o, g in zip(outs, (g_lp, g_ent)) if g is not None]
+            if used:  # also accumulates into any trainable lm_head parameter's .grad
+                torch.autograd.backward(*zip(*used))
+        return h.grad, None, None, None
 
 
 def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0):
@@ -692,8 +715,9 @@ def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temper
     grad = torch.is_grad_enabled() and h_sel.requires_grad
     lps, ents = [], []
     for i in range(0, len(sel), step):
-        args = (model.lm_head, h_sel[i:i + step], ids_sel[i:i + step], temperature)
-        lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if grad else _token_logprobs(*args)
+        h_i, ids_i = h_sel[i:i + step], ids_sel[i:i + step]  # (chunk, C), (chunk,)
+        lp, ent = (_ChunkLogprobs.apply(h_i, ids_i, model.lm_head, temperature) if grad
+                   else _token_logprobs(model.lm_head, h_i, ids_i, temperature))
         lps.append(lp)  # (chunk,)
         ents.append(ent)
     zero = h.sum(-1).float().reshape(-1) * 0  # (B*T,) zeros that keep the graph even with no token selected

@@ -8,6 +8,7 @@
 #   3. kernel_square  bench/bench_kernel.py --shapes square       (4096^2 and 8192^2, M 1 16 4096)
 #   4. rollout_7b     bench/bench_rollout.py --shape qwen2.5-7b   (generate() tok/s, bf16 vs NVFP4, random 7B)
 #   5. memory         bench/bench_memory.py                       (LoRA step peak memory, none/nf4/nvfp4)
+#   6. grpo_7b_smoke  bench/bench_update_memory.py --smoke        (3 steps of 05, Qwen2.5-7B widths, 4 layers)
 # then prints one summary. Logs go to $OUT (if set) or ./gpu_check_out/. It always exits 0: a part that
 # fails or times out is listed as such. Without a CUDA GPU it says so and exits 0.
 #
@@ -133,6 +134,15 @@ run_part rollout_7b 170 "$PY" bench/bench_rollout.py --shape qwen2.5-7b --quants
     --prompt-len 128 --decode-steps 32 --repeats 2
 run_part memory 60 "$PY" bench/bench_memory.py --configs none,nf4,nvfp4 --shape 350m --dtype bf16
 
+# --- grpo_7b_smoke (issue 13): 3 steps of 05_grpo.py on CUDA, random model folder with Qwen2.5-7B's widths and
+# 4 layers, 4 prompts x 8 samples x 256 new tokens, micro-batch 8 + checkpointing; s/step and peak GPU memory.
+# Rewards are a seeded coin flip (a random model's are all 0, and no update would run). Self-contained.
+SMOKE_DIR="${TMPDIR:-/tmp}/qerl-random-qwen7b-4l"  # ~4 GB: not under $OUT_DIR, removed after
+run_part grpo_7b_smoke 120 bash -c "'$PY' bench/bench_update_memory.py --write-model '$SMOKE_DIR' --layers 4 \
+    && '$PY' bench/bench_update_memory.py --smoke '$SMOKE_DIR' -- --steps 3 --batch 4 --group 8 \
+       --max-new-tokens 256 --micro-batch 8 --grad-checkpoint --eval-size 0 --save-every 0 --time-budget 0 \
+       --out '$OUT_DIR/grpo_7b_smoke_run'; rc=\$?; rm -rf '$SMOKE_DIR'; exit \$rc"
+
 # ---------------------------------------------------------------------------------------------------
 # Summary (also written to $OUT_DIR/summary.txt)
 
@@ -174,5 +184,9 @@ run_part memory 60 "$PY" bench/bench_memory.py --configs none,nf4,nvfp4 --shape 
     echo ""
     echo "-- LoRA training-step memory (bench_memory.py)"
     [ -f "${LOGS[4]:-}" ] && sed -n '/^max_memory_allocated/,$p' "${LOGS[4]}"
+
+    echo ""
+    echo "-- 05_grpo.py on CUDA, Qwen2.5-7B widths, 4 layers (grpo_7b_smoke)"
+    grep -hE "^(model|step [0-9]|smoke) \|" "$OUT_DIR"/*_grpo_7b_smoke.log 2>/dev/null || true
 } | tee "$SUMMARY"
 exit 0

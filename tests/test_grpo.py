@@ -428,7 +428,8 @@ def random_model_folder(path, layers=1, hidden=64):
 
 def test_gpu_code_path_runs_two_steps(tmp_path, monkeypatch):
     """--gpu-path runs on the CPU what CUDA runs: NVFP4Linear through the Triton kernel (interpreted),
-    no merged sampling weights, bf16 activations; here with micro-batches and checkpointing on."""
+    no merged sampling weights, bf16 activations; here with micro-batches and checkpointing on.
+    On a GPU machine the same test runs on CUDA itself."""
     monkeypatch.setenv("QERL_TRITON_CPU", "0")  # restored after the test (--gpu-path sets it to 1)
     real_kernel, calls = grpo.quantize._nvfp4_kernel(), []
     assert real_kernel is not None
@@ -448,8 +449,9 @@ def test_gpu_code_path_runs_two_steps(tmp_path, monkeypatch):
     grpo.train(grpo.build_parser().parse_args([
         "--model", random_model_folder(tmp_path / "model"), "--lora-r", "4",
         "--out", str(out), "--steps", "2", "--batch", "1", "--group", "4", "--max-new-tokens", "3",
-        "--eval-size", "0", "--save-every", "0", "--time-budget", "0", "--device", "cpu", "--quiet",
-        "--warmup", "1", "--lr", "1e-2", "--gpu-path", "--micro-batch", "2", "--grad-checkpoint"]))
+        "--eval-size", "0", "--save-every", "0", "--time-budget", "0", "--quiet", "--warmup", "1", "--lr", "1e-2",
+        "--device", "cuda" if torch.cuda.is_available() else "cpu",
+        "--gpu-path", "--micro-batch", "2", "--grad-checkpoint"]))
     steps, _ = step_rows(out)
     assert [r["step"] for r in steps] == [1, 2] and all(math.isfinite(r["loss"]) and r["loss"] != 0 for r in steps)
     assert merged == [False, False]  # sampled through the modules, as on CUDA

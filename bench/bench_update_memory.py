@@ -1,0 +1,247 @@
+"""Peak memory of stage 05's policy update at Qwen2.5's real vocabulary (151,936), on the CPU.
+
+The update's memory has two parts that grow with the batch: the vocabulary-sized log-softmax (rows x T x V
+in fp32, ~80 GB for 128 rows x 1,024 tokens) and the decoder's activations. `sequence_logprobs` runs the
+vocabulary part in checkpointed chunks and `--micro-batch` bounds the rows per forward/backward, so with a
+fixed micro-batch the peak should stay flat as rows and T grow. This script checks that on a random
+Qwen2-architecture model with the real vocabulary and a small hidden size (so the vocabulary part
+dominates): one `policy_update` (05) per configuration, each in a fresh child process, reporting the
+growth of the process's peak resident memory over what it held before the update (the kernel's
+high-water mark, reset through /proc/self/clear_refs after the setup).
+
+    python bench/bench_update_memory.py                    # the table (4 child processes, ~2 min, < 3 GB)
+    python bench/bench_update_memory.py --per-token        # activations per token per layer, Qwen2.5-7B widths
+    python bench/bench_update_memory.py --write-model DIR --layers 2   # random folder with Qwen2.5-7B widths
+    python bench/bench_update_memory.py --smoke DIR -- <05_grpo.py flags>   # 05 on CUDA, with random rewards
+
+`--per-token` counts the bytes autograd saves for backward (saved_tensors_hooks) in one NVFP4 decoder
+layer with LoRA at Qwen2.5-7B's widths (bf16), at two sequence lengths, and reports the slope: the
+activation memory per token per layer with and without `--grad-checkpoint`. The README's 7B estimate is
+built from it. `--smoke` is bench/gpu_check.sh's CUDA run of 05: a random model's rewards are all 0 (no
+group would have signal, so no update would run), so it replaces the reward by a seeded coin flip and
+reports s/step and the peak GPU memory of sampling and of the update.
+"""
+import argparse
+import importlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+quantize = importlib.import_module("01_quantize")
+lora = importlib.import_module("02_lora")
+rollout = importlib.import_module("03_rollout")
+grpo = importlib.import_module("05_grpo")
+
+QWEN_VOCAB = 151936
+QWEN7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+              num_attention_heads=28, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+              max_position_embeddings=32768, tie_word_embeddings=False)
+CONFIGS = [(16, 256), (64, 256), (64, 1024)]  # rows x T with the fixed micro-batch
+UNCHUNKED = (4, 256)  # before this issue: all rows at once, the full (rows, T, V) logits
+
+
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:  # Linux >= 4.0: resets VmHWM to the current RSS
+        f.write("5")
+
+
+def random_policy(vocab, hidden=64, layers=2, seed=0):
+    """A random Qwen2 (untied, like the 7B) with NVFP4 decoder Linears and rank-16 LoRA."""
+    torch.manual_seed(seed)
+    cfg = rollout.ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, head_dim=16,
+                              num_hidden_layers=layers, num_attention_heads=hidden // 16, num_key_value_heads=2,
+                              max_position_embeddings=4096)
+    model = rollout.CausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    quantize.quantize_model(model, fmt="nvfp4")
+    lora.add_lora(model, r=16, alpha=32, generator=torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
+def run_one(rows, T, micro_batch, chunked):
+    """One policy update; prints a RESULT line with the peak RSS growth in bytes."""
+    torch.set_num_threads(1)
+    if not chunked:
+        rollout.LOGITS_CHUNK_BYTES = 2 ** 62  # one chunk: the full (rows, T, V) logits, as before
+    model = random_policy(QWEN_VOCAB)
+    params = lora.lora_parameters(model)
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    g = torch.Generator().manual_seed(1)
+    group = 8 if rows >= 8 else rows
+    prompts = [torch.randint(0, QWEN_VOCAB, (32,), generator=g).tolist()] * rows
+    ids = torch.randint(0, QWEN_VOCAB, (rows, T), generator=g)  # (rows, T)
+    mask = torch.ones(rows, T)  # every row at full length: the worst case
+    old_logp = -torch.rand(rows, T, generator=g) * 12  # (rows, T)
+    rewards = torch.tensor([float(i % 2) for i in range(rows)])  # every group has signal: all rows train
+    args = grpo.build_parser().parse_args(["--group", str(group), "--max-new-tokens", str(T),
+                                           "--micro-batch", str(micro_batch)])
+    before = status_kib("VmRSS")
+    reset_peak()
+    t0 = time.time()
+    out = grpo.policy_update(args, model, opt, params, prompts, ids, mask, old_logp, rewards)
+    seconds = time.time() - t0
+    growth = (status_kib("VmHWM") - before) * 1024
+    assert out["kept_rows"] == rows and not out["skipped"]
+    print("RESULT " + json.dumps({"rows": rows, "T": T, "micro_batch": micro_batch, "chunked": chunked,
+                                  "peak_growth": growth, "seconds": seconds}))
+
+
+def table(micro_batch):
+    runs = [(r, t, micro_batch, True) for r, t in CONFIGS] + [(*UNCHUNKED, 0, False)]
+    results = []
+    for rows, T, mb, chunked in runs:
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", str(rows), str(T), str(mb), str(int(chunked))]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+        if r.returncode or not line:
+            sys.exit(f"error: child {' '.join(cmd[2:])} failed:\n{r.stderr[-2000:]}")
+        results.append(json.loads(line[0][7:]))
+        res = results[-1]
+        print(f"run | rows {rows} | T {T} | micro-batch {mb or 'all'} | chunked {chunked} | "
+              f"peak growth {res['peak_growth'] / 2 ** 30:.3f} GiB | {res['seconds']:.1f}s", flush=True)
+    base = results[0]["peak_growth"]
+    full_logits = UNCHUNKED[0] * UNCHUNKED[1] * QWEN_VOCAB * 4
+    print(f"\nvocab {QWEN_VOCAB} | hidden 64 | 2 layers | NVFP4 + LoRA r16 | CPU, peak RSS growth over the update")
+    print("| rows x T | micro-batch | log-probs | peak growth | vs 16 x 256 |")
+    print("| --- | --- | --- | --- | --- |")
+    for res in results:
+        print(f"| {res['rows']} x {res['T']} | {res['micro_batch'] or 'all rows'} | "
+              f"{'chunked' if res['chunked'] else 'full logits'} | {res['peak_growth'] / 2 ** 30:.2f} GiB | "
+              f"{res['peak_growth'] / base:.2f}x |")
+    print(f"(one fp32 (rows, T, V) logits tensor at {UNCHUNKED[0]} x {UNCHUNKED[1]}: {full_logits / 2 ** 30:.2f} GiB)")
+
+
+def per_token():
+    """Bytes saved for backward per token in one NVFP4 + LoRA decoder layer at Qwen2.5-7B widths (bf16)."""
+    torch.set_num_threads(1)
+    cfg = rollout.ModelConfig(**{**{k: v for k, v in QWEN7B.items() if k != "tie_word_embeddings"},
+                                 "vocab_size": 256, "num_hidden_layers": 1})
+    with torch.device("meta"):
+        model = rollout.CausalLM(cfg)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02) if p.dim() == 2 else p.fill_(1.0)
+    quantize.quantize_model(model, fmt="nvfp4")
+    model.to(torch.bfloat16)
+    lora.add_lora(model, r=32, alpha=32, generator=torch.Generator().manual_seed(0))
+    layer = model.model.layers[0]
+
+    def saved_bytes(T, checkpointed):
+        seen = {}
+
+        def pack(t):
+            seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(1, T, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)  # (1, T, C)
+        pos = torch.arange(T)[None]
+        freqs = pos[..., None].float() * rollout.rope_inv_freq(cfg)
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos().bfloat16()[:, None], emb.sin().bfloat16()[:, None]
+        mask = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None, None].repeat(1, 1, 7, 1)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                grpo.grad_checkpointing(model, checkpointed):
+            y = layer(x, cos, sin, mask)
+        y.float().sum().backward()
+        return sum(seen.values())
+
+    for ck in (False, True):
+        a, b = saved_bytes(32, ck), saved_bytes(64, ck)
+        print(f"per-token | grad-checkpoint {ck} | saved for backward per token per layer {(b - a) / 32 / 1024:.1f} KiB "
+              f"| at T 32: {a / 2 ** 20:.1f} MiB, at T 64: {b / 2 ** 20:.1f} MiB", flush=True)
+    print(f"per-token | a checkpointed layer keeps its input: {cfg.hidden_size * 2 / 1024:.1f} KiB per token "
+          f"(bf16 (T, {cfg.hidden_size})); KV cache while sampling: "
+          f"{2 * QWEN7B['num_hidden_layers'] * QWEN7B['num_key_value_heads'] * QWEN7B['head_dim'] * 2 / 1024:.0f} KiB "
+          f"per token for all 28 layers")
+
+
+def write_model(path, layers, device):
+    """A random Qwen2 folder with Qwen2.5-7B's widths (bf16, N(0, 0.02)) and the bundled byte-level tokenizer."""
+    import shutil
+    from safetensors.torch import save_file
+    cfg = dict(QWEN7B, num_hidden_layers=layers, torch_dtype="bfloat16", architectures=["Qwen2ForCausalLM"],
+               hidden_act="silu", use_sliding_window=False, qerl_prompt="bare")
+    with torch.device("meta"):
+        model = rollout.CausalLM(rollout.ModelConfig.from_dict(cfg))
+    g = torch.Generator(device=device).manual_seed(0)
+    tensors = {}
+    for name, p in model.state_dict().items():
+        t = torch.randn(p.shape, generator=g, device=device) * 0.02 if p.dim() == 2 else torch.ones(p.shape) * (
+            0.0 if name.endswith("bias") else 1.0)
+        tensors[name] = t.to(torch.bfloat16).cpu().contiguous()
+    tmp = path.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(grpo.TINY_MODEL, f), os.path.join(tmp, f))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+    print(f"model | {path} | Qwen2.5-7B widths | layers {layers} | "
+          f"{sum(t.numel() for t in tensors.values()) / 1e9:.2f}B parameters (bf16)")
+
+
+def smoke(model_dir, flags):
+    """05's train() with a seeded coin flip as reward; s/step from its lines, peak GPU memory per phase."""
+    coin = random.Random(0)
+    grpo.reward_fn = lambda text, gold: float(coin.random() < 0.5)
+    peaks = {"sample": 0, "update": 0}
+
+    def measured(fn, phase):
+        def run(*a, **kw):
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                return fn(*a, **kw)
+            finally:
+                peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated())
+        return run
+
+    grpo.rollout.generate = measured(rollout.generate, "sample")
+    grpo.policy_update = measured(grpo.policy_update, "update")
+    args = grpo.build_parser().parse_args(["--model", model_dir, *flags])
+    grpo.train(args)
+    print(f"smoke | peak GPU memory | sampling {peaks['sample'] / 2 ** 30:.2f} GiB | update "
+          f"{peaks['update'] / 2 ** 30:.2f} GiB | total held {torch.cuda.max_memory_reserved() / 2 ** 30:.2f} GiB reserved")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--micro-batch", type=int, default=4, help="rows per forward/backward in the table")
+    p.add_argument("--one", nargs=4, type=int, metavar=("ROWS", "T", "MB", "CHUNKED"), help="(child) one configuration")
+    p.add_argument("--per-token", action="store_true")
+    p.add_argument("--write-model", metavar="DIR")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--smoke", metavar="DIR")
+    args, rest = p.parse_known_args()
+    if args.one:
+        run_one(*args.one[:3], bool(args.one[3]))
+    elif args.per_token:
+        per_token()
+    elif args.write_model:
+        write_model(args.write_model, args.layers, "cuda" if torch.cuda.is_available() else "cpu")
+    elif args.smoke:
+        smoke(args.smoke, [f for f in rest if f != "--"])
+    else:
+        table(args.micro_batch)
+
+
+if __name__ == "__main__":
+    main()
