@@ -29,10 +29,13 @@ adapter gradients are summed across ranks (section "Data parallel" below; README
 Qwen2.5-7B-Instruct + GSM8K on one GPU, close to the paper's GSM8K setting (Table 4: 128 samples per
 step as 16 prompts x 8, lr 1e-5, LoRA rank 32, AQN 1e-2 -> 5e-4 over 10 stages; the official
 scripts' gradient clip 0.2 and 10% warmup; the paper's instruction goes in the system prompt). The
-JSONL files are GSM8K's train/test splits as {"question", "answer"} lines (answer ends in "#### n"):
+JSONL files are GSM8K's train/test splits as {"question", "answer"} lines (answer ends in "#### n").
+The update runs 8 rows at a time with activation checkpointing (README "Scaling out": the estimate
+says this fits in 80 GB; without checkpointing it needs --micro-batch 1):
     python 05_grpo.py --model Qwen2.5-7B-Instruct --data gsm8k/train.jsonl --eval-data gsm8k/test.jsonl \
         --quant nvfp4 --dtype bfloat16 --batch 16 --group 8 --lr 1e-5 --lora-r 32 --lora-alpha 32 \
         --max-new-tokens 1024 --steps 600 --warmup 60 --grad-clip 0.2 --sigma-start 1e-2 --sigma-end 5e-4 \
+        --micro-batch 8 --grad-checkpoint \
         --eval-every 50 --eval-size 500 --eval-k 4 --eval-chunk 128 --save-every 50 --time-budget 0 \
         --out runs/qwen7b-gsm8k
 On one node with 8 GPUs, the same flags after `torchrun --standalone --nproc_per_node 8 05_grpo.py`

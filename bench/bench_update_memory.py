@@ -12,20 +12,20 @@ high-water mark, reset through /proc/self/clear_refs after the setup).
     python bench/bench_update_memory.py                    # the table (4 child processes, ~2 min, < 3 GB)
     python bench/bench_update_memory.py --per-token        # activations per token per layer, Qwen2.5-7B widths
     python bench/bench_update_memory.py --write-model DIR --layers 2   # random folder with Qwen2.5-7B widths
-    python bench/bench_update_memory.py --smoke DIR -- <05_grpo.py flags>   # 05 on CUDA, with random rewards
+    python bench/bench_update_memory.py --smoke DIR -- <05_grpo.py flags>   # 05 on CUDA, rewards 0, 1, 0, ...
 
 `--per-token` counts the bytes autograd saves for backward (saved_tensors_hooks) in one NVFP4 decoder
 layer with LoRA at Qwen2.5-7B's widths (bf16), at two sequence lengths, and reports the slope: the
 activation memory per token per layer with and without `--grad-checkpoint`. The README's 7B estimate is
 built from it. `--smoke` is bench/gpu_check.sh's CUDA run of 05: a random model's rewards are all 0 (no
-group would have signal, so no update would run), so it replaces the reward by a seeded coin flip and
+group would have signal, so no update would run), so it replaces the reward by 0, 1, 0, 1, ... and
 reports s/step and the peak GPU memory of sampling and of the update.
 """
 import argparse
 import importlib
 import json
+import itertools
 import os
-import random
 import subprocess
 import sys
 import time
@@ -200,26 +200,30 @@ def write_model(path, layers, device):
 
 
 def smoke(model_dir, flags):
-    """05's train() with a seeded coin flip as reward; s/step from its lines, peak GPU memory per phase."""
-    coin = random.Random(0)
-    grpo.reward_fn = lambda text, gold: float(coin.random() < 0.5)
+    """05's train() with rewards 0, 1, 0, 1, ...; s/step from its lines, peak GPU memory per phase."""
+    count = itertools.count()
+    grpo.reward_fn = lambda text, gold: float(next(count) % 2)  # 0, 1, 0, 1, ...: every group has signal
     peaks = {"sample": 0, "update": 0}
+
+    cuda = torch.cuda.is_available()  # on a CPU (a dry run of this code) only the step lines count
 
     def measured(fn, phase):
         def run(*a, **kw):
-            torch.cuda.reset_peak_memory_stats()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             try:
                 return fn(*a, **kw)
             finally:
-                peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated())
+                peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated() if cuda else 0)
         return run
 
     grpo.rollout.generate = measured(rollout.generate, "sample")
     grpo.policy_update = measured(grpo.policy_update, "update")
     args = grpo.build_parser().parse_args(["--model", model_dir, *flags])
     grpo.train(args)
-    print(f"smoke | peak GPU memory | sampling {peaks['sample'] / 2 ** 30:.2f} GiB | update "
-          f"{peaks['update'] / 2 ** 30:.2f} GiB | total held {torch.cuda.max_memory_reserved() / 2 ** 30:.2f} GiB reserved")
+    if cuda:
+        print(f"smoke | peak GPU memory | sampling {peaks['sample'] / 2 ** 30:.2f} GiB | update "
+              f"{peaks['update'] / 2 ** 30:.2f} GiB | reserved {torch.cuda.max_memory_reserved() / 2 ** 30:.2f} GiB")
 
 
 def main():

@@ -136,7 +136,7 @@ run_part memory 60 "$PY" bench/bench_memory.py --configs none,nf4,nvfp4 --shape 
 
 # --- grpo_7b_smoke (issue 13): 3 steps of 05_grpo.py on CUDA, random model folder with Qwen2.5-7B's widths and
 # 4 layers, 4 prompts x 8 samples x 256 new tokens, micro-batch 8 + checkpointing; s/step and peak GPU memory.
-# Rewards are a seeded coin flip (a random model's are all 0, and no update would run). Self-contained.
+# Rewards alternate 0, 1, 0, ... (a random model's are all 0, and no update would run). Self-contained.
 SMOKE_DIR="${TMPDIR:-/tmp}/qerl-random-qwen7b-4l"  # ~4 GB: not under $OUT_DIR, removed after
 run_part grpo_7b_smoke 120 bash -c "'$PY' bench/bench_update_memory.py --write-model '$SMOKE_DIR' --layers 4 \
     && '$PY' bench/bench_update_memory.py --smoke '$SMOKE_DIR' -- --steps 3 --batch 4 --group 8 \
