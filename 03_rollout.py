@@ -122,13 +122,12 @@ class RMSNorm(nn.Module):
         # changes bf16 rounding, and the reference logits would no longer match.
         h = x.float()
         h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        if self.noise is None:
-            return self.weight * h
+        if self.noise is None:  # .to(): a no-op unless the gain is an fp32 master copy (05 --train-norms)
+            return (self.weight * h).to(x.dtype)
         # Noisy gain w + Z and its product in fp32, rounded once: in bf16 a gain near 1 moves in steps
         # of 2^-8, so adding Z to the stored gain would round most of it away. With Z = 0 this is
         # bit-identical to the line above (a product of two bf16/fp16 values is exact in fp32).
-        out_dtype = torch.promote_types(self.weight.dtype, h.dtype)
-        return ((self.weight.float() + self.noise) * h.float()).to(out_dtype)
+        return ((self.weight.float() + self.noise) * h.float()).to(x.dtype)
 
 
 def rope_inv_freq(cfg, device=None):

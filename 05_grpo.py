@@ -497,7 +497,8 @@ def save_checkpoint(out, step, model, opt, args, feedback=None, extra=None):
     tmp = os.path.join(out, f".tmp-checkpoint-{step:06d}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    lora.save_adapter(model, tmp, base_model_name_or_path=args.model)
+    lora.save_adapter(model, tmp, base_model_name_or_path=args.model,
+                      modules_to_save=TRAINED_NORMS if getattr(args, "train_norms", False) else None)
     state = {"step": step, "optimizer": opt.state_dict(), "lr": opt.param_groups[0]["lr"], "args": vars(args),
              "feedback": feedback.state_dict() if feedback is not None else None,
              "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
@@ -562,6 +563,21 @@ def check_model_dir(path):
         raise ValueError(f"--model {path!r}: config.json is not valid JSON ({e})") from None
 
 
+TRAINED_NORMS = ("input_layernorm", "post_attention_layernorm")  # the official --ln True's modules_to_save
+
+
+def train_norm_gains(model):
+    """--train-norms: make every decoder layer's pre-norm gains trainable fp32 master copies (like the
+    adapters: a bf16 gain near 1 would round away updates below 2^-8) and return them. The final
+    model.norm stays frozen, as in the official code. Stage 03's RMSNorm rounds its output to the
+    activation dtype, and AQN adds its noise to the current trained value without writing it."""
+    gains = []
+    for _, norm in aqn.aqn_norms(model):  # exactly the TRAINED_NORMS of every layer
+        norm.weight = torch.nn.Parameter(norm.weight.detach().float(), requires_grad=True)
+        gains.append(norm.weight)
+    return gains
+
+
 def build_policy(args, device):
     """The frozen (quantized) base with fresh LoRA adapters and their AdamW -> (model, tok, params, opt).
     The adapter initialisation depends on --seed alone, so every rank builds the same one."""
@@ -570,6 +586,8 @@ def build_policy(args, device):
     model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
     lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
     params = lora.lora_parameters(model)
+    if args.train_norms:
+        params += train_norm_gains(model)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     return model, tok, params, opt
 
@@ -664,7 +682,8 @@ def train(args):
         if not args.quiet:
             print(f"step {rec['step']}/{args.steps} | reward {rec['reward']:.3f} | acc {rec['acc']:.3f} | "
                   f"entropy {rec['entropy']:.3f} | kl {fmt(rec['kl'])} | clip {rec['clip']:.4f} | "
-                  f"len {rec['len']:.1f} | sigma {rec['sigma']:.2e} | tok/s {rec['tok/s']:.0f} | "
+                  f"len {rec['len']:.1f} | sigma {rec['sigma']:.2e} | sigma_applied {rec['sigma_applied']:.2e} | "
+                  f"tok/s {rec['tok/s']:.0f} | "
                   f"s/step {rec['s/step']:.2f}", flush=True)
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done < args.steps and evaluating:
@@ -715,7 +734,7 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
     # while rank 0 continues the first, so a single process is unchanged by all this.
     seed = args.seed * 1_000_003 + step
     gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen), \
+    with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen) as noise, \
             merged_sampling_weights(model, enabled=str(device).startswith("cpu")):
         if rank > 0:
             gen = torch.Generator(device=device).manual_seed(seed + rank * 2 ** 40)
@@ -727,15 +746,18 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
     rewards = torch.tensor([reward_fn(t, g) for t, g in zip(ro.texts, golds)])  # (N,) N = this rank's B*G rows
     # inference-mode tensors cannot enter autograd: take plain copies (small) for the update
     mask = ro.completion_mask.float().clone()  # (N, T)
-    upd = policy_update(args, model, opt, params, ro.prompt_ids, ro.completion_ids.clone(), mask,
+    trunc = truncated_rows(ro.completion_ids, mask, tok.eos_token_ids)  # (N,) hit max_new_tokens, no EOS
+    # --mask-truncated: those rows keep their reward (their group's advantages need it) but leave the loss
+    loss_mask = mask * (~trunc).float()[:, None] if args.mask_truncated else mask  # (N, T)
+    upd = policy_update(args, model, opt, params, ro.prompt_ids, ro.completion_ids.clone(), loss_mask,
                         ro.logprobs.float().clone(), rewards)
 
     if upd["skipped"]:
         print(f"step {step + 1} | {upd['skipped']} | skipping this update (no weights changed)")
     # the step's numbers over all ranks: sums in one all_reduce, maxima in another
-    reward_sum, correct_sum, ent_sum, tok_sum, trunc_sum = all_reduce([
+    reward_sum, correct_sum, ent_sum, tok_sum, trunc_sum, flat_sum = all_reduce([
         float(rewards.sum()), float((rewards >= 1.0).sum()), float((ro.entropy.float() * mask).sum()),
-        float(mask.sum()), float((mask.sum(1) >= args.max_new_tokens).sum())])
+        float(mask.sum()), float(trunc.sum()), float((rewards.view(-1, args.group).std(1) == 0).sum() * args.group)])
     rows = upd["rows_all"]  # over all ranks, counted by the update
     t_sample_max, ratio_max = all_reduce([t_sample, upd["ratio_max"]], op="max")
     entropy = ent_sum / max(tok_sum, 1.0)
@@ -743,10 +765,17 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
         feedback.update(entropy)  # the same global entropy on every rank: sigma stays in step
     return {"step": step + 1, "reward": reward_sum / rows, "acc": correct_sum / rows, "entropy": entropy,
             "kl": upd["kl"], "clip": upd["clip"], "len": tok_sum / rows, "sigma": sigma,
+            "sigma_applied": noise["applied_std"],
             "tok/s": tok_sum / max(t_sample_max, 1e-9), "s/step": time.time() - t0, "t_sample": t_sample_max,
             "loss": upd["loss"], "grad_norm": upd["grad_norm"], "lr": lr, "kl_old": upd["kl_old"],
-            "ratio_max": ratio_max, "frac_zero_std": 1.0 - upd["kept_rows_all"] / rows, "truncated": trunc_sum / rows,
+            "ratio_max": ratio_max, "frac_zero_std": flat_sum / rows, "truncated": trunc_sum / rows,
             "skipped": int(bool(upd["skipped"]))}
+
+
+def truncated_rows(ids, mask, eos_token_ids):
+    """(N,) bool: the rows whose completion has no EOS token, i.e. that max_new_tokens cut off."""
+    eos = torch.tensor(list(eos_token_ids), dtype=ids.dtype, device=ids.device)
+    return ~(torch.isin(ids, eos) & (mask > 0)).any(1)
 
 
 def policy_update(args, model, opt, params, prompt_ids, ids, mask, old_logp, rewards):
@@ -764,6 +793,7 @@ def policy_update(args, model, opt, params, prompt_ids, ids, mask, old_logp, rew
     # Groups whose G rewards are all equal have zero advantage: they add nothing to the surrogate, so
     # the update (forward + backward, the larger half of a step) runs on the other rows only.
     keep = (rewards.view(-1, args.group).std(1) > 0).repeat_interleave(args.group)  # (N,)
+    keep &= mask.sum(1) > 0  # a row with no token in the loss (--mask-truncated) needs no forward either
     rows = keep.nonzero().squeeze(1).tolist()
     t_max = int(mask[rows].sum(1).max()) if rows else 0  # the kept rows may all be shorter than T
     k_ids, k_mask, k_old = ids[rows, :t_max], mask[rows, :t_max], old_logp[rows, :t_max]  # (n, t_max) each
@@ -814,7 +844,9 @@ def policy_update(args, model, opt, params, prompt_ids, ids, mask, old_logp, rew
 
 
 def checkpoint(args, step, model, opt, feedback, first_eval):
-    bad = [p for p in lora.lora_parameters(model) if not torch.isfinite(p).all()]
+    gains = [n.weight for _, n in aqn.aqn_norms(model)] if args.train_norms else []
+    trained = lora.lora_parameters(model) + gains
+    bad = [p for p in trained if not torch.isfinite(p).all()]
     if bad:  # never write a broken checkpoint; the last good one stays
         print(f"checkpoint | step {step} | adapter has non-finite values | NOT saved")
         return None
@@ -872,6 +904,9 @@ def validate_args(args):
         raise ValueError(f"need --steps >= 1 and --mu >= 1 (got {args.steps}, {args.mu})")
     if args.aqn and args.aqn_kind != "feedback":
         aqn.check_sigma_range(args.sigma_start, args.sigma_end, args.aqn_kind)
+    if args.train_norms and args.beta > 0:
+        raise ValueError("--train-norms with --beta > 0 is not supported: the KL reference (the base under "
+                         "lora_disabled) would keep the trained gains; drop one of the two")
 
 # -----------------------------------------------------------------------------
 # CLI
@@ -912,6 +947,10 @@ def build_parser():
     p.add_argument("--mu", type=int, default=1, help="policy updates per batch")
     p.add_argument("--beta", type=float, default=0.0, help="k3 KL to the base (reference) policy")
     p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
+    p.add_argument("--mask-truncated", action="store_true", help="completions cut off at --max-new-tokens "
+                   "(no EOS) leave the loss; their rewards still count in their group's advantages")
+    p.add_argument("--train-norms", action="store_true", help="train the RMSNorm gains of every decoder layer "
+                   "(input/post-attention, fp32) with the adapters; saved as PEFT modules_to_save")
     # optimisation
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10, help="warmup steps")
