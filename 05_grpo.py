@@ -6,7 +6,9 @@ learn. Two things make that work: the 4-bit base makes the expensive part (sampl
 rounding noise -- plus AQN's scheduled extra noise on the RMSNorm gains -- raises sampling entropy,
 which helps exploration. Here the sampler runs under `aqn_noise` (stage 04) and records its own
 log-probabilities; they are the pi_old of the clipped surrogate, so the importance ratio
-pi_theta / pi_old corrects for the noise while the update runs on the clean policy.
+pi_theta / pi_old corrects for the noise while the update runs on the clean policy (04's docstring:
+the ratio cancels AQN in expectation, so AQN acts only through which samples are drawn; the 4-bit
+rounding noise is shared by sampler and trainer, hence on-policy and uncorrected).
 
 One step: B prompts x G samples -> rewards (correct answer + 0.1 for the <think>/<answer> format) ->
 group-normalised advantages -> clipped surrogate (eps 0.2 / 0.28, token-mean "DAPO" aggregation by
@@ -26,17 +28,25 @@ Data parallel: the same script under torchrun (gloo between CPU processes, NCCL 
 stays the global number of prompts per step; each rank samples its share of whole groups and the
 adapter gradients are summed across ranks (section "Data parallel" below; README "Scaling out"):
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 05_grpo.py --out runs/dp2
-Qwen2.5-7B-Instruct + GSM8K on one GPU, close to the paper's GSM8K setting (Table 4: 128 samples per
-step as 16 prompts x 8, lr 1e-5, LoRA rank 32, AQN 1e-2 -> 5e-4 over 10 stages; the official
-scripts' gradient clip 0.2 and 10% warmup; the paper's instruction goes in the system prompt). The
-JSONL files are GSM8K's train/test splits as {"question", "answer"} lines (answer ends in "#### n"):
+Qwen2.5-7B-Instruct + GSM8K on one GPU with the paper's Table 4 settings wherever this code has
+them: 128 samples per step as 16 prompts x 8, mu 4 updates per batch, 4096 new tokens, lr 1e-5,
+clip 0.2 / 0.28, no KL, LoRA rank 32, AQN 1e-2 -> 5e-4 over 10 stages, ~600 steps, and GRPO's
+per-sequence aggregation (Table 1 says GRPO). The paper gives no LoRA alpha, warmup or gradient
+clip: alpha 32 is the official ModelConfig default; clip 0.2 and 10% warmup then cosine to 0 are the
+official scripts'.
+Every remaining difference from the paper and the official code is listed in the README ("Notes on
+the paper"); `--mu 1 --loss-agg token-mean --mask-truncated --train-norms` gives the official
+scripts' update instead. The JSONL files are GSM8K's train/test splits as {"question", "answer"}
+lines (answer ends in "#### n"):
     python 05_grpo.py --model Qwen2.5-7B-Instruct --data gsm8k/train.jsonl --eval-data gsm8k/test.jsonl \
-        --quant nvfp4 --dtype bfloat16 --batch 16 --group 8 --lr 1e-5 --lora-r 32 --lora-alpha 32 \
-        --max-new-tokens 1024 --steps 600 --warmup 60 --grad-clip 0.2 --sigma-start 1e-2 --sigma-end 5e-4 \
-        --eval-every 50 --eval-size 500 --eval-k 4 --eval-chunk 128 --save-every 50 --time-budget 0 \
-        --out runs/qwen7b-gsm8k
+        --quant nvfp4 --dtype bfloat16 --batch 16 --group 8 --mu 4 --loss-agg seq-mean-token-mean \
+        --lr 1e-5 --lora-r 32 --lora-alpha 32 --max-new-tokens 4096 --steps 600 --warmup 60 --min-lr-ratio 0 \
+        --grad-clip 0.2 --sigma-start 1e-2 --sigma-end 5e-4 --num-stages 10 --eval-every 50 --eval-size 500 \
+        --eval-k 4 --eval-chunk 128 --save-every 50 --time-budget 0 --out runs/qwen7b-gsm8k
 On one node with 8 GPUs, the same flags after `torchrun --standalone --nproc_per_node 8 05_grpo.py`
-(each GPU then samples 2 of the 16 groups).
+(each GPU then samples 2 of the 16 groups). Memory: the update's logits alone are rows x tokens x
+152k vocab x 4 bytes (~2.5 GB per 4096-token row), so at this length it fits a GPU only when split
+into micro-batches of a few rows.
 """
 import argparse
 import contextlib
@@ -260,9 +270,12 @@ def aggregate(values, mask, mode, max_new_tokens=None, denom=None):
     token-mean: sum / number of tokens (DAPO; long answers weigh more).
     seq-mean-token-mean: mean over sequences of each one's token mean (original GRPO).
     seq-mean-token-sum-norm: sum / (N * max_new_tokens), a constant (Dr. GRPO: no length bias).
-    denom, when given, replaces the divisor (tokens, non-empty sequences, N * max_new_tokens): the
-    update passes the count over all rows of the step (all ranks, including the rows it leaves out),
-    so each call gets its share of the step's value."""
+    denom, when given, replaces the divisor. policy_update passes counts summed over all ranks: for
+    token-mean the tokens, for seq-mean-token-mean the non-empty sequences, of the rows it *keeps*
+    (groups with signal; with --mask-truncated, not the cut-off rows); for seq-mean-token-sum-norm
+    all rows of the step, left-out ones included, times max_new_tokens. So token-mean steps are larger
+    than the official code's when many groups carry no signal: TRL divides by every completion token
+    of the batch, zero-advantage groups included (by all tokens / kept tokens)."""
     mask = mask.to(values.dtype)
     if mode == "token-mean":
         return (values * mask).sum() / (mask.sum().clamp(min=1) if denom is None else denom)
