@@ -195,8 +195,20 @@ def _write_json(path, obj):
         f.write(json.dumps(obj, indent=2) + "\n")
 
 
-def save_adapter(model, dir, base_model_name_or_path=""):
-    """Write dir/adapter_model.safetensors + dir/adapter_config.json (loadable by PEFT)."""
+def _saved_modules(model, names):
+    """{"<module path>.<param>": Parameter} of every module whose leaf name is in `names` (PEFT's
+    modules_to_save: trained in full next to the adapters, e.g. the RMSNorm gains)."""
+    out = {}
+    for path, m in model.named_modules():
+        if path and path.rsplit(".", 1)[-1] in names and not isinstance(m, LoRALinear):
+            out.update({f"{path}.{k}": p for k, p in m.named_parameters(recurse=False)})
+    return out
+
+
+def save_adapter(model, dir, base_model_name_or_path="", modules_to_save=None):
+    """Write dir/adapter_model.safetensors + dir/adapter_config.json (loadable by PEFT).
+    modules_to_save: leaf names of modules trained in full (e.g. ["input_layernorm"]); their
+    parameters are saved as stored, under the keys PEFT writes for its modules_to_save."""
     layers = _lora_layers(model)
     if not layers:
         raise ValueError("save_adapter: the model has no LoRA layers; call add_lora(model, ...) first")
@@ -209,12 +221,20 @@ def save_adapter(model, dir, base_model_name_or_path=""):
     for name, m in layers:  # PEFT names the adapters' inner nn.Linear ".weight"
         tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().float().cpu().contiguous()
         tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().float().cpu().contiguous()
+    modules_to_save = sorted(modules_to_save) if modules_to_save else None
+    if modules_to_save:
+        full = _saved_modules(model, modules_to_save)
+        found = {k.rsplit(".", 2)[-2] for k in full}
+        if set(modules_to_save) - found:
+            raise ValueError(f"save_adapter: modules_to_save {sorted(set(modules_to_save) - found)} match no "
+                             f"module with parameters in {type(model).__name__}")
+        tensors.update({f"{PEFT_PREFIX}{k}": p.detach().cpu().contiguous() for k, p in full.items()})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
         "lora_dropout": dropout, "target_modules": sorted({n.rsplit(".", 1)[-1] for n, _ in layers}),
         "bias": "none", "use_rslora": use_rslora, "base_model_name_or_path": base_model_name_or_path,
         # Defaults spelled out so that PEFT reads exactly what this file implements:
-        "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None, "init_lora_weights": True,
+        "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": modules_to_save, "init_lora_weights": True,
         "layers_to_transform": None, "layers_pattern": None, "revision": None, "use_dora": False,
     }
     os.makedirs(dir, exist_ok=True)
@@ -248,7 +268,11 @@ def load_adapter(model, dir):
         raise ValueError(f"adapter in {dir} targets {saved} but the model's LoRA layers wrap {wrapped}: "
                          f"call add_lora with targets={saved}")
     tensors = load_file(os.path.join(dir, WEIGHTS_NAME))
-    problems = []
+    full = _saved_modules(model, cfg.get("modules_to_save") or [])  # trained in full: loaded as they are
+    problems = [f"adapter has no {PEFT_PREFIX}{k} for modules_to_save" for k in full if PEFT_PREFIX + k not in tensors]
+    problems += [f"adapter {PEFT_PREFIX}{k} has shape {list(tensors[PEFT_PREFIX + k].shape)} but the model's is "
+                 f"{list(p.shape)}" for k, p in full.items()
+                 if PEFT_PREFIX + k in tensors and tensors[PEFT_PREFIX + k].shape != p.shape]
     for name, m in layers.items():
         for part in ("lora_A", "lora_B"):
             key = f"{PEFT_PREFIX}{name}.{part}.weight"
@@ -258,7 +282,8 @@ def load_adapter(model, dir):
             elif list(tensors[key].shape) != want:
                 problems.append(f"adapter {key} has shape {list(tensors[key].shape)} but model module {name} "
                                 f"expects {want}: was it trained on another model or rank?")
-    extra = sorted(set(tensors) - {f"{PEFT_PREFIX}{n}.{p}.weight" for n in layers for p in ("lora_A", "lora_B")})
+    extra = sorted(set(tensors) - {f"{PEFT_PREFIX}{n}.{p}.weight" for n in layers for p in ("lora_A", "lora_B")}
+                   - {PEFT_PREFIX + k for k in full})
     problems += [f"adapter has {k} but the model has no such LoRA module" for k in extra]
     if problems:
         more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
@@ -270,6 +295,8 @@ def load_adapter(model, dir):
             # The adapter's function is (A, B, scaling): take alpha/rsLoRA from the file too.
             m.alpha, m.use_rslora = cfg["lora_alpha"], cfg.get("use_rslora", False)
             m.scaling = m.alpha / math.sqrt(m.r) if m.use_rslora else m.alpha / m.r
+        for k, p in full.items():
+            p.copy_(tensors[PEFT_PREFIX + k])  # exact when the model holds them in the saved dtype
     return model
 
 

@@ -115,13 +115,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.noise = None  # AQN (stage 04): an fp32 [dim] vector added to the gain while it is set
 
     def forward(self, x):
         # HF's exact order: normalize in fp32, cast back, then scale. Swapping the last two steps
         # changes bf16 rounding, and the reference logits would no longer match.
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        if self.noise is None:  # .to(): a no-op unless the gain is an fp32 master copy (05 --train-norms)
+            return (self.weight * h).to(x.dtype)
+        # Noisy gain w + Z and its product in fp32, rounded once: in bf16 a gain near 1 moves in steps
+        # of 2^-8, so adding Z to the stored gain would round most of it away. With Z = 0 this is
+        # bit-identical to the line above (a product of two bf16/fp16 values is exact in fp32).
+        return ((self.weight.float() + self.noise) * h.float()).to(x.dtype)
 
 
 def rope_inv_freq(cfg, device=None):

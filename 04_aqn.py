@@ -12,15 +12,26 @@ the extra noise acts as row-wise multiplicative noise (relative std sigma / |w_i
 on every matrix that reads that norm's output: q/k/v after `input_layernorm`, gate/up after
 `post_attention_layernorm` (paper Eq. 9-10 and App. G). o_proj, down_proj and the final norm get none.
 
-Where the noise acts, and why that is sound: only in the sampler. The noisy model is the behaviour
-policy (the paper's pi_old, Algorithm 1 line 9): stage 05 samples under `aqn_noise`, records the
-sampler's log-probabilities, and uses *them* as the old log-probabilities of the clipped surrogate.
-The ratio pi_theta / pi_old then corrects for the noise exactly as it corrects for stale weights in
-PPO, while the update itself runs on the clean (noise-free) policy. The official code instead adds the
-noise in its vLLM engine and takes the old log-probabilities from the clean trainer, so nothing
-corrects the mismatch -- and its `isinstance` check against Hugging Face norm classes may never match
-vLLM's own RMSNorm, in which case it adds no noise at all (see qerl-paper-facts, section 2.3). Ours
-acts on the same modules the sampler runs, and `aqn_noise` reports the noise it really applied.
+Where the noise acts: only in the sampler. The noisy model is the behaviour policy (the paper's
+pi_old, Algorithm 1 line 9): stage 05 samples under `aqn_noise`, records the sampler's
+log-probabilities, and uses *them* as the old log-probabilities of the clipped surrogate, while the
+update itself runs on the clean (noise-free) policy. The noise is drawn once per step (Algorithm 1;
+section 3.3 says "resampled for each forward pass"). In any dtype the noisy gain multiplies the
+normalised activation in fp32 and the product is rounded once, so a bf16 model gets the noise it is
+asked for (added to a bf16 gain near 1, anything below ~2e-3 would round away).
+
+What the importance ratio does to AQN. The ratio pi_theta / pi_old reweights every sampled token by
+how much likelier the clean policy finds it than the noisy sampler did, so (up to the clip, and, as in
+PPO, for each token given its prefix) the expected gradient is the clean policy's own: the ratio
+cancels AQN in expectation. AQN can then only help through *which* samples get drawn (more varied
+groups, fewer all-equal groups without signal), and it pays in variance (ratios away from 1, more
+clipping). The 4-bit rounding noise is different: sampler and trainer share the same quantized
+weights, so it is part of the policy itself, on-policy and never corrected. The official code takes
+pi_old from its clean trainer instead, so its ratio is 1 on the first update and nothing corrects the
+sampler's noise; and its `isinstance` check against Hugging Face norm classes may never match vLLM's
+own RMSNorm, in which case it adds no noise at all (see qerl-paper-facts, section 2.3). `aqn_noise`
+reports the noise it applied (stage 05 logs it as sigma_applied), and `landed_noise` measures how
+much of it reaches the projections.
 
 Run it (prints the schedule of a 600-step run and the exploration table on the bundled tiny model):
     python 04_aqn.py
@@ -161,12 +172,19 @@ def aqn_norms(model):
 
 @contextlib.contextmanager
 def aqn_noise(model, sigma, generator=None):
-    """Add Z ~ N(0, sigma^2), one independent [hidden] vector per pre-norm, to the gains in place;
-    restore the exact original gains on exit, whatever happens inside.
+    """Draw Z ~ N(0, sigma^2), one independent fp32 [hidden] vector per pre-norm, and make every
+    pre-norm compute (w + Z) * rmsnorm(x) in fp32, rounded once to the activation dtype (stage 03's
+    RMSNorm.noise); on exit, whatever happens inside, the norms are noise-free again.
 
-    Yields a dict with the sigma asked for and `applied_std`: the std of (noisy - clean) gains as they
-    are really stored. In bf16 a gain near 1 has a resolution of 2^-8 ~ 0.004, so a sigma of 5e-4
-    mostly rounds away; `applied_std` makes that visible instead of silent.
+    The gains themselves are never written, so a trained gain (stage 05's --train-norms) comes back
+    exactly, in any dtype. Adding Z to a bf16 gain instead would keep almost nothing of a small draw:
+    near 1 a bf16 gain moves in steps of 2^-8 ~ 0.004, eight times sigma 5e-4. The product is rounded
+    to bf16 too, but each token's product sits at a different place between two bf16 values, so the
+    rounding dithers the noise rather than erasing it: on average over tokens it arrives in full
+    (`landed_noise` measures it).
+
+    Yields a dict with the sigma asked for and `applied_std`: the RMS of the Z really applied (the
+    draw's own spread; stage 05 logs it as sigma_applied).
     """
     if not (sigma >= 0 and math.isfinite(sigma)):
         raise ValueError(f"AQN sigma must be a finite number >= 0, got {sigma}")
@@ -175,25 +193,63 @@ def aqn_noise(model, sigma, generator=None):
     if sigma == 0:
         yield info  # stage 0: quantization noise only; the model is untouched
         return
-    saved = [norm.weight.detach().clone() for _, norm in norms]  # exact copies, same dtype
     gen_device = generator.device if generator is not None else torch.device("cpu")
     try:
         sq_sum, count = 0.0, 0
-        with torch.no_grad():
-            for _, norm in norms:
-                w = norm.weight  # (hidden,)
-                z = torch.randn(w.shape, generator=generator, device=gen_device, dtype=torch.float32) * sigma
-                w.add_(z.to(device=w.device, dtype=w.dtype))
-            for (_, norm), clean in zip(norms, saved):
-                diff = norm.weight.float() - clean.float()  # what the noise really became after rounding
-                sq_sum += float((diff * diff).sum())
-                count += diff.numel()
+        for _, norm in norms:
+            w = norm.weight  # (hidden,)
+            z = torch.randn(w.shape, generator=generator, device=gen_device, dtype=torch.float32) * sigma
+            norm.noise = z.to(w.device)  # (hidden,) fp32
+            sq_sum += float((z * z).sum())
+            count += z.numel()
         info["applied_std"] = math.sqrt(sq_sum / max(count, 1))
         yield info
     finally:
-        with torch.no_grad():
-            for (_, norm), clean in zip(norms, saved):
-                norm.weight.copy_(clean)
+        for _, norm in norms:
+            norm.noise = None
+
+
+@torch.no_grad()
+def landed_noise(model, ids, sigma, generator=None, in_gain=False):
+    """How much of an AQN draw reaches the inputs of q/k/v and gate/up, where it acts.
+
+    Runs `ids` (B, T) under aqn_noise; at every pre-norm a hook also computes the noise-free output
+    of the same input, and fits per channel i the gain change g_i that best explains
+    y_noisy - y_clean = g_i * rmsnorm(x)_i over all tokens (least squares). Returns (g, z), both
+    (num_norms * hidden,) fp32 with z the draw: g == z means all of the noise arrived.
+    in_gain=True instead adds Z to the stored gains in their own dtype (what this project did before,
+    and what the official code does), to show how much of a draw survives that rounding.
+    """
+    norms = [norm for _, norm in aqn_norms(model)]
+    clean = [norm.weight.detach().clone() for norm in norms]
+    fit = [[0.0, 0.0] for _ in norms]  # per norm: sum(dy * n), sum(n * n), each (hidden,)
+
+    def hook(i):
+        def f(module, inp, out):
+            x = inp[0].float()
+            n = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps)).to(inp[0].dtype)  # (B, T, C)
+            dy = (out.float() - (clean[i] * n).float()).reshape(-1, n.shape[-1])  # (B*T, C)
+            n = n.float().reshape(-1, n.shape[-1])  # (B*T, C)
+            fit[i] = [fit[i][0] + (dy * n).sum(0), fit[i][1] + (n * n).sum(0)]
+        return f
+
+    with aqn_noise(model, sigma, generator):
+        zs = [norm.noise.clone() if norm.noise is not None else torch.zeros_like(w, dtype=torch.float32)
+              for norm, w in zip(norms, clean)]
+        if in_gain:
+            for norm, z in zip(norms, zs):
+                norm.noise = None
+                norm.weight.add_(z.to(norm.weight.dtype))
+        handles = [norm.register_forward_hook(hook(i)) for i, norm in enumerate(norms)]
+        try:
+            model(ids)
+        finally:
+            for h in handles:
+                h.remove()
+            for norm, w in zip(norms, clean):
+                norm.weight.copy_(w)
+    g = torch.cat([(num / den.clamp_min(1e-30)).cpu() for num, den in fit])
+    return g, torch.cat([z.cpu() for z in zs])
 
 # -----------------------------------------------------------------------------
 # Measuring exploration: entropy of the sampling distribution and KL to the unquantized base
@@ -264,38 +320,58 @@ if __name__ == "__main__":
     parser.add_argument("--sigma-start", type=float, default=1e-2)
     parser.add_argument("--sigma-end", type=float, default=5e-4)
     parser.add_argument("--num-stages", type=int, default=10)
-    parser.add_argument("--sigmas", type=float, nargs="*", default=[1e-2, 5e-2])
+    parser.add_argument("--sigmas", type=float, nargs="*", default=[5e-4, 1e-2, 5e-2])
     parser.add_argument("--prompts", type=int, default=64, help="number of problems to sample on")
     parser.add_argument("--samples", type=int, default=8, help="completions per problem")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2, help="noise draws per row")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                        help="activation dtypes to measure in")
     args = parser.parse_args()
 
     check_sigma_range(args.sigma_start, args.sigma_end, "exp")
     print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
     print()
 
-    t0 = time.time()
-    if os.path.isdir(args.model):
-        base, tok = rollout.load_model(args.model, quant="none", device="cpu")
-        nf4 = rollout.load_model(args.model, quant="nf4", device="cpu")[0]
-        nvfp4 = rollout.load_model(args.model, quant="nvfp4", device="cpu")[0]
-    else:  # no bundled model: the mechanics still run, on a random model
-        print(f"note | {args.model} not found: measuring a small RANDOM model (the numbers mean nothing)")
-        tok = rollout.byte_tokenizer()
-        base = rollout.random_model(tok, args.seed)
-        nf4 = quantize.quantize_model(copy.deepcopy(base), fmt="nf4")
-        nvfp4 = quantize.quantize_model(copy.deepcopy(base), fmt="nvfp4")
-    variants = {"base": base, "NF4": nf4, "NVFP4": nvfp4}
-    prompts = demo_prompts(tok, args.prompts, args.seed + 1)
-    rows = measure_exploration(base, variants, prompts, num_samples=args.samples,
-                               max_new_tokens=args.max_new_tokens, sigmas=args.sigmas, seed=args.seed,
-                               eos_token_ids=tok.eos_token_ids, rounds=args.rounds)
-    print(f"exploration on {args.model if os.path.isdir(args.model) else 'a random model'}: {args.prompts} prompts x {args.samples} samples x {args.rounds} noise draws, T=1")
-    print(f"{'model':<8} | {'AQN sigma':>9} | {'entropy (nats/tok)':>18} | {'KL to base':>10} | {'len':>5}")
-    ref = rows[0]["entropy"]
-    for r in rows:
-        print(f"{r['name']:<8} | {r['sigma']:>9.0e} | {r['entropy']:>9.4f} ({r['entropy'] / ref - 1:+6.1%}) | "
-              f"{r['kl']:>10.5f} | {r['len']:>5.1f}")
-    print(f"time {time.time() - t0:.1f}s")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    prompts, where = None, args.model if os.path.isdir(args.model) else "a random model"
+    for dname in args.dtypes:
+        t0 = time.time()
+        dtype = dtypes[dname]
+        if os.path.isdir(args.model):
+            base, tok = rollout.load_model(args.model, quant="none", dtype=dtype, device="cpu")
+            nf4 = rollout.load_model(args.model, quant="nf4", dtype=dtype, device="cpu")[0]
+            nvfp4 = rollout.load_model(args.model, quant="nvfp4", dtype=dtype, device="cpu")[0]
+        else:  # no bundled model: the mechanics still run, on a random model
+            print(f"note | {args.model} not found: measuring a small RANDOM model (the numbers mean nothing)")
+            tok = rollout.byte_tokenizer()
+            base = rollout.random_model(tok, args.seed).to(dtype)
+            nf4 = quantize.quantize_model(copy.deepcopy(base), fmt="nf4")
+            nvfp4 = quantize.quantize_model(copy.deepcopy(base), fmt="nvfp4")
+        variants = {"base": base, "NF4": nf4, "NVFP4": nvfp4}
+        prompts = prompts or demo_prompts(tok, args.prompts, args.seed + 1)
+        rows = measure_exploration(base, variants, prompts, num_samples=args.samples,
+                                   max_new_tokens=args.max_new_tokens, sigmas=args.sigmas, seed=args.seed,
+                                   eos_token_ids=tok.eos_token_ids, rounds=args.rounds)
+        print(f"exploration in {dname} on {where}: {args.prompts} prompts x {args.samples} samples x "
+              f"{args.rounds} noise draws, T=1")
+        print(f"{'model':<8} | {'AQN sigma':>9} | {'entropy (nats/tok)':>18} | {'KL to base':>10} | {'len':>5}")
+        ref = rows[0]["entropy"]
+        for r in rows:
+            print(f"{r['name']:<8} | {r['sigma']:>9.0e} | {r['entropy']:>9.4f} ({r['entropy'] / ref - 1:+6.1%}) | "
+                  f"{r['kl']:>10.5f} | {r['len']:>5.1f}")
+        # Where the noise lands: the least-squares gain change seen at the q/k/v and gate/up inputs,
+        # over the prompts' tokens, against the draw (1.00 = all of it arrives)
+        ids = torch.tensor([p[:min(map(len, prompts))] for p in prompts])  # (B, T) cut to one length
+        print(f"noise reaching the q/k/v and gate/up inputs of NVFP4 in {dname} ({ids.numel()} tokens; "
+              f"|g| / |Z| and cosine(g, Z), same draw)")
+        for sigma in sorted(set(args.sigmas) | {args.sigma_end}, reverse=True):
+            cells = []
+            for in_gain in (False, True):
+                g, z = landed_noise(nvfp4, ids, sigma, torch.Generator().manual_seed(args.seed), in_gain)
+                cells.append(f"{float(g.norm() / z.norm()):.3f} / {float(F.cosine_similarity(g, z, 0)):.3f}")
+            print(f"  sigma {sigma:.0e} | fp32 product (this code) {cells[0]} | added to the {dname} gains "
+                  f"{cells[1]}")
+        print(f"time {time.time() - t0:.1f}s")
+        print()

@@ -6,7 +6,9 @@ learn. Two things make that work: the 4-bit base makes the expensive part (sampl
 rounding noise -- plus AQN's scheduled extra noise on the RMSNorm gains -- raises sampling entropy,
 which helps exploration. Here the sampler runs under `aqn_noise` (stage 04) and records its own
 log-probabilities; they are the pi_old of the clipped surrogate, so the importance ratio
-pi_theta / pi_old corrects for the noise while the update runs on the clean policy.
+pi_theta / pi_old corrects for the noise while the update runs on the clean policy (04's docstring:
+the ratio cancels AQN in expectation, so AQN acts only through which samples are drawn; the 4-bit
+rounding noise is shared by sampler and trainer, hence on-policy and uncorrected).
 
 One step: B prompts x G samples -> rewards (correct answer + 0.1 for the <think>/<answer> format) ->
 group-normalised advantages -> clipped surrogate (eps 0.2 / 0.28, token-mean "DAPO" aggregation by
@@ -26,17 +28,22 @@ Data parallel: the same script under torchrun (gloo between CPU processes, NCCL 
 stays the global number of prompts per step; each rank samples its share of whole groups and the
 adapter gradients are summed across ranks (section "Data parallel" below; README "Scaling out"):
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 05_grpo.py --out runs/dp2
-Qwen2.5-7B-Instruct + GSM8K on one GPU, close to the paper's GSM8K setting (Table 4: 128 samples per
-step as 16 prompts x 8, lr 1e-5, LoRA rank 32, AQN 1e-2 -> 5e-4 over 10 stages; the official
-scripts' gradient clip 0.2 and 10% warmup; the paper's instruction goes in the system prompt). The
-JSONL files are GSM8K's train/test splits as {"question", "answer"} lines (answer ends in "#### n").
-The update runs 8 rows at a time with activation checkpointing (README "Scaling out": the estimate
-says this fits in 80 GB; without checkpointing it needs --micro-batch 1):
+Qwen2.5-7B-Instruct + GSM8K on one GPU with the paper's Table 4 settings wherever this code has
+them: 128 samples per step as 16 prompts x 8, mu 4 updates per batch, 4096 new tokens, lr 1e-5,
+clip 0.2 / 0.28, no KL, LoRA rank 32, AQN 1e-2 -> 5e-4 over 10 stages, ~600 steps, and GRPO's
+per-sequence aggregation (Table 1 says GRPO). The paper gives no LoRA alpha, warmup or gradient
+clip: alpha 32 is the official ModelConfig default; clip 0.2 and 10% warmup then cosine to 0 are the
+official scripts'.
+Every remaining difference from the paper and the official code is listed in the README ("Notes on
+the paper"); `--mu 1 --loss-agg token-mean --mask-truncated --train-norms` gives the official
+scripts' update instead. The JSONL files are GSM8K's train/test splits as {"question", "answer"}
+lines (answer ends in "#### n"). The update runs 8 rows at a time with activation checkpointing (README
+"One GPU at 7B" has the memory estimate behind these two flags):
     python 05_grpo.py --model Qwen2.5-7B-Instruct --data gsm8k/train.jsonl --eval-data gsm8k/test.jsonl \
-        --quant nvfp4 --dtype bfloat16 --batch 16 --group 8 --lr 1e-5 --lora-r 32 --lora-alpha 32 \
-        --max-new-tokens 1024 --steps 600 --warmup 60 --grad-clip 0.2 --sigma-start 1e-2 --sigma-end 5e-4 \
-        --micro-batch 8 --grad-checkpoint \
-        --eval-every 50 --eval-size 500 --eval-k 4 --eval-chunk 128 --save-every 50 --time-budget 0 \
+        --quant nvfp4 --dtype bfloat16 --batch 16 --group 8 --mu 4 --loss-agg seq-mean-token-mean \
+        --lr 1e-5 --lora-r 32 --lora-alpha 32 --max-new-tokens 4096 --steps 600 --warmup 60 --min-lr-ratio 0 \
+        --grad-clip 0.2 --sigma-start 1e-2 --sigma-end 5e-4 --num-stages 10 --eval-every 50 --eval-size 500 \
+        --eval-k 4 --eval-chunk 128 --save-every 50 --time-budget 0 --micro-batch 8 --grad-checkpoint \
         --out runs/qwen7b-gsm8k
 On one node with 8 GPUs, the same flags after `torchrun --standalone --nproc_per_node 8 05_grpo.py`
 (each GPU then samples 2 of the 16 groups).
@@ -265,9 +272,12 @@ def aggregate(values, mask, mode, max_new_tokens=None, denom=None):
     token-mean: sum / number of tokens (DAPO; long answers weigh more).
     seq-mean-token-mean: mean over sequences of each one's token mean (original GRPO).
     seq-mean-token-sum-norm: sum / (N * max_new_tokens), a constant (Dr. GRPO: no length bias).
-    denom, when given, replaces the divisor (tokens, non-empty sequences, N * max_new_tokens): the
-    update passes the count over all rows of the step (all ranks, including the rows it leaves out),
-    so each call gets its share of the step's value."""
+    denom, when given, replaces the divisor. policy_update passes counts summed over all ranks: for
+    token-mean the tokens, for seq-mean-token-mean the non-empty sequences, of the rows it *keeps*
+    (groups with signal; with --mask-truncated, not the cut-off rows); for seq-mean-token-sum-norm
+    all rows of the step, left-out ones included, times max_new_tokens. So token-mean steps are larger
+    than the official code's when many groups carry no signal: TRL divides by every completion token
+    of the batch, zero-advantage groups included (by all tokens / kept tokens)."""
     mask = mask.to(values.dtype)
     if mode == "token-mean":
         return (values * mask).sum() / (mask.sum().clamp(min=1) if denom is None else denom)
@@ -522,7 +532,8 @@ def save_checkpoint(out, step, model, opt, args, feedback=None, extra=None):
     tmp = os.path.join(out, f".tmp-checkpoint-{step:06d}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    lora.save_adapter(model, tmp, base_model_name_or_path=args.model)
+    lora.save_adapter(model, tmp, base_model_name_or_path=args.model,
+                      modules_to_save=TRAINED_NORMS if getattr(args, "train_norms", False) else None)
     state = {"step": step, "optimizer": opt.state_dict(), "lr": opt.param_groups[0]["lr"], "args": vars(args),
              "feedback": feedback.state_dict() if feedback is not None else None,
              "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
@@ -597,6 +608,21 @@ def check_model_dir(path):
         raise ValueError(f"--model {path!r}: config.json is not valid JSON ({e})") from None
 
 
+TRAINED_NORMS = ("input_layernorm", "post_attention_layernorm")  # the official --ln True's modules_to_save
+
+
+def train_norm_gains(model):
+    """--train-norms: make every decoder layer's pre-norm gains trainable fp32 master copies (like the
+    adapters: a bf16 gain near 1 would round away updates below 2^-8) and return them. The final
+    model.norm stays frozen, as in the official code. Stage 03's RMSNorm rounds its output to the
+    activation dtype, and AQN adds its noise to the current trained value without writing it."""
+    gains = []
+    for _, norm in aqn.aqn_norms(model):  # exactly the TRAINED_NORMS of every layer
+        norm.weight = torch.nn.Parameter(norm.weight.detach().float(), requires_grad=True)
+        gains.append(norm.weight)
+    return gains
+
+
 def build_policy(args, device):
     """The frozen (quantized) base with fresh LoRA adapters and their AdamW -> (model, tok, params, opt).
     The adapter initialisation depends on --seed alone, so every rank builds the same one."""
@@ -605,6 +631,8 @@ def build_policy(args, device):
     model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
     lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
     params = lora.lora_parameters(model)
+    if args.train_norms:
+        params += train_norm_gains(model)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     return model, tok, params, opt
 
@@ -701,7 +729,8 @@ def train(args):
         if not args.quiet:
             print(f"step {rec['step']}/{args.steps} | reward {rec['reward']:.3f} | acc {rec['acc']:.3f} | "
                   f"entropy {rec['entropy']:.3f} | kl {fmt(rec['kl'])} | clip {rec['clip']:.4f} | "
-                  f"len {rec['len']:.1f} | sigma {rec['sigma']:.2e} | tok/s {rec['tok/s']:.0f} | "
+                  f"len {rec['len']:.1f} | sigma {rec['sigma']:.2e} | sigma_applied {rec['sigma_applied']:.2e} | "
+                  f"tok/s {rec['tok/s']:.0f} | "
                   f"s/step {rec['s/step']:.2f}", flush=True)
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done < args.steps and evaluating:
@@ -752,7 +781,7 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
     # while rank 0 continues the first, so a single process is unchanged by all this.
     seed = args.seed * 1_000_003 + step
     gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen), \
+    with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen) as noise, \
             merged_sampling_weights(model, enabled=merge_for_sampling(device)):
         if rank > 0:
             gen = torch.Generator(device=device).manual_seed(seed + rank * 2 ** 40)
@@ -764,15 +793,18 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
     rewards = torch.tensor([reward_fn(t, g) for t, g in zip(ro.texts, golds)])  # (N,) N = this rank's B*G rows
     # inference-mode tensors cannot enter autograd: take plain copies (small) for the update
     mask = ro.completion_mask.float().clone()  # (N, T)
-    upd = policy_update(args, model, opt, params, ro.prompt_ids, ro.completion_ids.clone(), mask,
+    trunc = truncated_rows(ro.completion_ids, mask, tok.eos_token_ids)  # (N,) hit max_new_tokens, no EOS
+    # --mask-truncated: those rows keep their reward (their group's advantages need it) but leave the loss
+    loss_mask = mask * (~trunc).float()[:, None] if args.mask_truncated else mask  # (N, T)
+    upd = policy_update(args, model, opt, params, ro.prompt_ids, ro.completion_ids.clone(), loss_mask,
                         ro.logprobs.float().clone(), rewards)
 
     if upd["skipped"]:
         print(f"step {step + 1} | {upd['skipped']} | skipping this update (no weights changed)")
     # the step's numbers over all ranks: sums in one all_reduce, maxima in another
-    reward_sum, correct_sum, ent_sum, tok_sum, trunc_sum = all_reduce([
+    reward_sum, correct_sum, ent_sum, tok_sum, trunc_sum, flat_sum = all_reduce([
         float(rewards.sum()), float((rewards >= 1.0).sum()), float((ro.entropy.float() * mask).sum()),
-        float(mask.sum()), float((mask.sum(1) >= args.max_new_tokens).sum())])
+        float(mask.sum()), float(trunc.sum()), float((rewards.view(-1, args.group).std(1) == 0).sum() * args.group)])
     rows = upd["rows_all"]  # over all ranks, counted by the update
     t_sample_max, ratio_max = all_reduce([t_sample, upd["ratio_max"]], op="max")
     entropy = ent_sum / max(tok_sum, 1.0)
@@ -780,9 +812,10 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
         feedback.update(entropy)  # the same global entropy on every rank: sigma stays in step
     return {"step": step + 1, "reward": reward_sum / rows, "acc": correct_sum / rows, "entropy": entropy,
             "kl": upd["kl"], "clip": upd["clip"], "len": tok_sum / rows, "sigma": sigma,
+            "sigma_applied": noise["applied_std"],
             "tok/s": tok_sum / max(t_sample_max, 1e-9), "s/step": time.time() - t0, "t_sample": t_sample_max,
             "loss": upd["loss"], "grad_norm": upd["grad_norm"], "lr": lr, "kl_old": upd["kl_old"],
-            "ratio_max": ratio_max, "frac_zero_std": 1.0 - upd["kept_rows_all"] / rows, "truncated": trunc_sum / rows,
+            "ratio_max": ratio_max, "frac_zero_std": flat_sum / rows, "truncated": trunc_sum / rows,
             "skipped": int(bool(upd["skipped"]))}
 
 
@@ -801,6 +834,12 @@ def grad_checkpointing(model, enabled=True):
             del layer.forward
 
 
+def truncated_rows(ids, mask, eos_token_ids):
+    """(N,) bool: the rows whose completion has no EOS token, i.e. that max_new_tokens cut off."""
+    eos = torch.tensor(list(eos_token_ids), dtype=ids.dtype, device=ids.device)
+    return ~(torch.isin(ids, eos) & (mask > 0)).any(1)
+
+
 def policy_update(args, model, opt, params, prompt_ids, ids, mask, old_logp, rewards):
     """--mu optimizer steps on this rank's rows; the gradient is summed over ranks first.
 
@@ -816,6 +855,7 @@ def policy_update(args, model, opt, params, prompt_ids, ids, mask, old_logp, rew
     # Groups whose G rewards are all equal have zero advantage: they add nothing to the surrogate, so
     # the update (forward + backward, the larger half of a step) runs on the other rows only.
     keep = (rewards.view(-1, args.group).std(1) > 0).repeat_interleave(args.group)  # (N,)
+    keep &= mask.sum(1) > 0  # a row with no token in the loss (--mask-truncated) needs no forward either
     rows = keep.nonzero().squeeze(1).tolist()
     t_max = int(mask[rows].sum(1).max()) if rows else 0  # the kept rows may all be shorter than T
     k_ids, k_mask, k_old = ids[rows, :t_max], mask[rows, :t_max], old_logp[rows, :t_max]  # (n, t_max) each
@@ -878,7 +918,9 @@ def policy_update(args, model, opt, params, prompt_ids, ids, mask, old_logp, rew
 
 
 def checkpoint(args, step, model, opt, feedback, first_eval):
-    bad = [p for p in lora.lora_parameters(model) if not torch.isfinite(p).all()]
+    gains = [n.weight for _, n in aqn.aqn_norms(model)] if args.train_norms else []
+    trained = lora.lora_parameters(model) + gains
+    bad = [p for p in trained if not torch.isfinite(p).all()]
     if bad:  # never write a broken checkpoint; the last good one stays
         print(f"checkpoint | step {step} | adapter has non-finite values | NOT saved")
         return None
@@ -938,6 +980,9 @@ def validate_args(args):
         raise ValueError(f"need --micro-batch >= 0 (0: all rows at once), got {args.micro_batch}")
     if args.aqn and args.aqn_kind != "feedback":
         aqn.check_sigma_range(args.sigma_start, args.sigma_end, args.aqn_kind)
+    if args.train_norms and args.beta > 0:
+        raise ValueError("--train-norms with --beta > 0 is not supported: the KL reference (the base under "
+                         "lora_disabled) would keep the trained gains; drop one of the two")
 
 # -----------------------------------------------------------------------------
 # CLI
@@ -985,6 +1030,10 @@ def build_parser():
                    "in the update (less memory, one more forward)")
     p.add_argument("--gpu-path", action="store_true", help="on the CPU, run what CUDA runs: NVFP4Linear through "
                    "the Triton kernel (interpreted), no merged sampling weights, bfloat16 by default")
+    p.add_argument("--mask-truncated", action="store_true", help="completions cut off at --max-new-tokens "
+                   "(no EOS) leave the loss; their rewards still count in their group's advantages")
+    p.add_argument("--train-norms", action="store_true", help="train the RMSNorm gains of every decoder layer "
+                   "(input/post-attention, fp32) with the adapters; saved as PEFT modules_to_save")
     # optimisation
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10, help="warmup steps")

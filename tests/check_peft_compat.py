@@ -6,7 +6,8 @@ the same logits, and an adapter written by PEFT loads with 02_lora.load_adapter.
 
 It builds a tiny random Qwen2 (hidden 64, 2 layers), so it downloads nothing, and checks:
 1) ours -> PEFT, 2) PEFT (rsLoRA, 3 targets) -> ours, 3) merge_lora == PEFT's merge_and_unload,
-4) stage 03's CausalLM + LoRA == HF Qwen2 + PEFT on tests/data/qwen2 (if present).
+4) stage 03's CausalLM + LoRA == HF Qwen2 + PEFT on tests/data/qwen2 (if present),
+5) trained RMSNorm gains saved as modules_to_save load both ways (05 --train-norms).
 """
 import copy
 import importlib
@@ -70,6 +71,42 @@ with torch.no_grad():
     y_merged_ours = lora.merge_lora(mine)(ids).logits
 print(f"merge      | max |peft merged - ours merged| {(y_merged_peft - y_merged_ours).abs().max():.3e}")
 torch.testing.assert_close(y_merged_ours, y_merged_peft, rtol=1e-5, atol=1e-5)
+
+# 5) trained RMSNorm gains as modules_to_save (05 --train-norms), both ways
+norms = ["input_layernorm", "post_attention_layernorm"]
+ours = lora.add_lora(copy.deepcopy(base), r=8, alpha=16, generator=torch.Generator().manual_seed(6))
+with torch.no_grad():
+    for name, t in lora.lora_state_dict(ours).items():
+        if name.endswith("lora_B"):
+            t.copy_(0.05 * torch.randn(t.shape, generator=g))
+    for name, p in ours.named_parameters():
+        if name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")):
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    y_ours = ours(ids).logits
+with tempfile.TemporaryDirectory() as d:
+    lora.save_adapter(ours, d, base_model_name_or_path="tiny-random-qwen2", modules_to_save=norms)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(base), d).eval()
+    with torch.no_grad():
+        y_peft = peft_model(ids).logits
+print(f"ours->peft, modules_to_save | max |ours - peft| {(y_ours - y_peft).abs().max():.3e} | "
+      f"max |ours - base| {(y_ours - y_base).abs().max():.3e}")
+torch.testing.assert_close(y_peft, y_ours, rtol=1e-5, atol=1e-5)
+pcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+                  modules_to_save=norms, init_lora_weights=False)
+pm = get_peft_model(copy.deepcopy(base), pcfg).eval()
+with torch.no_grad():
+    for name, p in pm.named_parameters():
+        if "modules_to_save" in name:
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    y_pm = pm(ids).logits
+with tempfile.TemporaryDirectory() as d:
+    pm.save_pretrained(d)
+    mine = lora.load_adapter(copy.deepcopy(base), d)
+with torch.no_grad():
+    y_mine = mine(ids).logits
+print(f"peft->ours, modules_to_save | max |peft - ours| {(y_pm - y_mine).abs().max():.3e} | "
+      f"max |peft - base| {(y_pm - y_base).abs().max():.3e}")
+torch.testing.assert_close(y_mine, y_pm, rtol=1e-5, atol=1e-5)
 
 # 4) stage 03's own model (HF module names) -> PEFT on the HF model of the same checkpoint
 tiny = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "qwen2")

@@ -259,8 +259,11 @@ def test_smoke_run_writes_metrics_checkpoints_and_summary(tmp_path):
     for r in steps:
         assert 0.0 <= r["reward"] <= 1.1 and 0.0 <= r["acc"] <= 1.0 and math.isfinite(r["loss"])
         assert r["len"] > 0 and r["entropy"] >= 0
-    # AQN schedule of a 4-step run with 10 stages: stage 0 has no noise, later stages do
+    # AQN schedule of a 4-step run with 10 stages: stage 0 has no noise, later stages do; the noise
+    # really applied is logged next to the sigma asked for (the draw's RMS over 4 x 128 gains)
     assert steps[0]["sigma"] == 0.0 and steps[-1]["sigma"] > 0
+    assert steps[0]["sigma_applied"] == 0.0
+    assert all(r["sigma_applied"] == pytest.approx(r["sigma"], rel=0.15) for r in steps[1:])
     assert [e["step"] for e in evals] == [0, 2, 4] and evals[0]["n"] == 6 and "pass@2" in evals[-1]
     for ck in ("checkpoint-000002", "checkpoint-000004"):
         files = set(os.listdir(out / ck))
@@ -288,6 +291,89 @@ def test_resume_is_exact(tmp_path):
     b = load_file(str(tmp_path / "split" / "checkpoint-000004" / "adapter_model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_resume_is_exact_with_train_norms_and_mask_truncated(tmp_path):
+    extra = ["--train-norms", "--mask-truncated", "--max-new-tokens", "30", "--steps", "3", "--eval-size", "0",
+             "--batch", "4"]
+    grpo.train(tiny_args(tmp_path / "straight", *extra))
+    grpo.train(tiny_args(tmp_path / "split", "--stop-at", "1", *extra))
+    grpo.train(grpo.build_parser().parse_args(["--resume", str(tmp_path / "split"), "--quiet"]))
+    a_steps, _ = step_rows(tmp_path / "straight")
+    assert a_steps == step_rows(tmp_path / "split")[0]  # every logged number, bit for bit
+    assert any(0 < r["truncated"] < 1 and r["loss"] != 0 for r in a_steps)  # the flag had rows to act on
+    a = load_file(str(tmp_path / "straight" / "checkpoint-000003" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "split" / "checkpoint-000003" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    # the gains are saved as PEFT's modules_to_save (fp32), every pre-norm and not model.norm, and trained
+    cfg = json.load(open(tmp_path / "straight" / "checkpoint-000003" / "adapter_config.json"))
+    assert cfg["modules_to_save"] == ["input_layernorm", "post_attention_layernorm"]
+    norms = {k for k in a if "layernorm" in k or k.endswith("model.norm.weight")}
+    assert norms == {f"base_model.model.model.layers.{i}.{n}.weight" for i in range(4)
+                     for n in ("input_layernorm", "post_attention_layernorm")}
+    base, _ = rollout.load_model(grpo.TINY_MODEL, quant="none", device="cpu")
+    moved = [float((a[n] - base.get_parameter(n[len("base_model.model."):]).detach()).abs().max()) for n in norms]
+    assert all(a[n].dtype == torch.float32 for n in norms) and max(moved) > 0
+
+
+def test_train_norms_first_adam_step_by_hand():
+    # One step with --train-norms: the pre-norm gains are fp32 parameters of the optimizer, and AdamW's
+    # first step (no weight decay) moves each by exactly lr in the direction against its gradient;
+    # model.norm stays; without the flag the gains do not move at all.
+    moves = {}
+    for flag in ([], ["--train-norms"]):
+        args = parse("--steps", "5", "--batch", "4", "--group", "4", "--max-new-tokens", "40", "--warmup", "1",
+                     "--lr", "1e-3", "--no-aqn", "--device", "cpu", "--seed", "1", *flag)
+        model, tok, params, opt = grpo.build_policy(args, "cpu")
+        pre = [n for _, n in grpo.aqn.aqn_norms(model)]
+        before = [n.weight.detach().clone() for n in pre]
+        final = model.model.norm.weight.detach().clone()
+        rec = grpo.grpo_step(args, 0, model, tok, opt, grpo.lr_lambda(1, 5, 0.1), params, None, None,
+                             frozenset(), False, "cpu")
+        assert rec["frac_zero_std"] < 1  # some group had signal: an update was taken
+        moves[bool(flag)] = torch.cat([n.weight.detach().float() - b.float() for n, b in zip(pre, before)])
+        assert torch.equal(model.model.norm.weight.detach(), final)
+        if flag:
+            assert all(n.weight.dtype == torch.float32 and n.weight.requires_grad for n in pre)
+            assert sum(p.numel() for p in params) == sum(p.numel() for p in grpo.lora.lora_parameters(model)) + 8 * 128
+            # the gradient, read back from AdamW's first moment (exp_avg = (1 - beta1) g after one step)
+            grad = torch.cat([opt.state[n.weight]["exp_avg"] / 0.1 for n in pre])
+    assert moves[False].abs().max() == 0
+    # Adam's first step, bias-corrected: -lr * g / (|g| + eps), i.e. lr against the gradient's sign
+    torch.testing.assert_close(moves[True], -1e-3 * grad / (grad.abs() + 1e-8), rtol=0, atol=3e-7)
+    assert float((moves[True].abs() > 0.9e-3).float().mean()) > 0.95  # nearly every gain moved by lr
+
+
+def test_mask_truncated_update_by_hand(monkeypatch):
+    # A stand-in policy with one parameter per token id: logp(row, t) = theta[id]. Two groups of G = 2,
+    # rewards [1, 0] each, so A = +-0.5 / (std + 1e-4) with std = 1/sqrt(2). Row 1 hits max_new_tokens
+    # without EOS (9); row 3 ends with EOS in its last slot and is not truncated. With ratio 1 and
+    # token-mean, SGD(lr 1) moves theta[v] by sum_i A_i * count_i(v) / (number of loss tokens).
+    ids = torch.tensor([[1, 9, 0], [2, 2, 2], [3, 9, 0], [4, 4, 9]])
+    mask = torch.tensor([[1., 1, 0], [1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    trunc = grpo.truncated_rows(ids, mask, [9])
+    assert trunc.tolist() == [False, True, False, False]
+    A = 0.5 / (2 ** -0.5 + 1e-4)
+    policy = torch.nn.Module()
+    policy.theta = torch.nn.Parameter(torch.zeros(10))
+    monkeypatch.setattr(grpo.rollout, "sequence_logprobs",
+                        lambda model, prompts, ids, mask, temperature=1.0: (policy.theta[ids], torch.zeros(ids.shape)))
+    got = {}
+    for masked in (False, True):
+        with torch.no_grad():
+            policy.theta.zero_()
+        opt = torch.optim.SGD([policy.theta], lr=1.0)
+        args = parse("--group", "2", "--max-new-tokens", "3", "--grad-clip", "1e9", *(["--mask-truncated"] * masked))
+        loss_mask = mask * (~trunc).float()[:, None] if args.mask_truncated else mask  # as grpo_step does
+        grpo.policy_update(args, policy, opt, [policy.theta], [[5]] * 4, ids, loss_mask, torch.zeros(4, 3),
+                           torch.tensor([1.0, 0.0, 1.0, 0.0]))
+        got[masked] = policy.theta.detach().clone()
+    want = {False: torch.tensor([0, 1, -3, 1, -2, 0, 0, 0, 0, 1]) * A / 10,  # 10 tokens in the loss
+            True: torch.tensor([0, 1, 0, 1, -2, 0, 0, 0, 0, 1]) * A / 7}  # row 1's 3 tokens left out
+    for masked in (False, True):
+        torch.testing.assert_close(got[masked], want[masked].float(), rtol=1e-6, atol=1e-7)
 
 
 def test_nan_loss_skips_the_step_and_saves_nothing_broken(tmp_path, monkeypatch, capsys):

@@ -206,6 +206,34 @@ def test_save_load_roundtrip_is_exact(tmp_path):
     assert torch.equal(auto(x), model(x))
 
 
+def test_modules_to_save_roundtrip_in_peft_layout(tmp_path):
+    # trained norms (LayerNorm weight and bias here) are saved under PEFT's modules_to_save keys and
+    # come back exactly; a folder without them loads as before; a missing tensor is one clear error
+    base, model = make()
+    randomize_B(model)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.norm.weight.add_(torch.randn(32, generator=torch.Generator().manual_seed(3)))
+            layer.norm.bias.add_(0.5)
+    lora.save_adapter(model, str(tmp_path / "a"), modules_to_save=["norm"])
+    cfg = json.load(open(tmp_path / "a" / "adapter_config.json"))
+    assert cfg["modules_to_save"] == ["norm"]
+    saved = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    assert {k for k in saved if "lora_" not in k} == {f"base_model.model.layers.{i}.norm.{p}"
+                                                       for i in range(2) for p in ("weight", "bias")}
+    x = x_batch()
+    fresh = lora.load_adapter(copy.deepcopy(base), str(tmp_path / "a"))
+    assert torch.equal(fresh(x), model(x))
+    assert torch.equal(fresh.layers[1].norm.bias, model.layers[1].norm.bias)
+    with pytest.raises(ValueError, match="match no module"):
+        lora.save_adapter(model, str(tmp_path / "b"), modules_to_save=["no_such_norm"])
+    from safetensors.torch import save_file
+    del saved["base_model.model.layers.0.norm.bias"]
+    save_file(saved, str(tmp_path / "a" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="modules_to_save"):
+        lora.load_adapter(copy.deepcopy(base), str(tmp_path / "a"))
+
+
 def test_merge_float_base_matches_unmerged():
     _, model = make()
     randomize_B(model)
