@@ -60,12 +60,12 @@ def hf_worker(folder, threads):
     for line in sys.stdin:
         if line.strip() != "run":
             break
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
                                  min_new_tokens=n, pad_token_id=0)
-        s = time.perf_counter() - t0
-        print(json.dumps({"s": s, "tokens": out[:, ids.shape[1]:].tolist()}), flush=True)
+        s, cpu = time.perf_counter() - t0, time.process_time() - c0
+        print(json.dumps({"s": s, "cpu": cpu, "tokens": out[:, ids.shape[1]:].tolist()}), flush=True)
 
 
 def write_hf_folder(model, folder, prompts, new_tokens):
@@ -111,10 +111,12 @@ def hf_run(proc):
 # Eager vs compiled (vs HF)
 
 def ours(ro, model, prompts, new_tokens, compile, sync):
+    """Wall seconds of one greedy generate() and its Rollout; r.stats["cpu"] gets the CPU seconds."""
     sync()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     r = ro.generate(model, prompts, max_new_tokens=new_tokens, temperature=0.0, eos_token_ids=[], compile=compile)
     sync()
+    r.stats["cpu"] = time.process_time() - c0
     return time.perf_counter() - t0, r
 
 
@@ -136,15 +138,39 @@ def compare(args, ro, br, device, sync):
     rows = []
     for quant in args.quants.split(","):
         model = br.build_random_model(cfg, quant=quant, dtype=dtype, device=device)
-        hf, hf_note = None, "off (--no-hf)"
-        tmp = None
-        if not args.no_hf and quant == "none" and dtype == torch.float32:
-            tmp = tempfile.TemporaryDirectory()
-            write_hf_folder(model, tmp.name, prompts, N)
-            hf, hf_note = start_hf(args.hf_python or sys.executable, tmp.name, args.threads)
-            print(f"hf | {'transformers ' + hf_note if hf else hf_note}", flush=True)
-        elif not args.no_hf:
-            hf_note = "off (the HF comparison is for the unquantized fp32 model)"
+        try:
+            rows.append(one_quant(args, ro, model, quant, dtype, prompts, sync))
+        except Exception as e:  # e.g. a compile failure: report it, go on with the next format
+            print(f"error | quant {quant} | {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+        model = None  # the last reference: free_model can then give the memory back
+        br.free_model(model, device)
+
+    print(f"summary | median of {args.repeats} repeats, tok/s = {B} rows x {N} tokens / generate() seconds; "
+          f"decode = decode steps only")
+    print(f"{'quant':<6} | {'eager':>8} | {'compiled':>8} | {'HF':>8} | {'compiled/eager':>14} | "
+          f"{'compiled/HF':>11} | {'eager/HF':>8} | {'decode eager':>12} | {'decode compiled':>15} | {'compile s':>9}")
+    for r in rows:
+        hf_cols = (f"{r['hf']:8.0f} | {r['c_over_e']:13.2f}x | {r['c_over_hf']:10.2f}x | {r['e_over_hf']:7.2f}x"
+                   if "hf" in r else f"{'-':>8} | {r['c_over_e']:13.2f}x | {'-':>11} | {'-':>8}")
+        print(f"{r['quant']:<6} | {r['eager']:8.0f} | {r['compiled']:8.0f} | {hf_cols} | {r['dec_e']:12.0f} | "
+              f"{r['dec_c']:15.0f} | {r['compile_s']:9.1f}")
+        if "hf" in r:
+            print(f"{r['quant']:<6} | by CPU seconds instead of wall time: compiled/HF {r['c_over_hf_cpu']:.2f}x | "
+                  f"eager/HF {r['e_over_hf_cpu']:.2f}x")
+
+
+def one_quant(args, ro, model, quant, dtype, prompts, sync):
+    """Warm-up, then args.repeats rounds of eager, compiled (and HF) generate -> one summary row."""
+    B, N = args.batch, args.new_tokens
+    hf, hf_note, tmp = None, "off (--no-hf)", None
+    if not args.no_hf and quant == "none" and dtype == torch.float32:
+        tmp = tempfile.TemporaryDirectory()
+        write_hf_folder(model, tmp.name, prompts, N)
+        hf, hf_note = start_hf(args.hf_python or sys.executable, tmp.name, args.threads)
+        print(f"hf | {'transformers ' + hf_note if hf else hf_note}", flush=True)
+    elif not args.no_hf:
+        print("hf | off: the HF comparison is for the unquantized fp32 model", flush=True)
+    try:
         # Warm-up: the first compiled call compiles (reported); one eager and one HF call warm their caches.
         ours(ro, model, prompts, N, False, sync)
         s_first, r_first = ours(ro, model, prompts, N, True, sync)
@@ -153,19 +179,26 @@ def compare(args, ro, br, device, sync):
               f"{compile_s:.1f} s (once per batch / length bucket)", flush=True)
         hf_tokens = hf_run(hf)["tokens"] if hf else None
         times = {"eager": [], "compiled": [], "hf": []}
+        cpu = {"eager": [], "compiled": [], "hf": []}  # CPU seconds: steadier than wall time on a shared machine
+        dec = {"eager": [], "compiled": []}
         for rep in range(args.repeats):
             s_e, r_e = ours(ro, model, prompts, N, False, sync)
             s_c, r_c = ours(ro, model, prompts, N, True, sync)
             times["eager"].append(s_e)
             times["compiled"].append(s_c)
+            for k, r in (("eager", r_e), ("compiled", r_c)):
+                dec[k].append(r.stats["decode_tokens"] / r.stats["decode_s"])
+                cpu[k].append(r.stats["cpu"])
             line = (f"rep {rep + 1}/{args.repeats} | quant {quant} | eager tok/s {B * N / s_e:7.0f} | compiled "
-                    f"tok/s {B * N / s_c:7.0f} | compiled/eager {s_e / s_c:5.2f}x")
+                    f"tok/s {B * N / s_c:7.0f} | compiled/eager {s_e / s_c:5.2f}x | decode tok/s eager "
+                    f"{dec['eager'][-1]:.0f} compiled {dec['compiled'][-1]:.0f}")
             if hf:
                 res = hf_run(hf)
                 times["hf"].append(res["s"])
+                cpu["hf"].append(res["cpu"])
                 hf_tokens = res["tokens"]
                 line += (f" | hf tok/s {B * N / res['s']:7.0f} | compiled/hf {res['s'] / s_c:5.2f}x "
-                         f"| eager/hf {res['s'] / s_e:5.2f}x")
+                         f"(cpu-s {res['cpu'] / r_c.stats['cpu']:5.2f}x) | eager/hf {res['s'] / s_e:5.2f}x")
             print(line, flush=True)
         same = torch.equal(r_e.completion_ids, r_c.completion_ids)
         print(f"check | quant {quant} | compiled greedy tokens == eager: {same} | max |logprob diff| "
@@ -173,27 +206,22 @@ def compare(args, ro, br, device, sync):
         if hf_tokens is not None:
             match = sum(a == b for a, b in zip(hf_tokens, r_e.completion_ids.tolist()))
             print(f"check | greedy rows identical to transformers' generate: {match} of {B}", flush=True)
-        med = {k: statistics.median(v) for k, v in times.items() if v}
-        ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[b], times[a]))  # noqa: E731
-        row = dict(quant=quant, eager=B * N / med["eager"], compiled=B * N / med["compiled"], compile_s=compile_s,
-                   c_over_e=ratio("compiled", "eager"))
-        if times["hf"]:
-            row.update(hf=B * N / med["hf"], c_over_hf=ratio("compiled", "hf"), e_over_hf=ratio("eager", "hf"))
-        rows.append(row)
+    finally:
         if hf:
             hf.stdin.close()
             hf.wait()
         if tmp:
             tmp.cleanup()
-        br.free_model(model, device)
-
-    print(f"summary | median of {args.repeats} repeats, tok/s = {B} rows x {N} tokens / generate() seconds")
-    print(f"{'quant':<6} | {'eager':>8} | {'compiled':>8} | {'HF':>8} | {'compiled/eager':>14} | "
-          f"{'compiled/HF':>11} | {'eager/HF':>8} | {'compile s':>9}")
-    for r in rows:
-        hf_cols = (f"{r['hf']:8.0f} | {r['c_over_e']:13.2f}x | {r['c_over_hf']:10.2f}x | {r['e_over_hf']:7.2f}x"
-                   if "hf" in r else f"{'-':>8} | {r['c_over_e']:13.2f}x | {'-':>11} | {'-':>8}")
-        print(f"{r['quant']:<6} | {r['eager']:8.0f} | {r['compiled']:8.0f} | {hf_cols} | {r['compile_s']:9.1f}")
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[b], times[a]))  # noqa: E731
+    row = dict(quant=quant, eager=B * N / med["eager"], compiled=B * N / med["compiled"], compile_s=compile_s,
+               c_over_e=ratio("compiled", "eager"), dec_e=statistics.median(dec["eager"]),
+               dec_c=statistics.median(dec["compiled"]))
+    if times["hf"]:
+        row.update(hf=B * N / med["hf"], c_over_hf=ratio("compiled", "hf"), e_over_hf=ratio("eager", "hf"),
+                   c_over_hf_cpu=statistics.median(h / c for h, c in zip(cpu["hf"], cpu["compiled"])),
+                   e_over_hf_cpu=statistics.median(h / e for h, e in zip(cpu["hf"], cpu["eager"])))
+    return row
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@
 #   3. kernel_square  bench/bench_kernel.py --shapes square       (4096^2 and 8192^2, M 1 16 4096)
 #   4. rollout_7b     bench/bench_rollout.py --shape qwen2.5-7b   (generate() tok/s, bf16 vs NVFP4, random 7B)
 #   5. memory         bench/bench_memory.py                       (LoRA step peak memory, none/nf4/nvfp4)
+#   6. sampler_compile bench/bench_sampler.py --shape qwen2.5-7b --layers 2 (generate() decode tok/s, eager
+#                                                                  vs torch.compile + CUDA graphs, bf16 and NVFP4)
 # then prints one summary. Logs go to $OUT (if set) or ./gpu_check_out/. It always exits 0: a part that
 # fails or times out is listed as such. Without a CUDA GPU it says so and exits 0.
 #
@@ -132,6 +134,10 @@ run_part kernel_square 45 "$PY" bench/bench_kernel.py --shapes square --m 1 16 4
 run_part rollout_7b 170 "$PY" bench/bench_rollout.py --shape qwen2.5-7b --quants none,nvfp4 --batches 1,16 \
     --prompt-len 128 --decode-steps 32 --repeats 2
 run_part memory 60 "$PY" bench/bench_memory.py --configs none,nf4,nvfp4 --shape 350m --dtype bf16
+# Stage 03's sampler, eager loop vs the compiled static-shape decode step, at Qwen2.5-7B's layer shapes (2 of
+# its 28 layers keep the compile short; tok/s is then per 2 layers + embeddings + lm_head).
+run_part sampler_compile 110 "$PY" bench/bench_sampler.py --device cuda --shape qwen2.5-7b --layers 2 \
+    --quants none,nvfp4 --batch 16 --prompt-len 128 --new-tokens 64 --repeats 2 --no-hf
 
 # ---------------------------------------------------------------------------------------------------
 # Summary (also written to $OUT_DIR/summary.txt)
@@ -174,5 +180,11 @@ run_part memory 60 "$PY" bench/bench_memory.py --configs none,nf4,nvfp4 --shape 
     echo ""
     echo "-- LoRA training-step memory (bench_memory.py)"
     [ -f "${LOGS[4]:-}" ] && sed -n '/^max_memory_allocated/,$p' "${LOGS[4]}"
+
+    echo ""
+    echo "-- sampler decode tok/s, eager vs compiled (bench_sampler.py, Qwen2.5-7B layer shapes, 2 layers)"
+    for f in "$OUT_DIR"/*_sampler_compile.log; do
+        [ -f "$f" ] && grep -E '^(compile|error) \|' "$f" && sed -n '/^summary |/,$p' "$f"
+    done
 } | tee "$SUMMARY"
 exit 0
