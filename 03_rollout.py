@@ -10,17 +10,21 @@ This file holds everything that generation needs:
   2. a loader that builds the model on the meta device and fills it one tensor at a time, so a 7B
      checkpoint needs about its own size in memory (and about its quantized size with quant="nvfp4");
   3. a batched, KV-cached sampler (temperature, top-k, top-p, per-row EOS) that records the log-prob and
-     entropy of every sampled token, plus `sequence_logprobs` that recomputes those with gradients.
+     entropy of every sampled token, plus `sequence_logprobs` that recomputes those with gradients;
+  4. the same decode step with static shapes, which torch.compile turns into fused kernels (and, on
+     CUDA, one CUDA graph per token): `generate(..., compile=True)`.
 
 Run it:
     python 03_rollout.py                                 # assets/tiny-qwen, or a random model
     python 03_rollout.py --model DIR --prompt "What is 12+7?" --num-samples 4 --temperature 0.8
     python 03_rollout.py --model DIR --quant nvfp4       # quantize on the way in (stage 01)
+    python 03_rollout.py --compile                       # decode steps through torch.compile
 
 Deliberate simplifications:
   1. Prompts are left-padded and repeated G times (B*G rows), instead of prefilling each prompt once and
      sharing its KV cache (see the note above `generate`).
-  2. One preallocated KV cache per call; no paged attention, no continuous batching, no torch.compile.
+  2. One preallocated KV cache per call (per shape bucket with --compile); no paged attention, no
+     continuous batching.
   3. Only what the three families need: SwiGLU, RMSNorm, rotate-half RoPE (plain or "llama3"-scaled).
 """
 import argparse
@@ -178,6 +182,25 @@ class KVCache:
         return self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]  # (B, H_kv, S, D)
 
 
+class StaticKVCache(KVCache):
+    """The same storage, for a decode step whose shapes never change (what torch.compile and CUDA graphs
+    need): the prefill fills slots [0, pos) as above; then each step writes its token at `slot`, a (1,)
+    tensor advanced on the device, and attention reads all max_len slots under a mask."""
+
+    def __init__(self, cfg, batch, max_len, device, dtype):
+        super().__init__(cfg, batch, max_len, device, dtype)
+        self.slot = None  # None during the prefill
+        for t in self.k + self.v:  # CUDA graphs may then read and write them in place, without copies
+            torch._dynamo.mark_static_address(t)
+
+    def update(self, layer, k, v):
+        if self.slot is None:
+            return super().update(layer, k, v)
+        self.k[layer].index_copy_(2, self.slot, k)  # k (B, H_kv, 1, D) into slot `slot`
+        self.v[layer].index_copy_(2, self.slot, v)
+        return self.k[layer], self.v[layer]  # (B, H_kv, S_max, D)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
@@ -279,17 +302,21 @@ class CausalLM(nn.Module):
         mask = mask.repeat(1, 1, G, 1)  # (B, 1, G*T, S): query heads are folded into T, see Attention
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
-        dev_key = str(dev)
-        if dev_key not in self._inv_freq:
-            self._inv_freq[dev_key] = rope_inv_freq(self.config, dev)
-        freqs = positions[..., None].float() * self._inv_freq[dev_key]  # (B, T, D/2), fp32 like HF
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
-        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]  # (B, 1, T, D)
+        cos, sin = self.rope(positions, x.dtype)  # (B, 1, T, D) each
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, kv_cache)
         if kv_cache is not None:
             kv_cache.pos += T  # every layer has written its slots; advance once
         return self.model.norm(x)  # (B, T, C)
+
+    def rope(self, positions, dtype):
+        """cos, sin (B, 1, T, D) for RoPE positions (B, T)."""
+        dev_key = str(positions.device)
+        if dev_key not in self._inv_freq:
+            self._inv_freq[dev_key] = rope_inv_freq(self.config, positions.device)
+        freqs = positions[..., None].float() * self._inv_freq[dev_key]  # (B, T, D/2), fp32 like HF
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (B, 1, T, D)
 
     def forward(self, input_ids, positions=None, attention_mask=None, kv_cache=None):
         h = self.hidden_states(input_ids, positions, attention_mask, kv_cache)  # (B, T, C)
@@ -562,15 +589,22 @@ class Rollout:
 # samples would save (G-1)/G of the prefill FLOPs, but prefill is one batched forward while decode is
 # hundreds of sequential ones, and the cache ends up holding G copies of the prompt either way (without
 # paged attention). So the saving is small for the reasoning-length completions GRPO produces.
+#
+# Why the loop asks "are all rows done?" only every DONE_CHECK_EVERY tokens: reading a GPU value on the
+# host waits for every queued kernel, so asking each token would stall the GPU's queue once per token.
+# Finished rows keep decoding pad tokens in between (masked out), and the result is trimmed at the end.
+DONE_CHECK_EVERY = 8
+
 
 @torch.no_grad()
 def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0, top_p=1.0,
-             eos_token_ids=None, generator=None, tokenizer=None):
+             eos_token_ids=None, generator=None, tokenizer=None, compile=False):
     """Sample `num_samples` completions for each prompt (a list of token-id lists) -> Rollout.
 
     Rows are prompt-major (B = len(prompts) * num_samples below). temperature=0 is greedy. eos_token_ids
     defaults to the tokenizer's; each row stops at its own EOS. Pass a seeded torch.Generator for
-    reproducible samples (it may live on the CPU even when the model is on CUDA)."""
+    reproducible samples (it may live on the CPU even when the model is on CUDA). compile=True runs the
+    decode steps through `static_decoder` (torch.compile; the first call per shape bucket compiles)."""
     cfg = model.config
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt must be a non-empty list of token ids")
@@ -598,7 +632,12 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
         ids[i, P - len(r):] = torch.tensor(r, device=dev)
         key_ok[i, P - len(r):] = True  # prompt tokens and every generated slot
     positions = (key_ok[:, :P].long().cumsum(-1) - 1).clamp(min=0)  # (B, P), 0 at the first real token
-    cache = KVCache(cfg, B, P + max_new_tokens, dev, model.model.embed_tokens.weight.dtype)
+    if compile:
+        dec = static_decoder(model, B, P + max_new_tokens)
+        cache = dec.start(key_ok, P, lens)
+        setting = (temperature, top_k, top_p, generator is None)
+    else:
+        cache = KVCache(cfg, B, P + max_new_tokens, dev, model.model.embed_tokens.weight.dtype)
 
     out_ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=dev)  # (B, N)
     out_mask, out_lp, out_ent = (torch.zeros(B, max_new_tokens, device=dev) for _ in range(3))  # (B, N)
@@ -608,30 +647,137 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     t0 = time.perf_counter()
     h = model.hidden_states(ids, positions, key_ok[:, :P], cache)  # (B, P, C)
     logits = model.lm_head(h[:, -1]).float()  # (B, V): only the last position is needed
+    tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)  # (B,) each
     sync()
     t1 = time.perf_counter()
-    steps = 0
+    compile_s, run = 0.0, 0
     for t in range(max_new_tokens):
-        tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)  # (B,) each
         live = ~done
         out_ids[:, t] = torch.where(live, tok, pad_id)
         out_mask[:, t], out_lp[:, t], out_ent[:, t] = live.float(), lp * live, ent * live
         done = done | (live & torch.isin(tok, eos))  # the EOS token itself stays in the completion
-        steps = t + 1
-        if t == max_new_tokens - 1 or bool(done.all()):
+        run = t + 1
+        if t == max_new_tokens - 1 or (run % DONE_CHECK_EVERY == 0 and bool(done.all())):
             break
         # Finished rows keep being fed (pad tokens): their outputs are ignored, and dropping rows would
         # mean compacting the cache. Next token of row b sits at RoPE position lens[b] + t.
-        logits = model(out_ids[:, t:t + 1], (lens + t)[:, None], key_ok[:, :P + t + 1], cache)[:, -1]  # (B, V)
+        if compile:
+            ts = time.perf_counter()
+            tok, lp, ent = dec.step(out_ids[:, t:t + 1], temperature, top_k, top_p, generator)  # (B,) each
+            if setting not in dec.compiled:  # the first step of a new bucket or setting compiles
+                sync()
+                compile_s = time.perf_counter() - ts
+                dec.compiled.add(setting)
+        else:
+            logits = model(out_ids[:, t:t + 1], (lens + t)[:, None], key_ok[:, :P + t + 1], cache)[:, -1]  # (B, V)
+            tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)
+    steps = int(out_mask[:, :run].any(0).sum())  # rows only ever stop, so the live columns are a prefix
     sync()
     t2 = time.perf_counter()
 
     r = Rollout(rows, out_ids[:, :steps], out_mask[:, :steps], out_lp[:, :steps], out_ent[:, :steps])
     if tokenizer is not None:
         r.texts = [tokenizer.decode(row[m > 0].tolist()) for row, m in zip(r.completion_ids, r.completion_mask)]
-    r.stats = dict(prefill_tokens=int(lens.sum()), prefill_s=t1 - t0,
-                   decode_tokens=int(r.completion_mask.sum()), decode_s=t2 - t1, decode_steps=steps)
+    r.stats = dict(prefill_tokens=int(lens.sum()), prefill_s=t1 - t0, decode_tokens=int(r.completion_mask.sum()),
+                   decode_s=t2 - t1 - compile_s, decode_steps=steps, decode_steps_run=run, compile_s=compile_s)
     return r
+
+
+# ---------------------------------------------------------------------------------------------------
+# The same decode step with static shapes, for torch.compile and CUDA graphs
+#
+# The eager loop above is the readable reference, but each step's shapes grow by one key (the cache view,
+# the mask), so a compiler would see a new graph every token. Here every step has the same shapes: the
+# cache keeps all S_max slots, the new token is written at a slot held in a device tensor, and a full-
+# length mask hides the slots not written yet. Nothing in the step reads a value back to the host, so on
+# CUDA `mode="reduce-overhead"` records it once as a CUDA graph and replays it: one launch per token
+# instead of hundreds of small kernels (the same trick as gpt-fast). The step calls the model's own
+# modules, so LoRA, AQN and quantized layers behave exactly as in the eager loop.
+
+def decode_step(model, cache, tok, pos, key_ok):
+    """One new token per row: tok, pos (B, 1) are the tokens and their RoPE positions, key_ok (B, S_max)
+    the real slots, cache.slot (1,) the slot being written. Returns fp32 logits (B, V)."""
+    B, S = key_ok.shape
+    x = model.model.embed_tokens(tok)  # (B, 1, C)
+    cos, sin = model.rope(pos, x.dtype)  # (B, 1, 1, D)
+    k_slot = torch.arange(S, device=key_ok.device)  # (S,)
+    mask = key_ok & (k_slot <= cache.slot)  # (B, S): real slots written so far, this one included
+    G = model.config.num_attention_heads // model.config.num_key_value_heads
+    mask = mask[:, None, None, :].expand(B, 1, G, S)  # (B, 1, G, S): query heads are folded, see Attention
+    for layer in model.model.layers:
+        x = layer(x, cos, sin, mask, cache)  # (B, 1, C)
+    return model.lm_head(model.model.norm(x)[:, -1]).float()  # (B, V)
+
+
+def decode_and_sample(model, cache, tok, pos, key_ok, temperature, top_k, top_p, generator):
+    """decode_step, then sample_next on its logits: compiled together, the sampler's softmax, entropy and
+    argmax fuse with the model's last kernels. (torch.multinomial with a generator stays outside the graph.)"""
+    logits = decode_step(model, cache, tok, pos, key_ok)  # (B, V)
+    return sample_next(logits, temperature, top_k, top_p, generator)
+
+
+_compiled_steps = {}  # mode -> one torch.compile wrapper, which keeps one compiled graph per shape
+
+
+def shape_bucket(n, quantum=64):
+    # Cache lengths round up to a multiple of 64: prompts of different lengths then share one compiled step.
+    return -(-n // quantum) * quantum
+
+
+class StaticDecoder:
+    """A compiled decode step with its static cache and inputs, for one (batch, cache length) bucket.
+    Built once per model and bucket (see `static_decoder`) and reused by every later generate() call."""
+
+    def __init__(self, model, batch, max_len):
+        # CUDA graphs on CUDA; on a CPU, inductor fuses the small ops into a few C++ loops.
+        mode = "reduce-overhead" if model_device(model).type == "cuda" else None
+        if mode not in _compiled_steps:
+            _compiled_steps[mode] = torch.compile(decode_and_sample, mode=mode, dynamic=False)
+            # One graph per (batch, cache length, sampling settings); dynamo's default allows only 8.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        self.fn, self.model = _compiled_steps[mode], model
+        self.compiled = set()  # the sampling settings traced so far (each is its own graph)
+        dev, cfg = model_device(model), model.config
+        self.cache = StaticKVCache(cfg, batch, max_len, dev, model.model.embed_tokens.weight.dtype)
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1)
+        self.key_ok = torch.zeros(batch, max_len, dtype=torch.bool, device=dev)  # (B, S_max)
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
+        for t in (self.tok, self.pos, self.key_ok, self.slot):
+            torch._dynamo.mark_static_address(t)
+
+    def start(self, key_ok, P, lens):
+        """Reset for a new batch: key_ok (B, S) real slots, P the padded prompt length, lens (B,) prompt
+        lengths. Returns the cache for the (eager) prefill, which fills slots [0, P)."""
+        self.key_ok.zero_()
+        self.key_ok[:, :key_ok.shape[1]] = key_ok
+        self.slot.fill_(P)
+        self.pos.copy_(lens[:, None])
+        self.cache.pos, self.cache.slot = 0, None
+        return self.cache
+
+    def step(self, tok, temperature, top_k, top_p, generator):
+        """Feed tok (B, 1) at the current slot -> the next (token, logprob, entropy), each (B,); then
+        advance the slot and the positions."""
+        self.tok.copy_(tok)
+        self.cache.slot = self.slot
+        if self.slot.is_cuda:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+        out = self.fn(self.model, self.cache, self.tok, self.pos, self.key_ok, temperature, top_k, top_p,
+                      generator)
+        self.slot += 1
+        self.pos += 1
+        return out
+
+
+def static_decoder(model, batch, length):
+    """The StaticDecoder for (batch, shape_bucket(length)) of this model, built on first use."""
+    decoders = model.__dict__.setdefault("_static_decoders", {})
+    w = model.model.embed_tokens.weight
+    key = (batch, shape_bucket(length), w.dtype, w.device)
+    if key not in decoders:
+        decoders[key] = StaticDecoder(model, batch, key[1])
+    return decoders[key]
 
 
 def left_pad(prompt_ids, completion_ids):
@@ -759,6 +905,8 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quant", default="none", choices=["none", "nvfp4", "nf4"], help="quantize on load (stage 01)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
+    ap.add_argument("--compile", action="store_true", help="decode with the torch.compile'd static-shape step "
+                    "(the first call compiles: tens of seconds)")
     args = ap.parse_args()
 
     model_dir = args.model or ("assets/tiny-qwen" if Path("assets/tiny-qwen/config.json").exists() else None)
@@ -782,7 +930,8 @@ if __name__ == "__main__":
     prompt = tok.encode(chat_prompt(args.prompt, args.system))
     gen = torch.Generator(device=device).manual_seed(args.seed)
     r = generate(model, [prompt], num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen, tokenizer=tok)
+                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen, tokenizer=tok,
+                 compile=args.compile)
     for i, text in enumerate(r.texts):
         n = int(r.completion_mask[i].sum())
         print(f"--- sample {i} | tokens {n} | mean logprob {float(r.logprobs[i].sum()) / max(n, 1):.3f} ---")
@@ -790,4 +939,5 @@ if __name__ == "__main__":
     s = r.stats
     print(f"prefill | tokens {s['prefill_tokens']} | tok/s {s['prefill_tokens'] / max(s['prefill_s'], 1e-9):.0f} "
           f"| decode | tokens {s['decode_tokens']} | steps {s['decode_steps']} "
-          f"| tok/s {s['decode_tokens'] / max(s['decode_s'], 1e-9):.0f}")
+          f"| tok/s {s['decode_tokens'] / max(s['decode_s'], 1e-9):.0f}"
+          + (f" | compile_s {s['compile_s']:.1f}" if args.compile else ""))

@@ -336,7 +336,9 @@ def grpo_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="token-
 # dequantize once and fold the adapter in: W = dequant(W_4bit) + (alpha/r) B A. This is the same
 # function up to float rounding (the sampler's log-probs are pi_old anyway, and the clipped ratio
 # absorbs any difference). On CUDA the NVFP4 kernel reads the 4-bit weights directly, and a merged
-# bf16 copy of a 7B model would cost its full size in memory, so there we sample the modules as they are.
+# bf16 copy of a 7B model would cost its full size in memory, so there we sample the modules as they are;
+# with --compile each adapter's casts, scale and add fuse around its two rank-r matmuls, and the step
+# replays as one CUDA graph, so the adapters add no launches (stage 03, "static shapes").
 # --gpu-path takes that CUDA path on the CPU too (QERL_TRITON_CPU=1: stage 01 calls the interpreted kernel).
 
 
@@ -387,36 +389,36 @@ def merged_sampling_weights(model, enabled=True):
             del m.forward  # back to the class's forward
 
 
-def sample(model, tok, prompts, num_samples, max_new_tokens, temperature, generator, chunk):
+def sample(model, tok, prompts, num_samples, max_new_tokens, temperature, generator, chunk, compile=False):
     """generate() over prompt chunks (memory), concatenating texts in prompt-major order."""
     texts, tokens = [], 0
     step = max(1, chunk // num_samples)
     for i in range(0, len(prompts), step):
         out = rollout.generate(model, prompts[i:i + step], num_samples=num_samples, max_new_tokens=max_new_tokens,
                                temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=generator,
-                               tokenizer=tok)
+                               tokenizer=tok, compile=compile)
         texts += out.texts
         tokens += int(out.completion_mask.sum())
     return texts, tokens
 
 
 @torch.inference_mode()
-def evaluate(model, tok, problems, system, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512):
+def evaluate(model, tok, problems, system, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512, compile=False):
     """Held-out accuracy without AQN noise: greedy pass@1 always; with k > 0 also pass@1 (mean over
     the k samples) and pass@k (any of k correct) at `temperature`. Returns counts and rates."""
     prompts = [tok.encode(prompt_text(p["question"], system)) for p in problems]
     golds = [p["answer"] for p in problems]
     with merged_sampling_weights(model, enabled=merge_for_sampling(model_device(model))):
-        return _evaluate(model, tok, prompts, golds, max_new_tokens, k, temperature, seed, chunk)
+        return _evaluate(model, tok, prompts, golds, max_new_tokens, k, temperature, seed, chunk, compile)
 
 
-def _evaluate(model, tok, prompts, golds, max_new_tokens, k, temperature, seed, chunk):
-    texts, _ = sample(model, tok, prompts, 1, max_new_tokens, 0.0, None, chunk)
+def _evaluate(model, tok, prompts, golds, max_new_tokens, k, temperature, seed, chunk, compile=False):
+    texts, _ = sample(model, tok, prompts, 1, max_new_tokens, 0.0, None, chunk, compile)
     greedy = sum(is_correct(t, g) for t, g in zip(texts, golds))
     res = {"n": len(prompts), "greedy_correct": greedy, "greedy": greedy / max(len(prompts), 1)}
     if k > 0:
         gen = torch.Generator(device=model_device(model)).manual_seed(seed)
-        texts, _ = sample(model, tok, prompts, k, max_new_tokens, temperature, gen, chunk)
+        texts, _ = sample(model, tok, prompts, k, max_new_tokens, temperature, gen, chunk, compile)
         hits = [[is_correct(texts[i * k + j], golds[i]) for j in range(k)] for i in range(len(prompts))]
         res.update({"k": k, "sample_correct": sum(map(sum, hits)), "pass_k_correct": sum(map(any, hits)),
                     "pass@1": sum(map(sum, hits)) / max(k * len(prompts), 1),
@@ -524,7 +526,7 @@ def broadcast_parameters(params):
 # renamed, so a crash never leaves half a checkpoint.
 
 RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_every", "device", "quiet",
-                "micro_batch", "grad_checkpoint", "gpu_path")  # how to compute, not what: a resume may change them
+                "micro_batch", "grad_checkpoint", "gpu_path", "compile")  # how to compute, not what: a resume may change them
 
 
 def save_checkpoint(out, step, model, opt, args, feedback=None, extra=None):
@@ -700,7 +702,7 @@ def train(args):
     def run_eval(step, k):
         t0 = time.time()
         res = evaluate(model, tok, eval_set, system, args.max_new_tokens, k=k, temperature=args.temperature,
-                       seed=EVAL_SEED, chunk=args.eval_chunk)
+                       seed=EVAL_SEED, chunk=args.eval_chunk, compile=args.compile)
         res.update(step=step, seconds=time.time() - t0, time=time.time() - t_start)
         print(eval_line(step, res, res["seconds"]), flush=True)
         log_jsonl(metrics_path, {"eval": res})
@@ -787,7 +789,7 @@ def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, e
             gen = torch.Generator(device=device).manual_seed(seed + rank * 2 ** 40)
         ro = rollout.generate(model, prompts, num_samples=args.group, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, eos_token_ids=tok.eos_token_ids, generator=gen,
-                              tokenizer=tok)
+                              tokenizer=tok, compile=args.compile)
     t_sample = time.time() - t0
     golds = [p["answer"] for p in problems for _ in range(args.group)]
     rewards = torch.tensor([reward_fn(t, g) for t, g in zip(ro.texts, golds)])  # (N,) N = this rank's B*G rows
@@ -1001,6 +1003,8 @@ def build_parser():
                    "config.json says \"qerl_prompt\": \"bare\", as the bundled model's does)")
     p.add_argument("--quant", choices=("nvfp4", "nf4", "none"), default="nvfp4")
     p.add_argument("--device", default=None, help="cpu / cuda (default: autodetect)")
+    p.add_argument("--compile", action="store_true", help="sample with stage 03's torch.compile'd decode step "
+                   "(compiles once per batch/length bucket: tens of seconds on a CPU; pays off on long runs and GPUs)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="activation dtype (default: bfloat16 on CUDA, float32 on CPU)")
     # AQN

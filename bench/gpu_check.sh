@@ -9,6 +9,8 @@
 #   4. rollout_7b     bench/bench_rollout.py --shape qwen2.5-7b   (generate() tok/s, bf16 vs NVFP4, random 7B)
 #   5. memory         bench/bench_memory.py                       (LoRA step peak memory, none/nf4/nvfp4)
 #   6. grpo_7b_smoke  bench/bench_update_memory.py --smoke        (3 steps of 05, Qwen2.5-7B widths, 4 layers)
+#   6. sampler_compile bench/bench_sampler.py --shape qwen2.5-7b --layers 2 (generate() decode tok/s, eager
+#                                                                  vs torch.compile + CUDA graphs, bf16 and NVFP4)
 # then prints one summary. Logs go to $OUT (if set) or ./gpu_check_out/. It always exits 0: a part that
 # fails or times out is listed as such. Without a CUDA GPU it says so and exits 0.
 #
@@ -133,6 +135,10 @@ run_part kernel_square 45 "$PY" bench/bench_kernel.py --shapes square --m 1 16 4
 run_part rollout_7b 170 "$PY" bench/bench_rollout.py --shape qwen2.5-7b --quants none,nvfp4 --batches 1,16 \
     --prompt-len 128 --decode-steps 32 --repeats 2
 run_part memory 60 "$PY" bench/bench_memory.py --configs none,nf4,nvfp4 --shape 350m --dtype bf16
+# Stage 03's sampler, eager loop vs the compiled static-shape decode step, at Qwen2.5-7B's layer shapes (2 of
+# its 28 layers keep the compile short; tok/s is then per 2 layers + embeddings + lm_head).
+run_part sampler_compile 110 "$PY" bench/bench_sampler.py --device cuda --shape qwen2.5-7b --layers 2 \
+    --quants none,nvfp4 --batch 16 --prompt-len 128 --new-tokens 64 --repeats 2 --no-hf
 
 # --- grpo_7b_smoke (issue 13): 3 steps of 05_grpo.py on CUDA, random model folder with Qwen2.5-7B's widths and
 # 4 layers, 4 prompts x 8 samples x 256 new tokens, micro-batch 8 + checkpointing; s/step and peak GPU memory.
@@ -188,5 +194,10 @@ run_part grpo_7b_smoke 120 bash -c "'$PY' bench/bench_update_memory.py --write-m
     echo ""
     echo "-- 05_grpo.py on CUDA, Qwen2.5-7B widths, 4 layers (grpo_7b_smoke)"
     grep -hE "^(model|step [0-9]|smoke) \|" "$OUT_DIR"/*_grpo_7b_smoke.log 2>/dev/null || true
+
+    echo "-- sampler decode tok/s, eager vs compiled (bench_sampler.py, Qwen2.5-7B layer shapes, 2 layers)"
+    for f in "$OUT_DIR"/*_sampler_compile.log; do
+        [ -f "$f" ] && grep -E '^(compile|error) \|' "$f" && sed -n '/^summary |/,$p' "$f"
+    done
 } | tee "$SUMMARY"
 exit 0
