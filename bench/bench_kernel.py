@@ -75,6 +75,49 @@ def dequantize(packed, scale, gs, dtype=torch.bfloat16):
 
 
 # -----------------------------------------------------------------------------
+# Host overhead: what the Python wrapper costs per call, with the kernel launch stubbed out
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: `kernel[grid](*args)` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def bench_host(args):
+    """Microseconds per nvfp4_matmul call spent in Python (checks, allocation, launch settings), on
+    CPU tensors through the interpreter branch, with every Triton kernel of the module replaced by a
+    no-op: the figure that a 7B decode step pays ~196 times, independent of the GPU."""
+    import time
+
+    os.environ["TRITON_INTERPRET"] = "1"  # the CPU branch of the wrapper (set before triton is imported)
+    import triton
+    kmod = importlib.import_module("kernels.nvfp4_matmul")
+    for name, obj in list(vars(kmod).items()):
+        if isinstance(obj, triton.runtime.jit.KernelInterface):
+            setattr(kmod, name, _NoLaunch())
+    gen = torch.Generator().manual_seed(args.seed)
+    n = k = 4096
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.full((n, k // 16), 1.0).to(torch.float8_e4m3fn)
+    gs = torch.tensor([448.0])
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)  # (M, K) one decode token
+    for _ in range(200):  # warm the caches the wrapper keeps
+        kmod.nvfp4_matmul(x, packed, scale, gs, bias)
+    best = float("inf")
+    for _ in range(args.host_repeats):
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            kmod.nvfp4_matmul(x, packed, scale, gs, bias)
+        best = min(best, (time.perf_counter() - t0) * 1e3)  # us per call = ms per 1000 calls
+    print(f"host overhead | nvfp4_matmul wrapper, launch stubbed | x bf16 1x{k} | weight {n}x{k} "
+          f"| us/call {best:.1f} | best of {args.host_repeats} x 1000 calls", flush=True)
+    return 0
+
+
+# -----------------------------------------------------------------------------
 # One row of the table
 
 
@@ -120,7 +163,12 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--host", action="store_true",
+                        help="CPU only: the wrapper's microseconds per call with the launch stubbed out")
+    parser.add_argument("--host-repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    if args.host:
+        return bench_host(args)
 
     if not torch.cuda.is_available():
         print("bench_kernel: needs a CUDA GPU (the kernel's CPU path is Triton's interpreter, which is "
