@@ -196,7 +196,8 @@ def main(argv=None):
         body, ops = main_loop(sass)
         per_weight = len(body) * job["num_warps"] * 32 / job["weights_per_step"]
         mma = "wgmma" if "HGMMA" in ops else ("mma.sync" if "HMMA" in ops else ("+".join(ops) or "none"))
-        print(f"{job['name']:<28} | {'decode' if job['decode'] else 'prefill':<7} "
+        role = job.get("role", "decode" if job["decode"] else "prefill")
+        print(f"{job['name']:<28} | {role:<7} "
               f"| warps {job['num_warps']} | stages {job['num_stages']} | regs {res.get('reg', -1):>3} "
               f"| spill {res.get('stack', 0) + res.get('local', 0):>3} B | smem {compiled.metadata.shared:>6} B "
               f"| {mma:<8} | loop {len(body):>4} instr | {job['weights_per_step']:>6} weights/step "

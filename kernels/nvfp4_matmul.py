@@ -480,8 +480,7 @@ def _config(bm, bn, bk, warps, stages):
 
 
 CUDA_CONFIGS = [
-    # decode
-    _config(16, 16, 512, 4, 3),
+    # M <= 16 with fp32 x (16-bit x takes the decode kernel)
     _config(16, 32, 256, 4, 4),
     _config(16, 64, 256, 8, 3),
     _config(16, 64, 128, 4, 4),
@@ -498,7 +497,7 @@ CUDA_CONFIGS = [
 # The decode kernel: (BLOCK_N, BLOCK_K, warps, stages) per BLOCK_M (8 covers M <= 8, 16 covers
 # M <= 16). Chosen by their SASS (bench/kernel_sass.py): no spills, the fewest instructions per
 # weight; about 32 weight rows per warp so that x's permutation is shared by enough weights.
-DECODE_TILES = {8: (64, 256, 2, 4), 16: (32, 256, 1, 4)}
+DECODE_TILES = {8: (64, 256, 2, 4), 16: (64, 256, 2, 3)}
 INTERPRETER_DECODE_TILES = (64, 256)  # (BLOCK_N, BLOCK_K)
 
 # The interpreter: one big tile, so that the tests' problems take one or two programs and steps.
@@ -603,6 +602,7 @@ class _WeightInfo:
         self.gs = global_scale.reshape(1)
         self.bias = bias.contiguous() if bias is not None else None
         self._words = self._scale_fast = None
+        self.launches = {}  # (M, K, dtype, block_sizes, split_k) -> the decode kernel's arguments
 
     def words(self):  # [N, K_pad/8] int32: four packed bytes per word, same memory when aligned
         if self._words is None:
@@ -701,20 +701,30 @@ def _split_buffers(device, numel, n_tiles):
     return part, cnt
 
 
-def _launch_decode(x2, info, block_sizes, split_k):
-    m, k = x2.shape
+def _decode_launch(m, k, dtype, device, info, block_sizes, split_k):
+    """Everything _launch_decode passes besides x and y: worked out once per weight and shape."""
     kw = info.kb // 4
     bm, bn, bk, warps, stages, split, even_k, grid = _decode_plan(
-        m, info.n, kw, k, x2.device.type, x2.device.index, block_sizes, split_k)
-    y = torch.empty((m, info.n), dtype=x2.dtype, device=x2.device)  # (M, N)
-    part, cnt = _split_buffers(x2.device, split * m * info.n, grid[0]) if split > 1 else (y, y)
+        m, info.n, kw, k, device.type, device.index, block_sizes, split_k)
+    part, cnt = _split_buffers(device, split * m * info.n, grid[0]) if split > 1 else (info.gs, info.gs)
     bias = info.bias
-    _nvfp4_decode_kernel[grid](
-        x2, info.words(), info.scale_u8, info.gs, bias if bias is not None else info.gs, y, part, cnt,
-        m, info.n, k, kw, x2.stride(0), kw, info.scale_u8.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, USE_ASM=not INTERPRET, SCALE_FAST=info.scale_fast(),
-        IS_F16=x2.dtype == torch.float16, EVEN_K=even_k, SPLIT_K=split,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    mid = (info.words(), info.scale_u8, info.gs, bias if bias is not None else info.gs)
+    tail = (part, cnt, m, info.n, k, kw, k, kw, info.scale_u8.stride(0), info.n)  # x, y contiguous
+    flags = dict(HAS_BIAS=bias is not None, USE_ASM=not INTERPRET, SCALE_FAST=info.scale_fast(),
+                 IS_F16=dtype == torch.float16, EVEN_K=even_k, SPLIT_K=split,
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return grid, mid, tail, flags
+
+
+def _launch_decode(x2, info, block_sizes, split_k):
+    m, k = x2.shape
+    key = (m, k, x2.dtype, block_sizes, split_k)
+    launch = info.launches.get(key)
+    if launch is None:
+        launch = info.launches[key] = _decode_launch(m, k, x2.dtype, x2.device, info, block_sizes, split_k)
+    grid, mid, tail, flags = launch
+    y = torch.empty((m, info.n), dtype=x2.dtype, device=x2.device)  # (M, N)
+    _nvfp4_decode_kernel[grid](x2, *mid, y, *tail, **flags)
     return y
 
 
@@ -848,7 +858,7 @@ def sass_jobs():
         bm, bn, bk = (c.kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
         jobs.append(dict(name=f"general_{bm}x{bn}x{bk}_w{c.num_warps}_s{c.num_stages}", kernel="general",
                          num_warps=c.num_warps, num_stages=c.num_stages, weights_per_step=bn * bk,
-                         decode=False, tiles=dict(c.kwargs)))
+                         decode=False, role="fp32 x" if bm == 16 else "prefill", tiles=dict(c.kwargs)))
     return jobs
 
 
