@@ -4,7 +4,8 @@ Every CUDA configuration of kernels/nvfp4_matmul.py is compiled ahead of time fo
 `ptxas` that ships in Triton's wheel, for the signature the wrapper launches on an 8192x8192 bf16
 weight (decode configurations with a small M, the others with M = 4096). The cubin is read back with
 `cuobjdump -res-usage` (registers, stack) and `nvdisasm` (SASS), and the main loop (the largest
-backward branch holding the MMA instructions) is counted.
+backward branch holding the MMA instructions) is counted. x is bf16 except for the general kernel's
+16-row tiles, which now only serve fp32 x (their rows say "fp32 x").
 
 Why instructions per weight. At decode the kernel must stream the weight at memory speed. An H200
 issues 132 SMs x 4 schedulers x 1.98 GHz warp instructions per second (x 32 = thread instructions)

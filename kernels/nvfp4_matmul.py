@@ -47,9 +47,14 @@ Three choices worth knowing before reading the code:
    loaded as one contiguous tile and split into its even and odd columns in registers
    (`tl.reshape` to [BLOCK_M, BLOCK_K/2, 2], then `tl.split`), so its loads stay vectorized.
 
-Decode-sized problems also get split-K: when there are too few N tiles to fill the GPU, the K loop is
-cut into SPLIT_K ranges run by separate programs, each writing an fp32 partial sum; the wrapper adds
-the partials with torch (deterministic, unlike atomic adds).
+Two kernels. The general one below (any M, any x dtype) decodes in fp32 and costs ~11 thread
+instructions per weight on Hopper: fine for prefill, where a decoded tile serves 64-128 rows of x,
+but at decode (M <= 16) it would be bound by instruction issue, not memory. 16-bit x with at most 16
+rows therefore takes the decode kernel further down, which decodes with bit operations straight
+into 16-bit lanes (~3.2-3.5 instructions per weight, under the ~3.9 that keep an H200's memory bus
+busy; `python bench/kernel_sass.py` counts them from the machine code) and sums its split-K partials
+inside the same launch. The general kernel's own split-K (fp32 x) writes fp32 partials that the
+wrapper adds with torch (deterministic, unlike atomic adds).
 
 Training LoRA on top of the frozen weight needs dL/dx = dL/dy @ W. The wrapper is an autograd
 function whose backward dequantizes W with plain torch for the duration of the backward (as QLoRA
@@ -61,8 +66,9 @@ a `tl.dot` on bf16 operands returns garbage there, so bf16 is upcast to fp32 bef
 every program x K-step costs milliseconds, so the interpreter uses one large fixed tile instead of
 the autotuned GPU configurations.
 
-Run the tests (CPU, interpreter) and the benchmark (GPU):
+Run the tests (CPU, interpreter), the machine-code count (CPU) and the benchmark (GPU):
     python -m pytest -q tests/test_kernels.py
+    python bench/kernel_sass.py
     python bench/bench_kernel.py
 """
 import functools
@@ -872,9 +878,10 @@ def sass_launch(job, n, k):
         consts = dict(HAS_BIAS=False, USE_ASM=True, SCALE_FAST=True, IS_F16=False, EVEN_K=True, SPLIT_K=1,
                       **job["tiles"])
         return _nvfp4_decode_kernel, ptrs, ints, consts
-    m = 4096
-    ptrs = dict(x_ptr="bf16", w_ptr="u8", s_ptr="u8", gs_ptr="fp32", b_ptr="fp32", y_ptr="bf16")
+    fp32 = job["role"] == "fp32 x"  # the general kernel's 16-row tiles only serve fp32 x now
+    m, xdt = (4, "fp32") if fp32 else (4096, "bf16")
+    ptrs = dict(x_ptr=xdt, w_ptr="u8", s_ptr="u8", gs_ptr="fp32", b_ptr="fp32", y_ptr=xdt)
     ints = dict(M=m, N=n, K=k, KB=k // 2, stride_xm=k, stride_wn=k // 2, stride_sn=k // 16, stride_ym=n,
                 stride_ysplit=0, M_BUCKET=_m_bucket(m))
-    consts = dict(HAS_BIAS=False, DOT_FP32=False, FP8_NATIVE=True, SPLIT_K=1, GROUP_M=8, **job["tiles"])
+    consts = dict(HAS_BIAS=False, DOT_FP32=fp32, FP8_NATIVE=True, SPLIT_K=1, GROUP_M=8, **job["tiles"])
     return _nvfp4_matmul_kernel, ptrs, ints, consts
