@@ -73,6 +73,7 @@ Run the tests (CPU, interpreter), the machine-code count (CPU) and the benchmark
 """
 import functools
 import os
+import weakref
 
 import torch
 import triton
@@ -602,7 +603,7 @@ class _WeightInfo:
         self.key = _weight_key(packed, scale, global_scale, bias)
         self.device = packed.device
         self.n, self.kb = packed.shape
-        # Views, not the tensors themselves: packed holds this object, which must not hold packed.
+        # Views, not packed itself: the cache entry must not keep the tensor alive.
         self.packed = packed.contiguous().view(torch.uint8)
         self.scale_u8 = scale.contiguous().view(torch.uint8)  # the kernels reinterpret the bytes
         self.gs = global_scale.reshape(1)
@@ -628,11 +629,22 @@ def _weight_key(packed, scale, global_scale, bias):
     return (v(packed), scale, v(scale), global_scale, v(global_scale), bias, v(bias))
 
 
+# id(packed) -> (weak reference to packed, _WeightInfo). Not an attribute of the tensor, which
+# deepcopy or pickle would carry along; the entry goes when the tensor does.
+_WEIGHTS = {}
+
+
+def _cached_info(packed):
+    entry = _WEIGHTS.get(id(packed))
+    return entry[1] if entry is not None and entry[0]() is packed else None
+
+
 def _weight_info(packed, scale, global_scale, bias):
-    info = getattr(packed, "_nvfp4_info", None)  # cached on the packed tensor itself
+    info = _cached_info(packed)
     if info is None or not _same_key(info.key, _weight_key(packed, scale, global_scale, bias)):
-        info = _WeightInfo(packed, scale, global_scale, bias)
-        packed._nvfp4_info = info
+        info = _WeightInfo(packed, scale, global_scale, bias)  # checks first: packed is a tensor
+        key = id(packed)
+        _WEIGHTS[key] = (weakref.ref(packed, lambda _, key=key: _WEIGHTS.pop(key, None)), info)
     return info
 
 

@@ -168,7 +168,7 @@ def test_decode_kernel_reproduces_the_dequantized_weight_exactly(dtype, scale_ro
     ref = dequant_ref(packed, scale, gs).T.to(dtype)  # (K, N)
     eye = torch.eye(64, device=DEVICE, dtype=dtype)
     y = torch.cat([nvfp4_matmul(eye[c:c + 16], packed, scale, gs) for c in range(0, 64, 16)])
-    assert packed._nvfp4_info.scale_fast() == (scale_route == "fast")
+    assert kmod._cached_info(packed).scale_fast() == (scale_route == "fast")
     assert torch.equal(y, ref)  # equal values (a sum cannot keep the sign of -0.0)
 
 
@@ -211,15 +211,22 @@ def test_weight_checks_are_cached_and_invalidated_by_changes():
     packed, scale, gs = to_device(*make_nvfp4(40, 64, gen))
     x = torch.randn(2, 64, generator=gen, device=DEVICE).to(torch.bfloat16)
     nvfp4_matmul(x, packed, scale, gs)
-    info = packed._nvfp4_info
+    info = kmod._cached_info(packed)
     nvfp4_matmul(x, packed, scale, gs)
-    assert packed._nvfp4_info is info
+    assert kmod._cached_info(packed) is info
     scale.view(torch.uint8).fill_(0x38)  # 1.0 everywhere, in place
     y = nvfp4_matmul(x, packed, scale, gs)
-    assert packed._nvfp4_info is not info
+    assert kmod._cached_info(packed) is not info
     torch.testing.assert_close(y, (x.float() @ dequant_ref(packed, scale, gs).T).to(torch.bfloat16))
     with pytest.raises(ValueError, match="scale must be"):
         nvfp4_matmul(x, packed, scale[:, :-1], gs)
+    # The cache does not keep a weight alive (nor its memory): dropping the tensor drops the entry.
+    import gc
+    import weakref
+    ref, key = weakref.ref(packed), id(packed)
+    del packed, info
+    gc.collect()
+    assert ref() is None and key not in kmod._WEIGHTS
 
 
 # -----------------------------------------------------------------------------
