@@ -51,7 +51,7 @@ Two kernels. The general one below (any M, any x dtype) decodes in fp32 and cost
 instructions per weight on Hopper: fine for prefill, where a decoded tile serves 64-128 rows of x,
 but at decode (M <= 16) it would be bound by instruction issue, not memory. 16-bit x with at most 16
 rows therefore takes the decode kernel further down, which decodes with bit operations straight
-into 16-bit lanes (~3.2-3.5 instructions per weight, under the ~3.9 that keep an H200's memory bus
+into 16-bit lanes (3.0-3.5 instructions per weight, under the ~3.9 that keep an H200's memory bus
 busy; `python bench/kernel_sass.py` counts them from the machine code) and sums its split-K partials
 inside the same launch. The general kernel's own split-K (fp32 x) writes fp32 partials that the
 wrapper adds with torch (deterministic, unlike atomic adds).
@@ -234,12 +234,12 @@ def _nvfp4_matmul_kernel(
 
 
 # -----------------------------------------------------------------------------
-# The decode kernel (bf16 x, M <= 16): the weight streams at memory speed
+# The decode kernel (bf16 or fp16 x, M <= 16): the weight streams at memory speed
 #
 # At decode every weight byte is used by at most 16 rows of x, so the kernel is fast only if the
 # instructions it spends per weight stay below what the memory bus delivers: on an H200 about 3.9
 # thread instructions per weight (bench/kernel_sass.py counts them in the compiled loop). The
-# general kernel above spends ~11. This one spends ~3.5, by four changes:
+# general kernel above spends ~11. This one spends 3.0-3.5, by four changes:
 #
 # 1. Decoding in 16-bit lanes with bit operations. Four packed bytes are one int32 word holding the
 #    codes k..k+7 (code i in bits 4i..4i+3). Codes i and i+4 sit 16 bits apart, so one rotation and
@@ -247,6 +247,7 @@ def _nvfp4_matmul_kernel(
 #    places both signs at bit 15: the word becomes two bf16 lanes holding e2m1 * 2**-126 (0.5
 #    becomes the bf16 subnormal 2**-127). One packed bf16 multiply by the block scale times 2**119
 #    gives e2m1 * scale * 2**-7, exact and normal in bf16; the 2**7 is undone with the global scale.
+#    (fp16 x: magnitudes at fp16 bits 9..11, e2m1 * 2**-14, times scale * 2**7: the same product.)
 #    On the GPU this is inline PTX (`DECODE_ASM`, ~2.4 instructions per weight); the interpreter
 #    runs the same bits with tl operations, and tests/test_kernels.py checks the PTX text itself,
 #    emulated instruction by instruction, against the reference over every code and scale byte.
@@ -502,9 +503,10 @@ CUDA_CONFIGS = [
 ]
 
 # The decode kernel: (BLOCK_N, BLOCK_K, warps, stages) per BLOCK_M (8 covers M <= 8, 16 covers
-# M <= 16). Chosen by their SASS (bench/kernel_sass.py): no spills, the fewest instructions per
-# weight; about 32 weight rows per warp so that x's permutation is shared by enough weights.
-DECODE_TILES = {8: (64, 256, 2, 4), 16: (64, 256, 2, 3)}
+# M <= 16), best first. Chosen by their SASS (bench/kernel_sass.py): no spills, the fewest
+# instructions per weight, which come with many weight rows per warp (x's permutation is shared by
+# more weights). The wide tile is used when the weight has enough rows to keep every SM busy.
+DECODE_TILES = {8: [(128, 256, 2, 4), (64, 256, 2, 4)], 16: [(128, 256, 2, 3), (64, 256, 2, 3)]}
 INTERPRETER_DECODE_TILES = (64, 256)  # (BLOCK_N, BLOCK_K)
 
 # The interpreter: one big tile, so that the tests' problems take one or two programs and steps.
@@ -692,14 +694,16 @@ def _decode_plan(m, n, kw, k, device_type, device_index, block_sizes, split_k):
         bm, (bn, bk), warps, stages = 16, INTERPRETER_DECODE_TILES, 4, 1
     else:
         bm = 8 if m <= 8 else 16
-        bn, bk, warps, stages = DECODE_TILES[bm]
+        target = 4 * _sm_count(device_index or 0)  # a few small programs per SM keep it streaming
+        for bn, bk, warps, stages in DECODE_TILES[bm]:  # the widest tile that can reach the target
+            if triton.cdiv(n, bn) * max(1, triton.cdiv(kw, bk // 8) // 2) >= target:
+                break
     n_tiles, k_steps = triton.cdiv(n, bn), triton.cdiv(kw, bk // 8)
     if split_k is None:
-        # Enough programs to keep every SM streaming (a few per SM: they are small), each split
-        # keeping at least two K steps. An untuned rule of thumb: `split_k=` overrides it.
+        # Enough programs to reach the target, each split keeping at least two K steps. An untuned
+        # rule of thumb: `split_k=` overrides it.
         split_k = 1
         if device_type == "cuda" and not INTERPRET:
-            target = 4 * _sm_count(device_index or 0)
             while n_tiles * split_k < target and k_steps >= 4 * split_k:
                 split_k *= 2
     even_k = k == 8 * kw and kw % (bk // 8) == 0
@@ -868,10 +872,11 @@ def nvfp4_matmul(x, packed, scale, global_scale, bias=None, *, block_sizes=None,
 
 def sass_jobs():
     jobs = []
-    for bm, (bn, bk, warps, stages) in sorted(DECODE_TILES.items()):
-        jobs.append(dict(name=f"decode_{bm}x{bn}x{bk}_w{warps}_s{stages}", kernel="decode", num_warps=warps,
-                         num_stages=stages, weights_per_step=bn * bk, decode=True,
-                         tiles=dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)))
+    for bm, tiles in sorted(DECODE_TILES.items()):
+        for bn, bk, warps, stages in tiles:
+            jobs.append(dict(name=f"decode_{bm}x{bn}x{bk}_w{warps}_s{stages}", kernel="decode", num_warps=warps,
+                             num_stages=stages, weights_per_step=bn * bk, decode=True,
+                             tiles=dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)))
     for c in CUDA_CONFIGS:
         bm, bn, bk = (c.kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
         jobs.append(dict(name=f"general_{bm}x{bn}x{bk}_w{c.num_warps}_s{c.num_stages}", kernel="general",
