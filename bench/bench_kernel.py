@@ -13,6 +13,7 @@ checks that the kernel agrees with deq+mm.
     python bench/bench_kernel.py                    # 4096x4096 and 8192x8192, M in 1 16 128 4096
     python bench/bench_kernel.py --shapes qwen7b    # Qwen2.5-7B's linear layers, M in 1 16 64 4096
     python bench/bench_kernel.py --m 1 8 --split-k 1
+    python bench/bench_kernel.py --host [--compare-root DIR]   # CPU: the wrapper's Python cost per call
 """
 import argparse
 import importlib
@@ -75,6 +76,67 @@ def dequantize(packed, scale, gs, dtype=torch.bfloat16):
 
 
 # -----------------------------------------------------------------------------
+# Host overhead: what the Python wrapper costs per call, with the kernel launch stubbed out
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: `kernel[grid](*args)` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _stubbed_kernel_module(path, name):
+    """Load kernels/nvfp4_matmul.py from `path` as module `name`, every Triton kernel a no-op."""
+    import importlib.util
+
+    import triton
+    spec = importlib.util.spec_from_file_location(name, path)
+    kmod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kmod)
+    for attr, obj in list(vars(kmod).items()):
+        if isinstance(obj, triton.runtime.jit.KernelInterface):
+            setattr(kmod, attr, _NoLaunch())
+    return kmod
+
+
+def bench_host(args):
+    """Microseconds per nvfp4_matmul call spent in Python (checks, allocation, launch settings), on
+    CPU tensors through the interpreter branch, with every Triton kernel replaced by a no-op: the
+    figure that a 7B decode step pays ~196 times, independent of the GPU. --compare-root DIR times
+    another checkout's kernels/nvfp4_matmul.py in the same run, interleaved (a ratio that survives
+    a busy machine)."""
+    import time
+
+    os.environ["TRITON_INTERPRET"] = "1"  # the CPU branch of the wrapper (set before triton is imported)
+    roots = [("this", ROOT)] + ([("other", os.path.abspath(args.compare_root))] if args.compare_root else [])
+    mods = {label: _stubbed_kernel_module(os.path.join(root, "kernels", "nvfp4_matmul.py"), f"_nvfp4_{label}")
+            for label, root in roots}
+    gen = torch.Generator().manual_seed(args.seed)
+    n = k = 4096
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.full((n, k // 16), 1.0).to(torch.float8_e4m3fn)
+    gs = torch.tensor([448.0])
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)  # (M, K) one decode token
+    best = {label: float("inf") for label in mods}
+    for kmod in mods.values():
+        for _ in range(200):  # warm the caches the wrapper keeps
+            kmod.nvfp4_matmul(x, packed, scale, gs, bias)
+    for _ in range(args.host_repeats):
+        for label, kmod in mods.items():
+            t0 = time.perf_counter()
+            for _ in range(1000):
+                kmod.nvfp4_matmul(x, packed, scale, gs, bias)
+            best[label] = min(best[label], (time.perf_counter() - t0) * 1e3)  # us/call = ms per 1000
+    line = " | ".join(f"{label} us/call {best[label]:.1f}" for label in mods)
+    ratio = f" | other/this {best['other'] / best['this']:.2f}x" if args.compare_root else ""
+    print(f"host overhead | nvfp4_matmul wrapper, launch stubbed | x bf16 1x{k} | weight {n}x{k} | {line}{ratio} "
+          f"| best of {args.host_repeats} x 1000 calls, interleaved", flush=True)
+    return 0
+
+
+# -----------------------------------------------------------------------------
 # One row of the table
 
 
@@ -120,7 +182,14 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--host", action="store_true",
+                        help="CPU only: the wrapper's microseconds per call with the launch stubbed out")
+    parser.add_argument("--host-repeats", type=int, default=5)
+    parser.add_argument("--compare-root", default=None,
+                        help="with --host: also time the kernels/ of another checkout (e.g. an older commit)")
     args = parser.parse_args(argv)
+    if args.host:
+        return bench_host(args)
 
     if not torch.cuda.is_available():
         print("bench_kernel: needs a CUDA GPU (the kernel's CPU path is Triton's interpreter, which is "

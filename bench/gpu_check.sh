@@ -2,17 +2,25 @@
 # GPU check: the whole test suite on CUDA, then the GPU benchmarks, in under 8 minutes.
 #
 # What it runs, each part under its own `timeout` (and all of them under one overall deadline):
-#   1. tests          python -m pytest -q tests                   (the suite, now on CUDA: compiled kernel)
-#   2. kernel_qwen7b  bench/bench_kernel.py --shapes qwen7b       (fused NVFP4 matmul vs bf16 torch.matmul,
+#   1. kernel_tests   pytest -x -rfE tests/test_kernels.py        (the NVFP4 kernels on CUDA first: the decode
+#                                                                  kernel's PTX against the reference, bit-exact)
+#   2. tests          python -m pytest -rfE tests, kernels ignored (the rest of the suite on CUDA)
+#   3. kernel_qwen7b  bench/bench_kernel.py --shapes qwen7b       (fused NVFP4 matmul vs bf16 torch.matmul,
 #                                                                  Qwen2.5-7B linear shapes, M 1 16 64 4096)
-#   3. kernel_square  bench/bench_kernel.py --shapes square       (4096^2 and 8192^2, M 1 16 4096)
-#   4. rollout_7b     bench/bench_rollout.py --shape qwen2.5-7b   (generate() tok/s, bf16 vs NVFP4, random 7B)
-#   5. memory         bench/bench_memory.py                       (LoRA step peak memory, none/nf4/nvfp4)
-#   6. grpo_7b_smoke  bench/bench_update_memory.py --smoke        (3 steps of 05, Qwen2.5-7B widths, 4 layers)
-#   6. sampler_compile bench/bench_sampler.py --shape qwen2.5-7b --layers 2 (generate() decode tok/s, eager
+#   4. kernel_square  bench/bench_kernel.py --shapes square       (4096^2 and 8192^2, M 1 16 4096)
+#   5. sampler_compile bench/bench_sampler.py --shape qwen2.5-7b --layers 2 (generate() decode tok/s, eager
 #                                                                  vs torch.compile + CUDA graphs, bf16 and NVFP4)
+#   6. grpo_7b_smoke  bench/bench_update_memory.py --smoke        (3 steps of 05, Qwen2.5-7B widths, 4 layers)
+#   7. kernel_ncu     Nsight Compute on the decode kernel, 8192x8192, M = 1 (only when `ncu` exists)
+#   8. rollout_7b     bench/bench_rollout.py --shape qwen2.5-7b   (generate() tok/s, bf16 vs NVFP4, random 7B)
+#   9. memory         bench/bench_memory.py                       (LoRA step peak memory, none/nf4/nvfp4)
+#  10. kernel_sass    bench/kernel_sass.py --out $OUT/sass        (the machine code this Triton makes, sm_90)
 # then prints one summary. Logs go to $OUT (if set) or ./gpu_check_out/. It always exits 0: a part that
 # fails or times out is listed as such. Without a CUDA GPU it says so and exits 0.
+# The tests run the general kernel with fixed tiles (QERL_NVFP4_TILES) instead of autotuning every test
+# shape; the benchmarks autotune and print the autotuner's pick (TRITON_PRINT_AUTOTUNING=1).
+# To add a part: one `run_part NAME CAP_SECONDS COMMAND...` line below, and (optionally) a few lines
+# in the summary that read its log through part_log NAME.
 #
 #   bash bench/gpu_check.sh                   # from anywhere; runs in the repository root
 #   GPU_CHECK_DEADLINE_S=300 bash bench/gpu_check.sh
@@ -129,12 +137,47 @@ run_part() {
     fi
 }
 
-run_part tests 140 "$PY" -m pytest -q -p no:cacheprovider tests
-run_part kernel_qwen7b 80 "$PY" bench/bench_kernel.py --shapes qwen7b --m 1 16 64 4096 --warmup 10 --rep 50
-run_part kernel_square 45 "$PY" bench/bench_kernel.py --shapes square --m 1 16 4096 --warmup 10 --rep 50
-run_part rollout_7b 170 "$PY" bench/bench_rollout.py --shape qwen2.5-7b --quants none,nvfp4 --batches 1,16 \
-    --prompt-len 128 --decode-steps 32 --repeats 2
-run_part memory 60 "$PY" bench/bench_memory.py --configs none,nf4,nvfp4 --shape 350m --dtype bf16
+# part_log NAME: the log file of an earlier part (empty if it did not run).
+part_log() {
+    local i
+    for i in "${!NAMES[@]}"; do [ "${NAMES[$i]}" = "$1" ] && { echo "${LOGS[$i]}"; return; }; done
+    echo ""
+}
+
+NCU_PY='
+import sys, torch
+sys.path.insert(0, ".")
+from kernels import nvfp4_matmul
+g = torch.Generator().manual_seed(0)
+packed = torch.randint(0, 256, (8192, 4096), generator=g, dtype=torch.uint8).cuda()
+scale = (torch.rand(8192, 512, generator=g) * 300 + 16).to(torch.float8_e4m3fn).cuda()
+gs, x = torch.tensor([2688.0 * 30]).cuda(), torch.randn(1, 8192, generator=g).cuda().bfloat16()
+for _ in range(3):
+    nvfp4_matmul(x, packed, scale, gs)
+torch.cuda.synchronize()
+'
+run_ncu() {
+    if ! command -v ncu >/dev/null 2>&1; then
+        echo "ncu not found: no Nsight Compute profile"
+        return 0
+    fi
+    ncu --kernel-name regex:nvfp4_decode --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+        --export "$OUT_DIR/ncu_decode_8192_m1" --force-overwrite --print-summary none "$PY" -c "$NCU_PY" \
+        && ncu --import "$OUT_DIR/ncu_decode_8192_m1.ncu-rep" --page details
+}
+
+export PY OUT_DIR NCU_PY
+export -f run_ncu
+run_part kernel_tests 120 env QERL_NVFP4_TILES=64,64,64 "$PY" -m pytest -x -rfE -p no:cacheprovider \
+    tests/test_kernels.py
+run_part tests 130 env QERL_NVFP4_TILES=64,64,64 "$PY" -m pytest -q -rfE -p no:cacheprovider tests \
+    --ignore=tests/test_kernels.py
+run_part kernel_qwen7b 80 env TRITON_PRINT_AUTOTUNING=1 "$PY" bench/bench_kernel.py --shapes qwen7b \
+    --m 1 16 64 4096 --warmup 10 --rep 50
+run_part kernel_square 45 env TRITON_PRINT_AUTOTUNING=1 "$PY" bench/bench_kernel.py --shapes square \
+    --m 1 16 4096 --warmup 10 --rep 50
+# The newer parts first (the deadline skips what does not fit), then the older benchmarks.
 # Stage 03's sampler, eager loop vs the compiled static-shape decode step, at Qwen2.5-7B's layer shapes (2 of
 # its 28 layers keep the compile short; tok/s is then per 2 layers + embeddings + lm_head).
 run_part sampler_compile 110 "$PY" bench/bench_sampler.py --device cuda --shape qwen2.5-7b --layers 2 \
@@ -148,6 +191,14 @@ run_part grpo_7b_smoke 120 bash -c "'$PY' bench/bench_update_memory.py --write-m
     && '$PY' bench/bench_update_memory.py --smoke '$SMOKE_DIR' -- --steps 3 --batch 4 --group 8 \
        --max-new-tokens 256 --micro-batch 8 --grad-checkpoint --eval-size 0 --save-every 0 --time-budget 0 \
        --out '$OUT_DIR/grpo_7b_smoke_run'; rc=\$?; rm -rf '$SMOKE_DIR'; exit \$rc"
+
+run_part kernel_ncu 60 bash -c run_ncu
+run_part rollout_7b 170 "$PY" bench/bench_rollout.py --shape qwen2.5-7b --quants none,nvfp4 --batches 1,16 \
+    --prompt-len 128 --decode-steps 32 --repeats 2
+run_part memory 60 "$PY" bench/bench_memory.py --configs none,nf4,nvfp4 --shape 350m --dtype bf16
+
+# CPU-only and reproducible anywhere, so last: the machine code this Triton version makes for sm_90.
+run_part kernel_sass 40 "$PY" bench/kernel_sass.py --out "$OUT_DIR/sass"
 
 # ---------------------------------------------------------------------------------------------------
 # Summary (also written to $OUT_DIR/summary.txt)
@@ -170,12 +221,21 @@ run_part grpo_7b_smoke 120 bash -c "'$PY' bench/bench_update_memory.py --write-m
     fi
 
     echo ""
-    echo "-- tests: $(grep -E '(passed|failed|error)' "${LOGS[0]}" 2>/dev/null | tail -n 1)"
+    echo "-- kernel tests: $(grep -E '(passed|failed|error)' "$(part_log kernel_tests)" 2>/dev/null | tail -n 1)"
+    echo "-- other tests: $(grep -E '(passed|failed|error)' "$(part_log tests)" 2>/dev/null | tail -n 1)"
+
+    echo ""
+    echo "-- kernel machine code (sm_90, this machine's Triton)"
+    [ -f "$(part_log kernel_sass)" ] && grep -E "^(kernel_sass|decode|general|worst)" "$(part_log kernel_sass)" | cut -c1-160
+
+    echo ""
+    echo "-- autotuner picks"
+    cat "$(part_log kernel_qwen7b)" "$(part_log kernel_square)" 2>/dev/null | grep -iE "best config|finished" | sort | uniq -c | head -n 20
 
     echo ""
     echo "-- NVFP4 kernel vs bf16 torch.matmul (microseconds; x = bf16 time / nvfp4 time)"
     printf "%-13s %-12s %5s | %9s %9s %9s | %7s\n" "layer" "N x K" "M" "nvfp4" "bf16" "deq+mm" "speedup"
-    for f in "${LOGS[1]:-}" "${LOGS[2]:-}"; do
+    for f in "$(part_log kernel_qwen7b)" "$(part_log kernel_square)"; do
         [ -f "$f" ] || continue
         sed -nE 's/^ *([^ ]+) +([0-9]+x[0-9]+) *\| M +([0-9]+) \| us nvfp4 +([0-9.]+) bf16 +([0-9.]+) deq\+mm +([0-9.]+) .*vs bf16 nvfp4 +([0-9.]+x).*/\1 \2 \3 \4 \5 \6 \7/p' "$f" |
             while read -r name shape m a b c x; do
@@ -184,20 +244,25 @@ run_part grpo_7b_smoke 120 bash -c "'$PY' bench/bench_update_memory.py --write-m
     done
 
     echo ""
+    echo "-- Nsight Compute, decode kernel, 8192x8192, M = 1"
+    [ -f "$(part_log kernel_ncu)" ] && grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|ncu not found" "$(part_log kernel_ncu)" | head -n 12
+
+    echo ""
     echo "-- rollout tok/s, random Qwen2.5-7B-shaped model (bench_rollout.py)"
-    [ -f "${LOGS[3]:-}" ] && sed -n '/^summary |/,$p' "${LOGS[3]}"
+    [ -f "$(part_log rollout_7b)" ] && sed -n '/^summary |/,$p' "$(part_log rollout_7b)"
 
     echo ""
     echo "-- LoRA training-step memory (bench_memory.py)"
-    [ -f "${LOGS[4]:-}" ] && sed -n '/^max_memory_allocated/,$p' "${LOGS[4]}"
+    [ -f "$(part_log memory)" ] && sed -n '/^max_memory_allocated/,$p' "$(part_log memory)"
+
+    echo ""
+    echo "-- sampler decode tok/s, eager vs compiled (bench_sampler.py, Qwen2.5-7B layer shapes, 2 layers)"
+    f="$(part_log sampler_compile)"
+    [ -f "$f" ] && grep -E '^(compile|error) \|' "$f" && sed -n '/^summary |/,$p' "$f"
 
     echo ""
     echo "-- 05_grpo.py on CUDA, Qwen2.5-7B widths, 4 layers (grpo_7b_smoke)"
-    grep -hE "^(model|step [0-9]|smoke) \|" "$OUT_DIR"/*_grpo_7b_smoke.log 2>/dev/null || true
-
-    echo "-- sampler decode tok/s, eager vs compiled (bench_sampler.py, Qwen2.5-7B layer shapes, 2 layers)"
-    for f in "$OUT_DIR"/*_sampler_compile.log; do
-        [ -f "$f" ] && grep -E '^(compile|error) \|' "$f" && sed -n '/^summary |/,$p' "$f"
-    done
+    f="$(part_log grpo_7b_smoke)"
+    [ -f "$f" ] && grep -hE "^(model|step [0-9]|smoke) \|" "$f"
 } | tee "$SUMMARY"
 exit 0

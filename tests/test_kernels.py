@@ -68,6 +68,168 @@ def test_identity_input_reproduces_the_dequantized_weight_exactly(fp8_native, mo
 
 
 # -----------------------------------------------------------------------------
+# The decode kernel's bit manipulation, proven without a GPU
+#
+# On the GPU the decode kernel turns each int32 word of packed codes into bf16/fp16 lanes with the
+# inline PTX `kmod.DECODE_ASM` (the interpreter cannot run PTX; it runs a tl copy of the same bits).
+# Here a small emulator executes that PTX text itself, instruction by instruction, in torch.
+
+
+def run_ptx(asm, word, pair, kind):
+    """Execute DECODE_ASM on int64 tensors `word` and `pair` (uint32 values): returns the 8 outputs
+    as uint16 bit patterns. Only the five instructions the decoder uses are understood."""
+    regs, outs = {"$8": word & 0xFFFFFFFF, "$9": pair & 0xFFFFFFFF}, {}
+    half = torch.bfloat16 if kind == "bf16" else torch.float16
+
+    def val(tok):
+        return regs[tok] if tok in regs else torch.full_like(word, int(tok, 0))
+
+    def lanes_to_float(u):  # uint32 -> two float64 lanes of the 16-bit type
+        return [((u >> sh) & 0xFFFF).to(torch.int32).to(torch.int16).view(half).double() for sh in (0, 16)]
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        if op == "mov.b32" and args.startswith("{"):
+            dsts, src = args.split("},")
+            lo, hi = [t.strip() for t in dsts.strip("{ ").split(",")]
+            outs[lo], outs[hi] = val(src.strip()) & 0xFFFF, val(src.strip()) >> 16
+            continue
+        a = [t.strip() for t in args.split(",")]
+        if op == "mov.b32":
+            regs[a[0]] = val(a[1])
+        elif op == "shf.l.wrap.b32":  # funnel shift of {b:a} left by n, high word: rotl when a == b
+            n = int(a[3]) % 32
+            regs[a[0]] = ((val(a[2]) << n) | (val(a[1]) >> (32 - n))) & 0xFFFFFFFF
+        elif op == "lop3.b32":  # bit i of the result = bit (a_i b_i c_i) of the truth table
+            x, y, z, lut = val(a[1]), val(a[2]), val(a[3]), int(a[4], 0)
+            r = torch.zeros_like(word)
+            for idx in range(8):
+                if lut >> idx & 1:
+                    r |= ((x if idx & 4 else ~x) & (y if idx & 2 else ~y) & (z if idx & 1 else ~z))
+            regs[a[0]] = r & 0xFFFFFFFF
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):  # a * b + c per lane, one rounding
+            x, y, z = (lanes_to_float(val(t)) for t in a[1:4])
+            res = [(x[i] * y[i] + z[i]).to(half).view(torch.int16).to(torch.int64) & 0xFFFF for i in (0, 1)]
+            regs[a[0]] = res[0] | (res[1] << 16)
+        else:
+            raise AssertionError(f"the emulator does not know {op!r}: extend it with the PTX")
+    return [outs[f"${q}"] for q in range(8)]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_decode_ptx_is_exact_for_every_code_and_scale_byte(kind):
+    # Every code byte (two codes) against every E4M3 scale byte: the PTX must give exactly
+    # e2m1 * scale * 2**-7 in the 16-bit type (NaN for the two NaN scale bytes).
+    half = torch.bfloat16 if kind == "bf16" else torch.float16
+    code_bytes = torch.arange(256).reshape(64, 4)  # 64 words x 4 bytes
+    word = (code_bytes << torch.tensor([0, 8, 16, 24])).sum(-1)  # (64,) little endian, as the kernel views it
+    scale = torch.arange(256).to(torch.uint8).view(torch.float8_e4m3fn).double()  # (256,)
+    # The pair the kernel feeds in: scale * 2**119 (bf16) or * 2**7 (fp16) in both lanes.
+    lane = (scale * (2.0 ** 119 if kind == "bf16" else 2.0 ** 7)).to(half).view(torch.int16).to(torch.int64) & 0xFFFF
+    pair = lane | (lane << 16)
+    w, p = torch.broadcast_tensors(word[:, None], pair[None, :])  # (64, 256)
+    outs = run_ptx(kmod.DECODE_ASM[kind], w, p, kind)
+    codes = torch.stack([(code_bytes >> sh) & 0xF for sh in (0, 4)], -1).reshape(64, 8)  # (64, 8) code i of each word
+    for q in range(8):
+        code = codes[:, q // 2 + 4 * (q % 2)]  # output q holds code q // 2 + 4 * (q % 2)
+        value = E2M1.double()[code & 7] * (1 - 2 * (code >> 3)).double()  # (64,)
+        ref = (value[:, None] * scale[None, :] * 2.0 ** -7).to(half)  # exact product, one rounding
+        got = outs[q].to(torch.int32).to(torch.int16).view(half)
+        assert torch.equal(got.isnan(), ref.isnan())
+        keep = ~ref.isnan()
+        assert torch.equal(got[keep].view(torch.int16), ref[keep].view(torch.int16)), f"output {q}"
+
+
+def test_fast_scale_route_matches_the_exact_one():
+    # For the positive normal scale bytes (what checkpoints hold) the kernel builds the scale pair
+    # with one integer multiply-add; it must equal the exactly rounded scale * 2**k in both lanes.
+    lo, hi = kmod.FAST_SCALE_BYTES
+    b = torch.arange(lo, hi + 1)
+    scale = b.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    for half, mul, add, exp in ((torch.bfloat16, 0x00100010, 0x77807780, 119), (torch.float16, 0x00800080, 0x3C003C00, 7)):
+        lane = (scale * 2.0 ** exp).to(half).view(torch.int16).to(torch.int64) & 0xFFFF
+        assert torch.equal(b * mul + add, lane | (lane << 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("scale_route", ["fast", "exact"])
+def test_decode_kernel_reproduces_the_dequantized_weight_exactly(dtype, scale_route):
+    # Rows of the identity (M = 16, the decode kernel) read the weight back one column block at a
+    # time. "exact": every finite scale byte, zero, subnormal and negative ones included (the fp32
+    # route); "fast": only positive normal bytes (the integer route). Bit-exact in the 16-bit type.
+    gen = torch.Generator().manual_seed(10)
+    lo, hi = kmod.FAST_SCALE_BYTES
+    pool = torch.arange(lo, hi + 1) if scale_route == "fast" else torch.cat([torch.arange(0, 0x7F), torch.arange(0x80, 0xFF)])
+    scale_bytes = pool[torch.arange(64 * 4) % len(pool)].reshape(64, 4)  # (N=64, 4 blocks)
+    packed, scale, gs = to_device(*make_nvfp4(64, 64, gen, scale_bytes=scale_bytes, global_scale=1234.5))
+    ref = dequant_ref(packed, scale, gs).T.to(dtype)  # (K, N)
+    eye = torch.eye(64, device=DEVICE, dtype=dtype)
+    y = torch.cat([nvfp4_matmul(eye[c:c + 16], packed, scale, gs) for c in range(0, 64, 16)])
+    assert kmod._cached_info(packed).scale_fast() == (scale_route == "fast")
+    assert torch.equal(y, ref)  # equal values (a sum cannot keep the sign of -0.0)
+
+
+@pytest.mark.parametrize("m,n,k,block_sizes", [
+    (1, 40, 270, None),  # unpadded K (masked loop), ragged N, the default interpreter tiles
+    (5, 104, 256, (8, 32, 64)),  # BLOCK_M = 8 as on the GPU for M <= 8, mask-free loop (EVEN_K)
+    (16, 40, 272, (16, 16, 32)),  # full 16-row batch, many programs, K tail
+])
+def test_decode_kernel_matches_reference(m, n, k, block_sizes):
+    gen = torch.Generator().manual_seed(m + n + k)
+    k_pad = -(-k // 16) * 16
+    packed, scale, gs = make_nvfp4(n, k_pad, gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x, bias, packed, scale, gs = to_device(x, bias, packed, scale, gs)
+    ref = (x.float() @ dequant_ref(packed, scale, gs)[:, :k].T + bias.float()).to(torch.bfloat16)
+    y = nvfp4_matmul(x, packed, scale, gs, bias, block_sizes=block_sizes)
+    torch.testing.assert_close(y, ref)  # bf16 tolerances: about one ulp
+
+
+def test_decode_split_k_sums_in_one_launch():
+    # 4 splits over 2 K steps: two splits are empty (they must still publish zeros and arrive at
+    # the counter), the last to arrive adds the partials and the bias once; a second call must
+    # find the counters reset.
+    gen = torch.Generator().manual_seed(11)
+    packed, scale, gs = make_nvfp4(40, 64, gen)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(40, generator=gen).to(torch.bfloat16)
+    x, bias, packed, scale, gs = to_device(x, bias, packed, scale, gs)
+    ref = (x.float() @ dequant_ref(packed, scale, gs).T + bias.float()).to(torch.bfloat16)
+    for _ in range(2):
+        y = nvfp4_matmul(x, packed, scale, gs, bias, block_sizes=(8, 16, 32), split_k=4)
+        torch.testing.assert_close(y, ref)
+
+
+def test_weight_checks_are_cached_and_invalidated_by_changes():
+    # The weight's checks and launch settings are worked out once; modifying a tensor in place
+    # (load_state_dict does) or passing another one must not reuse them.
+    gen = torch.Generator().manual_seed(12)
+    packed, scale, gs = to_device(*make_nvfp4(40, 64, gen))
+    x = torch.randn(2, 64, generator=gen, device=DEVICE).to(torch.bfloat16)
+    nvfp4_matmul(x, packed, scale, gs)
+    info = kmod._cached_info(packed)
+    nvfp4_matmul(x, packed, scale, gs)
+    assert kmod._cached_info(packed) is info
+    scale.view(torch.uint8).fill_(0x38)  # 1.0 everywhere, in place
+    y = nvfp4_matmul(x, packed, scale, gs)
+    assert kmod._cached_info(packed) is not info
+    torch.testing.assert_close(y, (x.float() @ dequant_ref(packed, scale, gs).T).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="scale must be"):
+        nvfp4_matmul(x, packed, scale[:, :-1], gs)
+    # The cache does not keep a weight alive (nor its memory): dropping the tensor drops the entry.
+    import gc
+    import weakref
+    ref, key = weakref.ref(packed), id(packed)
+    del packed, info
+    gc.collect()
+    assert ref() is None and key not in kmod._WEIGHTS
+
+
+# -----------------------------------------------------------------------------
 # Agreement with x @ W.T on ragged shapes
 
 
@@ -190,27 +352,34 @@ try:
     from triton.compiler import ASTSource
 except ImportError as e:
     print("SKIP", e); sys.exit(0)
-kernel = importlib.import_module("kernels.nvfp4_matmul")._nvfp4_matmul_kernel
-# (x dtype, capability, FP8_NATIVE, DOT_FP32, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, warps): a decode
-# tile on Hopper, a prefill tile on Hopper (warp-group MMA), fp32 x with split-K on Ampere (no fp8).
-cases = [("bf16", 90, True, False, 1, 16, 32, 256, 4), ("bf16", 90, True, False, 1, 128, 128, 64, 8),
-         ("fp32", 80, False, True, 2, 16, 32, 64, 4)]
-for xdt, cap, fp8, dot32, split, bm, bn, bk, warps in cases:
-    sig = {"x_ptr": "*" + xdt, "w_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "b_ptr": "*fp32",
-           "y_ptr": "*" + (xdt if split == 1 else "fp32")}
-    sig.update({a: "i32" for a in ("M", "N", "K", "KB", "stride_xm", "stride_wn", "stride_sn",
-                                    "stride_ym", "stride_ysplit", "M_BUCKET")})
-    consts = dict(HAS_BIAS=True, DOT_FP32=dot32, FP8_NATIVE=fp8, SPLIT_K=split, BLOCK_M=bm,
-                  BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
-    sig.update({c: "constexpr" for c in consts})
-    names = list(sig)  # what the launcher sees for 16-aligned pointers and sizes
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names[:6] + names[7:16]}
+kmod = importlib.import_module("kernels.nvfp4_matmul")
+jobs = {j["name"]: j for j in kmod.sass_jobs()}
+dec16 = next(j for j in jobs.values() if j["kernel"] == "decode" and j["tiles"]["BLOCK_M"] == 16)
+# (job, capability, overrides of the constexprs the wrapper would pass): the decode kernel with
+# split-K, bias and a K tail, in bf16 and fp16 (with the exact scale route) on Hopper and Ampere;
+# a prefill tile on Hopper (warp-group MMA); fp32 x with split-K on Ampere (no fp8 type).
+gen = next(j for j in jobs.values() if j["kernel"] == "general" and j["tiles"]["BLOCK_M"] == 128)
+gen16 = next(j for j in jobs.values() if j["kernel"] == "general" and j["tiles"]["BLOCK_M"] == 16)
+cases = [(dec16, 90, dict(SPLIT_K=4, HAS_BIAS=True, EVEN_K=False), None),
+         (dec16, 80, dict(IS_F16=True, SCALE_FAST=False), "fp16"),
+         (gen, 90, dict(HAS_BIAS=True), None),
+         (gen16, 80, dict(DOT_FP32=True, FP8_NATIVE=False, SPLIT_K=2), "fp32")]
+for job, cap, over, xdt in cases:
+    kernel, ptrs, ints, consts = kmod.sass_launch(job, 512, 512)
+    consts = {**consts, **over}
+    if xdt:
+        ptrs = {**ptrs, "x_ptr": xdt, "y_ptr": xdt if consts.get("SPLIT_K", 1) == 1 or "part_ptr" in ptrs else "fp32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        sig[name] = "constexpr" if name in consts else ("*" + ptrs[name] if name in ptrs else "i32")
+        if name in ptrs or (name in ints and ints[name] % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
     try:
         src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
         target = GPUTarget("cuda", cap, 32)
     except (TypeError, AttributeError) as e:  # another Triton version's API: not our bug
         print("SKIP", repr(e)); sys.exit(0)
-    triton.compile(src, target=target, options=dict(num_warps=warps, num_stages=3))
+    triton.compile(src, target=target, options=dict(num_warps=job["num_warps"], num_stages=job["num_stages"]))
 print("OK")
 """
 

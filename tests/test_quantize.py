@@ -211,11 +211,16 @@ def test_nvfp4_linear_through_triton_kernel_on_cpu(monkeypatch):
     kernels = importlib.import_module("kernels")
     if not kernels.HAS_TRITON:
         pytest.skip("triton not installed")
-    monkeypatch.setenv("QERL_TRITON_CPU", "1")
+    # Without a GPU the kernel runs on CPU tensors through Triton's interpreter (conftest turns it
+    # on), which QERL_TRITON_CPU=1 routes to; with a GPU the interpreter is off, so use CUDA tensors.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setenv("QERL_TRITON_CPU", "1")
     lin = nn.Linear(40, 24, bias=True)
-    m = q.NVFP4Linear.from_linear(lin)
-    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(m(x), F.linear(x, m.dequantized_weight(), lin.bias.detach()), rtol=1e-5, atol=1e-5)
+    m = q.NVFP4Linear.from_linear(lin).to(device)
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(3)).to(device)
+    ref = F.linear(x, m.dequantized_weight(), lin.bias.detach().to(device))
+    torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
