@@ -18,6 +18,9 @@ One line per configuration (`|`-separated fields); the last line names the worst
 
     python bench/kernel_sass.py                   # ~1-3 minutes on one CPU core
     python bench/kernel_sass.py --out /tmp/sass   # also writes NAME.cubin, NAME.sass, NAME.json
+
+The figures before issue 12 come from commit 8947f01 (this script with a description of the old
+kernel's launches): `git archive 8947f01 | tar -x -C /tmp/before && python /tmp/before/bench/kernel_sass.py`.
 """
 import argparse
 import importlib
@@ -136,30 +139,6 @@ def opcode_histogram(body, top=8):
     return sorted(counts.items(), key=lambda kv: -kv[1])[:top]
 
 
-class _Legacy:
-    """The jobs of the first kernel (before issue 12), which did not describe its own launches."""
-
-    def __init__(self, kmod):
-        self.kmod = kmod
-
-    def sass_jobs(self):
-        jobs = []
-        for c in self.kmod.CUDA_CONFIGS:
-            bm, bn, bk = (c.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-            jobs.append(dict(name=f"{bm}x{bn}x{bk}_w{c.num_warps}_s{c.num_stages}", num_warps=c.num_warps,
-                             num_stages=c.num_stages, weights_per_step=bn * bk, decode=bm == 16, config=c))
-        return jobs
-
-    def sass_launch(self, job, n, k):
-        m = 8 if job["decode"] else 4096
-        ptrs = {"x_ptr": "bf16", "w_ptr": "u8", "s_ptr": "u8", "gs_ptr": "fp32", "b_ptr": "fp32", "y_ptr": "bf16"}
-        ints = dict(M=m, N=n, K=k, KB=k // 2, stride_xm=k, stride_wn=k // 2, stride_sn=k // 16, stride_ym=n,
-                    stride_ysplit=0, M_BUCKET=16 if m <= 16 else 4096)
-        consts = dict(HAS_BIAS=False, DOT_FP32=False, FP8_NATIVE=True, SPLIT_K=1, GROUP_M=8,
-                      **job["config"].kwargs)
-        return self.kmod._nvfp4_matmul_kernel, ptrs, ints, consts
-
-
 # -----------------------------------------------------------------------------
 # Main
 
@@ -171,9 +150,7 @@ def main(argv=None):
     parser.add_argument("--ops", action="store_true", help="also print the loop's commonest opcodes")
     args = parser.parse_args(argv)
 
-    kmod = importlib.import_module("kernels.nvfp4_matmul")
-    if not hasattr(kmod, "sass_jobs"):
-        kmod = _Legacy(kmod)
+    kmod = importlib.import_module("kernels.nvfp4_matmul")  # its sass_jobs() / sass_launch() say what to compile
     jobs = [j for j in kmod.sass_jobs() if args.only is None or args.only in j["name"]]
     if args.out:
         os.makedirs(args.out, exist_ok=True)

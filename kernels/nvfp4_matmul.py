@@ -687,14 +687,15 @@ def _use_decode(x2, block_sizes):
 @functools.lru_cache(maxsize=None)
 def _decode_plan(m, n, kw, k, device_type, device_index, block_sizes, split_k):
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K, EVEN_K, grid), once per problem shape."""
+    on_gpu = device_type == "cuda" and not INTERPRET
+    target = 4 * _sm_count(device_index or 0) if on_gpu else 1  # a few small programs per SM
     if block_sizes is not None:
         bm, bn, bk = block_sizes
         warps, stages = 4, 3
-    elif device_type != "cuda" or INTERPRET:
+    elif not on_gpu:
         bm, (bn, bk), warps, stages = 16, INTERPRETER_DECODE_TILES, 4, 1
     else:
         bm = 8 if m <= 8 else 16
-        target = 4 * _sm_count(device_index or 0)  # a few small programs per SM keep it streaming
         for bn, bk, warps, stages in DECODE_TILES[bm]:  # the widest tile that can reach the target
             if triton.cdiv(n, bn) * max(1, triton.cdiv(kw, bk // 8) // 2) >= target:
                 break
@@ -703,9 +704,8 @@ def _decode_plan(m, n, kw, k, device_type, device_index, block_sizes, split_k):
         # Enough programs to reach the target, each split keeping at least two K steps. An untuned
         # rule of thumb: `split_k=` overrides it.
         split_k = 1
-        if device_type == "cuda" and not INTERPRET:
-            while n_tiles * split_k < target and k_steps >= 4 * split_k:
-                split_k *= 2
+        while n_tiles * split_k < target and k_steps >= 4 * split_k:
+            split_k *= 2
     even_k = k == 8 * kw and kw % (bk // 8) == 0
     return bm, bn, bk, warps, stages, split_k, even_k, (n_tiles, split_k)
 

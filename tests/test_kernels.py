@@ -3,8 +3,9 @@
 Without a GPU these run the real kernel code through Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 before triton is imported); on a CUDA machine the same tests run on the GPU.
 The packed weights are built here from random codes, independently of 01_quantize.py, so a bug in
-one cannot hide a bug in the other. One test compiles the kernel ahead of time for Hopper and Ampere
-targets (no GPU needed), which the interpreter alone cannot check.
+one cannot hide a bug in the other. One test compiles the kernels ahead of time for Hopper and Ampere
+targets (no GPU needed), which the interpreter alone cannot check; the decode kernel's inline PTX,
+which the interpreter cannot run, is executed by a small emulator below over every code and scale byte.
 """
 import importlib
 import os
