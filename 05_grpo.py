@@ -30,8 +30,8 @@ Qwen2.5-7B-Instruct + GSM8K on one GPU, close to the paper's GSM8K setting (Tabl
 step as 16 prompts x 8, lr 1e-5, LoRA rank 32, AQN 1e-2 -> 5e-4 over 10 stages; the official
 scripts' gradient clip 0.2 and 10% warmup; the paper's instruction goes in the system prompt). The
 JSONL files are GSM8K's train/test splits as {"question", "answer"} lines (answer ends in "#### n").
-The update runs 8 rows at a time with activation checkpointing (README "Scaling out": the estimate
-says this fits in 80 GB; without checkpointing it needs --micro-batch 1):
+The update runs 8 rows at a time with activation checkpointing (README "One GPU at 7B": ~19 GiB at the
+peak, which is sampling's KV cache; without --grad-checkpoint, --micro-batch 4 fits 80 GB, 8 needs 141 GB):
     python 05_grpo.py --model Qwen2.5-7B-Instruct --data gsm8k/train.jsonl --eval-data gsm8k/test.jsonl \
         --quant nvfp4 --dtype bfloat16 --batch 16 --group 8 --lr 1e-5 --lora-r 32 --lora-alpha 32 \
         --max-new-tokens 1024 --steps 600 --warmup 60 --grad-clip 0.2 --sigma-start 1e-2 --sigma-end 5e-4 \
