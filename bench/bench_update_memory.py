@@ -14,8 +14,8 @@ high-water mark, reset through /proc/self/clear_refs after the setup).
     python bench/bench_update_memory.py --write-model DIR --layers 2   # random folder with Qwen2.5-7B widths
     python bench/bench_update_memory.py --smoke DIR -- <05_grpo.py flags>   # 05 on CUDA, rewards 0, 1, 0, ...
 
-`--per-token` counts the bytes autograd saves for backward (saved_tensors_hooks) in one NVFP4 decoder
-layer with LoRA at Qwen2.5-7B's widths (bf16), at two sequence lengths, and reports the slope: the
+`--per-token` counts the bytes autograd saves for backward (saved_tensors_hooks) in one decoder layer
+with rank-32 LoRA at Qwen2.5-7B's widths (bf16), at two sequence lengths, and reports the slope: the
 activation memory per token per layer with and without `--grad-checkpoint`. The README's 7B estimate is
 built from it. `--smoke` is bench/gpu_check.sh's CUDA run of 05: a random model's rewards are all 0 (no
 group would have signal, so no update would run), so it replaces the reward by 0, 1, 0, 1, ... and
@@ -127,48 +127,47 @@ def table(micro_batch):
 
 
 def per_token():
-    """Bytes saved for backward per token in one NVFP4 + LoRA decoder layer at Qwen2.5-7B widths (bf16)."""
-    torch.set_num_threads(1)
+    """Bytes saved for backward per token in one LoRA decoder layer at Qwen2.5-7B widths (bf16). Runs under
+    FakeTensorMode: shapes and dtypes without data or compute (on a small layer it counts exactly what
+    real CPU tensors count), so the 7B widths take seconds."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     cfg = rollout.ModelConfig(**{**{k: v for k, v in QWEN7B.items() if k != "tie_word_embeddings"},
                                  "vocab_size": 256, "num_hidden_layers": 1})
-    with torch.device("meta"):
-        model = rollout.CausalLM(cfg)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02) if p.dim() == 2 else p.fill_(1.0)
-    quantize.quantize_model(model, fmt="nvfp4")
-    model.to(torch.bfloat16)
-    lora.add_lora(model, r=32, alpha=32, generator=torch.Generator().manual_seed(0))
-    layer = model.model.layers[0]
+    G = cfg.num_attention_heads // cfg.num_key_value_heads
 
     def saved_bytes(T, checkpointed):
         seen = {}
 
-        def pack(t):
-            seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+        def pack(t):  # a view counts its base once
+            base = t._base if t._base is not None else t
+            seen[id(base)] = (base, base.numel() * base.element_size())
             return t
 
+        # A frozen base Linear saves no per-token tensor, bf16 or NVFP4 (01's backward rebuilds the weight,
+        # the kernel's saves the packed one), so the layer is bf16; its weights cancel in the slope.
+        torch.set_default_dtype(torch.bfloat16)
+        model = rollout.CausalLM(cfg)
+        torch.set_default_dtype(torch.float32)
+        lora.add_lora(model, r=32, alpha=32, generator=torch.Generator().manual_seed(0))
         x = torch.randn(1, T, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)  # (1, T, C)
-        pos = torch.arange(T)[None]
-        freqs = pos[..., None].float() * rollout.rope_inv_freq(cfg)
+        freqs = torch.arange(T)[None, :, None].float() * rollout.rope_inv_freq(cfg)  # (1, T, D/2)
         emb = torch.cat((freqs, freqs), -1)
-        cos, sin = emb.cos().bfloat16()[:, None], emb.sin().bfloat16()[:, None]
-        mask = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None, None].repeat(1, 1, 7, 1)
+        cos, sin = emb.cos().bfloat16()[:, None], emb.sin().bfloat16()[:, None]  # (1, 1, T, D)
+        mask = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None, None].repeat(1, 1, G, 1)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 grpo.grad_checkpointing(model, checkpointed):
-            y = layer(x, cos, sin, mask)
+            y = model.model.layers[0](x, cos, sin, mask)  # (1, T, C)
         y.float().sum().backward()
-        return sum(seen.values())
+        return sum(b for _, b in seen.values())
 
-    for ck in (False, True):
-        a, b = saved_bytes(32, ck), saved_bytes(64, ck)
-        print(f"per-token | grad-checkpoint {ck} | saved for backward per token per layer {(b - a) / 32 / 1024:.1f} KiB "
-              f"| at T 32: {a / 2 ** 20:.1f} MiB, at T 64: {b / 2 ** 20:.1f} MiB", flush=True)
-    print(f"per-token | a checkpointed layer keeps its input: {cfg.hidden_size * 2 / 1024:.1f} KiB per token "
-          f"(bf16 (T, {cfg.hidden_size})); KV cache while sampling: "
-          f"{2 * QWEN7B['num_hidden_layers'] * QWEN7B['num_key_value_heads'] * QWEN7B['head_dim'] * 2 / 1024:.0f} KiB "
-          f"per token for all 28 layers")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for ck in (False, True):
+            a, b = saved_bytes(32, ck), saved_bytes(64, ck)
+            print(f"per-token | grad-checkpoint {ck} | saved for backward per token per layer "
+                  f"{(b - a) / 32 / 1024:.1f} KiB (slope between T 32 and 64)", flush=True)
+    print(f"per-token | KV cache while sampling: {2 * cfg.num_key_value_heads * cfg.head_dim * 2 / 1024:.0f} KiB "
+          f"per token per layer ({2 * QWEN7B['num_hidden_layers'] * cfg.num_key_value_heads * cfg.head_dim * 2 / 1024:.0f}"
+          f" KiB for all 28 layers, bf16)")
 
 
 def write_model(path, layers, device):

@@ -187,7 +187,7 @@ run_part sampler_compile 110 "$PY" bench/bench_sampler.py --device cuda --shape 
 # 4 layers, 4 prompts x 8 samples x 256 new tokens, micro-batch 8 + checkpointing; s/step and peak GPU memory.
 # Rewards alternate 0, 1, 0, ... (a random model's are all 0, and no update would run). Self-contained.
 SMOKE_DIR="${TMPDIR:-/tmp}/qerl-random-qwen7b-4l"  # ~4 GB: not under $OUT_DIR, removed after
-run_part grpo_7b_smoke 120 bash -c "'$PY' bench/bench_update_memory.py --write-model '$SMOKE_DIR' --layers 4 \
+run_part grpo_7b_smoke 150 bash -c "'$PY' bench/bench_update_memory.py --write-model '$SMOKE_DIR' --layers 4 \
     && '$PY' bench/bench_update_memory.py --smoke '$SMOKE_DIR' -- --steps 3 --batch 4 --group 8 \
        --max-new-tokens 256 --micro-batch 8 --grad-checkpoint --eval-size 0 --save-every 0 --time-budget 0 \
        --out '$OUT_DIR/grpo_7b_smoke_run'; rc=\$?; rm -rf '$SMOKE_DIR'; exit \$rc"
