@@ -734,7 +734,9 @@ class StaticDecoder:
         if mode not in _compiled_steps:
             _compiled_steps[mode] = torch.compile(decode_and_sample, mode=mode, dynamic=False)
             # One graph per (batch, cache length, sampling settings); dynamo's default allows only 8.
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            c = torch._dynamo.config
+            limit = "recompile_limit" if hasattr(c, "recompile_limit") else "cache_size_limit"  # older torch
+            setattr(c, limit, max(getattr(c, limit), 64))
         self.fn, self.model = _compiled_steps[mode], model
         self.compiled = set()  # the sampling settings traced so far (each is its own graph)
         dev, cfg = model_device(model), model.config

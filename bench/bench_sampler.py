@@ -12,7 +12,8 @@ script reports whether their greedy tokens agree.
 
     python bench/bench_sampler.py                                      # CPU, the README's table (~3 min)
     python bench/bench_sampler.py --hf-python /path/to/hf-venv/bin/python
-    python bench/bench_sampler.py --device cuda --shape qwen2.5-7b --layers 4 --quants none,nvfp4 --no-hf
+    python bench/bench_sampler.py --device cuda --shape qwen2.5-7b --layers 2 --quants none,nvfp4 --no-hf
+    python bench/bench_sampler.py --device cuda --shape qwen2.5-7b --layers 2 --quants nvfp4 --no-hf --lora 32
     python bench/bench_sampler.py --kv-vs-recompute                    # KV cache vs recomputing the prefix
 
 Default model (CPU): random Qwen2, vocab 4096, hidden 256, 4 layers, 8 query / 2 KV heads, fp32; batch
@@ -131,13 +132,19 @@ def compare(args, ro, br, device, sync):
     B, N = args.batch, args.new_tokens
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), generator=g).tolist()
-    print(f"setup | shape {args.shape} | layers {cfg.num_hidden_layers} | hidden {cfg.hidden_size} | vocab "
+    print(f"setup | shape {args.shape} | lora r {args.lora} | layers {cfg.num_hidden_layers} | hidden {cfg.hidden_size} | vocab "
           f"{cfg.vocab_size} | heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} | batch {B} | prompt "
           f"{args.prompt_len} | new tokens {N} | greedy | device {device} | dtype {dtype} "
           f"| threads {torch.get_num_threads()} | torch {torch.__version__}", flush=True)
     rows = []
     for quant in args.quants.split(","):
         model = br.build_random_model(cfg, quant=quant, dtype=dtype, device=device)
+        if args.lora:  # adapters on every projection, B != 0 (as after training), unmerged: GRPO's sampler on a GPU
+            lora = importlib.import_module("02_lora")
+            lora.add_lora(model, r=args.lora, alpha=2 * args.lora, generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                for p in lora.lora_parameters(model):
+                    p.normal_(0.0, 0.01)
         try:
             rows.append(one_quant(args, ro, model, quant, dtype, prompts, sync))
         except Exception as e:  # e.g. a compile failure: report it, go on with the next format
@@ -163,13 +170,13 @@ def one_quant(args, ro, model, quant, dtype, prompts, sync):
     """Warm-up, then args.repeats rounds of eager, compiled (and HF) generate -> one summary row."""
     B, N = args.batch, args.new_tokens
     hf, hf_note, tmp = None, "off (--no-hf)", None
-    if not args.no_hf and quant == "none" and dtype == torch.float32:
+    if not args.no_hf and quant == "none" and dtype == torch.float32 and not args.lora:
         tmp = tempfile.TemporaryDirectory()
         write_hf_folder(model, tmp.name, prompts, N)
         hf, hf_note = start_hf(args.hf_python or sys.executable, tmp.name, args.threads)
         print(f"hf | {'transformers ' + hf_note if hf else hf_note}", flush=True)
     elif not args.no_hf:
-        print("hf | off: the HF comparison is for the unquantized fp32 model", flush=True)
+        print("hf | off: the HF comparison is for the unquantized fp32 model without adapters", flush=True)
     try:
         # Warm-up: the first compiled call compiles (reported); one eager and one HF call warm their caches.
         ours(ro, model, prompts, N, False, sync)
@@ -277,6 +284,7 @@ if __name__ == "__main__":
     ap.add_argument("--shape", default="small", help="small (the default above) or a bench_rollout.py shape")
     ap.add_argument("--layers", type=int, default=None, help="override the shape's number of layers")
     ap.add_argument("--quants", default="none", help="comma list of none / nvfp4 / nf4")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank of unmerged adapters on every projection (0: none)")
     ap.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, else fp32")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
