@@ -14,6 +14,7 @@ Import it as `importlib.import_module("01_quantize")`; the exact format is in th
 """
 import argparse
 import copy
+import itertools
 import json
 import math
 import os
@@ -33,6 +34,40 @@ import torch.nn.functional as F
 def autodetect_device():
     """The one device rule every stage uses: the GPU when there is one, else the CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model_device(model):
+    """The device of a module's first parameter or buffer (the CPU for a module with neither)."""
+    t = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return t.device if t is not None else torch.device("cpu")
+
+
+def replace_module(model, name, new):
+    """Put `new` where model's submodule `name` (e.g. "model.layers.0.mlp.up_proj") is; returns `new`."""
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, new)  # get_submodule("") is the model itself
+    return new
+
+
+def atomic_write(path, write):
+    """Call write(tmp) with a hidden name next to `path`, then rename it to `path`: a reader (or a resume
+    after a crash) sees the old file or folder or the complete new one, never half of it. Returns path."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
+    old = tmp + ".old"
+    try:
+        write(tmp)
+        if os.path.isdir(path):  # os.replace cannot overwrite a folder: move the old one aside first
+            os.replace(path, old)
+        os.replace(tmp, path)
+    finally:
+        for leftover in (tmp, old):
+            if os.path.isdir(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
+            elif os.path.exists(leftover):
+                os.remove(leftover)
+    return path
 
 
 def _check_weight(w, name):

@@ -1,20 +1,14 @@
-"""
-Stage 02: LoRA adapters on a frozen (4-bit) base model.
+"""Stage 02: LoRA adapters on a frozen (4-bit) base model.
 
-QeRL never updates the quantized weights. Every targeted linear layer y = W x keeps its frozen
-NVFP4 weight W and gets a small trainable side branch, y = W x + (alpha / r) * B A x, with
-A [r, in] and B [out, r]. B starts at zero, so training starts from exactly the base model, and
-only r * (in + out) numbers per layer get gradients and AdamW state (about 1% of a 7B model at
-r = 32). This file is the hand-rolled version of the part of PEFT that QeRL uses:
-
-  1. LoRALinear wraps any frozen module that maps [..., in] -> [..., out] (nn.Linear,
-     NVFP4Linear, NF4Linear); add_lora puts one on every q/k/v/o/gate/up/down projection.
-  2. lora_disabled(model) gives the base model's output without a second copy of the model:
-     GRPO's reference policy is the (quantized) base, so this is how stage 05 computes it.
-  3. save_adapter / load_adapter write PEFT's on-disk layout (adapter_model.safetensors +
-     adapter_config.json), so an adapter trained here loads with PeftModel.from_pretrained.
-  4. merge_lora folds B A into the base weight. Exact for a float base; for a 4-bit base it
-     costs a re-quantization, so the training loop keeps the adapters unmerged.
+QeRL never updates the quantized weights. Every targeted linear layer y = W x keeps its frozen NVFP4
+weight W and gets a small trainable side branch, y = W x + (alpha / r) * B A x, with A [r, in] and
+B [out, r]. B starts at zero, so training starts from exactly the base model, and only r * (in + out)
+numbers per layer get gradients and AdamW state (about 1% of a 7B model at r = 32). This is the part
+of PEFT that QeRL uses, by hand: `LoRALinear` wraps any frozen [..., in] -> [..., out] module (nn.Linear,
+NVFP4Linear, NF4Linear); `add_lora` puts one on every projection; `lora_disabled` gives the base
+model's output (GRPO's reference policy) without a second copy; `lora_merged` runs each layer as one
+matmul while the weights are fixed (sampling); `merge_lora` folds B A into the base for good;
+`save_adapter` / `load_adapter` write and read PEFT's files (PeftModel.from_pretrained loads them).
 
 Run the demo (a frozen NVFP4 MLP learns a teacher through LoRA alone, < 30 s on 2 CPU cores):
     python 02_lora.py
@@ -29,9 +23,12 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+quantize = importlib.import_module("01_quantize")
+
+DEFAULT_TARGETS = quantize.LINEAR_NAMES  # every projection of a decoder layer
 PEFT_PREFIX = "base_model.model."  # PEFT's key prefix: PeftModel.base_model (LoraModel).model
 WEIGHTS_NAME, CONFIG_NAME = "adapter_model.safetensors", "adapter_config.json"
 
@@ -52,13 +49,11 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.disabled = False
-        # The adapters are fp32 whatever the activations are. An Adam step moves a weight by about
-        # lr (1e-5 in QeRL) relative to its size, but bf16's 8 significand bits cannot represent a
-        # relative change below ~0.4%: most such updates would round away to nothing. The adapters
-        # are tiny, so fp32 costs nothing, and the base is 4-bit anyway. They are initialised on
-        # the CPU so that one seeded generator gives the same adapter on any device.
-        ref = next(iter(list(base.parameters()) + list(base.buffers())), None)
-        device = ref.device if ref is not None else torch.device("cpu")
+        self.merged = None  # (weight, bias) while `lora_merged` is active: one F.linear per call
+        # fp32 adapters whatever the activations: an Adam step of lr 1e-5 is a relative change that
+        # bf16's 8 significand bits would round away. Initialised on the CPU, so one seeded generator
+        # gives the same adapter on any device.
+        device = quantize.model_device(base)
         A = torch.empty(r, base.in_features, dtype=torch.float32)  # (r, in)
         # Kaiming-uniform with a=sqrt(5) is nn.Linear's (and PEFT's) default: U(-1/sqrt(in), 1/sqrt(in)).
         nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
@@ -75,6 +70,8 @@ class LoRALinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x):  # x (..., in) -> (..., out)
+        if self.merged is not None:
+            return F.linear(x, *self.merged)
         y = self.base(x)  # (..., out) in x.dtype
         if self.disabled:
             return y  # bit-identical to the base: lora_disabled relies on this
@@ -138,9 +135,7 @@ def add_lora(model, r=32, alpha=64, targets=DEFAULT_TARGETS, dropout=0.0, use_rs
     for p in model.parameters():
         p.requires_grad_(False)
     for name, m in chosen:
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, LoRALinear(m, r, alpha, dropout, use_rslora, generator))
+        quantize.replace_module(model, name, LoRALinear(m, r, alpha, dropout, use_rslora, generator))
     trainable, frozen = count_parameters(model)
     print(f"add_lora | wrapped {len(chosen)} modules {sorted(set(targets))} | r {r} | alpha {alpha} | "
           f"trainable {trainable:,} ({100 * trainable / max(trainable + frozen, 1):.3f}%) | frozen {frozen:,} "
@@ -162,6 +157,27 @@ def lora_disabled(model):
             m.disabled = d
 
 
+@contextmanager
+@torch.no_grad()
+def lora_merged(model, dtype):
+    """Inside this block every LoRA layer runs as one F.linear with W = base + scaling * B A, cached in
+    `dtype` (dequantized once for a 4-bit base): the same function up to rounding, and much cheaper
+    when the same weights serve many small forwards (sampling). Costs a float copy of each weight."""
+    layers = [m for _, m in _lora_layers(model)]
+    for m in layers:
+        base = m.base
+        w = base.dequantized_weight(torch.float32) if hasattr(base, "dequantized_weight") else base.weight.float()
+        if not m.disabled:
+            w = w + (m.lora_B.float() @ m.lora_A.float()) * m.scaling  # (out, in)
+        bias = getattr(base, "bias", None)
+        m.merged = (w.to(dtype), None if bias is None else bias.to(dtype))
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.merged = None
+
+
 def lora_parameters(model):
     """The trainable tensors: [A, B] of every LoRA layer, in module order (give these to AdamW)."""
     return [p for _, m in _lora_layers(model) for p in (m.lora_A, m.lora_B)]
@@ -176,18 +192,46 @@ def lora_state_dict(model):
 
 
 # -----------------------------------------------------------------------------
+# Merging
+
+
+@torch.no_grad()
+def merge_lora(model):
+    """Replace each LoRALinear by its base with W + scaling * B A folded in. A quantized base is
+    dequantized, merged and re-quantized with its own class, and the error this adds is printed."""
+    errors = []
+    for name, m in _lora_layers(model):
+        base = m.base
+        delta = (m.lora_B.float() @ m.lora_A.float()) * m.scaling  # (out, in)
+        if isinstance(base, nn.Linear):
+            base.weight.copy_((base.weight.float() + delta).to(base.weight.dtype))  # one rounding
+            merged = base
+        elif hasattr(base, "dequantized_weight") and hasattr(type(base), "from_linear"):
+            exact = base.dequantized_weight(torch.float32) + delta  # (out, in)
+            bias = getattr(base, "bias", None)
+            tmp = nn.Linear(base.in_features, base.out_features, bias=False, device=exact.device)
+            tmp.weight.copy_(exact)
+            # Note: every merged module gets its own global scale here; a shared q/k/v scale
+            # would need stage 01's quantize_model on a dequantized, merged float model.
+            kw = {"blocksize": base.blocksize} if hasattr(base, "blocksize") else {}  # NF4's block size
+            merged = type(base).from_linear(tmp, **kw)
+            if bias is not None:
+                merged.bias = bias.detach().clone()  # the bias is untouched by LoRA: keep it as is
+            err = merged.dequantized_weight(torch.float32) - exact
+            errors.append((err.pow(2).mean().sqrt() / exact.pow(2).mean().sqrt().clamp_min(1e-30)).item())
+        else:
+            raise ValueError(f"merge_lora: cannot merge into {name} of type {type(base).__name__}: need "
+                             f"nn.Linear or a quantized module with dequantized_weight() and from_linear()")
+        quantize.replace_module(model, name, merged.requires_grad_(False))
+    if errors:
+        print(f"merge_lora | re-quantized {len(errors)} modules | merge error (rel RMS of re-quantized vs "
+              f"exact merged weight) mean {sum(errors) / len(errors):.4e} | max {max(errors):.4e}")
+    return model
+
+
+# ============================ Part 2: plumbing (PEFT files, demo, command line) ============================
+# -----------------------------------------------------------------------------
 # Saving and loading in PEFT's layout
-
-
-def _atomic_write(path, write):
-    # Write next to the target and rename: a crash never leaves a half-written adapter behind.
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _write_json(path, obj):
@@ -238,9 +282,9 @@ def save_adapter(model, dir, base_model_name_or_path="", modules_to_save=None):
         "layers_to_transform": None, "layers_pattern": None, "revision": None, "use_dora": False,
     }
     os.makedirs(dir, exist_ok=True)
-    _atomic_write(os.path.join(dir, WEIGHTS_NAME), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    quantize.atomic_write(os.path.join(dir, WEIGHTS_NAME), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     # The config goes last: a folder with a config always has its weights.
-    _atomic_write(os.path.join(dir, CONFIG_NAME), lambda p: _write_json(p, config))
+    quantize.atomic_write(os.path.join(dir, CONFIG_NAME), lambda p: _write_json(p, config))
     return dir
 
 
@@ -301,45 +345,6 @@ def load_adapter(model, dir):
 
 
 # -----------------------------------------------------------------------------
-# Merging
-
-
-@torch.no_grad()
-def merge_lora(model):
-    """Replace each LoRALinear by its base with W + scaling * B A folded in. A quantized base is
-    dequantized, merged and re-quantized with its own class, and the error this adds is printed."""
-    errors = []
-    for name, m in _lora_layers(model):
-        base = m.base
-        delta = (m.lora_B.float() @ m.lora_A.float()) * m.scaling  # (out, in)
-        if isinstance(base, nn.Linear):
-            base.weight.copy_((base.weight.float() + delta).to(base.weight.dtype))  # one rounding
-            merged = base
-        elif hasattr(base, "dequantized_weight") and hasattr(type(base), "from_linear"):
-            exact = base.dequantized_weight(torch.float32) + delta  # (out, in)
-            bias = getattr(base, "bias", None)
-            tmp = nn.Linear(base.in_features, base.out_features, bias=False, device=exact.device)
-            tmp.weight.copy_(exact)
-            # Note: every merged module gets its own global scale here; a shared q/k/v scale
-            # would need stage 01's quantize_model on a dequantized, merged float model.
-            kw = {"blocksize": base.blocksize} if hasattr(base, "blocksize") else {}  # NF4's block size
-            merged = type(base).from_linear(tmp, **kw)
-            if bias is not None:
-                merged.bias = bias.detach().clone()  # the bias is untouched by LoRA: keep it as is
-            err = merged.dequantized_weight(torch.float32) - exact
-            errors.append((err.pow(2).mean().sqrt() / exact.pow(2).mean().sqrt().clamp_min(1e-30)).item())
-        else:
-            raise ValueError(f"merge_lora: cannot merge into {name} of type {type(base).__name__}: need "
-                             f"nn.Linear or a quantized module with dequantized_weight() and from_linear()")
-        parent_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, merged.requires_grad_(False))
-    if errors:
-        print(f"merge_lora | re-quantized {len(errors)} modules | merge error (rel RMS of re-quantized vs "
-              f"exact merged weight) mean {sum(errors) / len(errors):.4e} | max {max(errors):.4e}")
-    return model
-
-
-# -----------------------------------------------------------------------------
 # Demo: a frozen NVFP4 MLP learns a teacher through LoRA alone
 
 
@@ -353,11 +358,10 @@ class TinyMLP(nn.Module):
 
 
 def demo(steps=300, rank=8, lr=5e-3, batch=256, seed=0, device=None):
-    q = importlib.import_module("01_quantize")
-    device = device or q.autodetect_device()
+    device = device or quantize.autodetect_device()
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # nn.Linear's own init
-    student = q.quantize_model(TinyMLP().to(device), fmt="nvfp4", skip=())
+    student = quantize.quantize_model(TinyMLP().to(device), fmt="nvfp4", skip=())
     targets = ("fc1", "fc2", "fc3")
     # The teacher is what the student can represent exactly: the student's own 4-bit weights
     # plus a rank-`rank` change per layer (30% of the weight's size). LoRA must find that change.
