@@ -417,6 +417,16 @@ def _read_header(path):
     return header, 8 + n
 
 
+def safetensors_problem(path):
+    """One line saying what is wrong with a safetensors file (unreadable header, a tensor past the end of
+    the file), or None when its header and sizes are sound. For reporting a file safetensors refuses."""
+    try:
+        _read_header(path)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def find_weight_files(model_dir):
     """-> (config, {tensor name: shard file name}, has_index); one clear error for a bad folder."""
     if not os.path.isdir(model_dir):
