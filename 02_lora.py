@@ -159,11 +159,13 @@ def lora_disabled(model):
 
 @contextmanager
 @torch.no_grad()
-def lora_merged(model, dtype):
+def lora_merged(model, dtype=None):
     """Inside this block every LoRA layer runs as one F.linear with W = base + scaling * B A, cached in
-    `dtype` (dequantized once for a 4-bit base): the same function up to rounding, and much cheaper
-    when the same weights serve many small forwards (sampling). Costs a float copy of each weight."""
+    `dtype` (default: the model's first parameter's, its activation dtype), dequantized once for a 4-bit
+    base: the same function up to rounding, and much cheaper when the same weights serve many small
+    forwards (sampling). Costs a float copy of each weight."""
     layers = [m for _, m in _lora_layers(model)]
+    dtype = dtype or next(model.parameters(), torch.empty(0)).dtype
     for m in layers:
         base = m.base
         w = base.dequantized_weight(torch.float32) if hasattr(base, "dequantized_weight") else base.weight.float()

@@ -1,52 +1,21 @@
-"""
-Stage 05: GRPO with LoRA on a 4-bit base, with Adaptive Quantization Noise (the QeRL loop).
+"""Stage 05: GRPO with LoRA on a 4-bit base, with Adaptive Quantization Noise (the QeRL loop).
 
-QeRL trains reasoning with RL while the base model stays frozen in NVFP4 and only LoRA adapters
-learn. Two things make that work: the 4-bit base makes the expensive part (sampling) cheap, and its
-rounding noise -- plus AQN's scheduled extra noise on the RMSNorm gains -- raises sampling entropy,
-which helps exploration. Here the sampler runs under `aqn_noise` (stage 04) and records its own
-log-probabilities; they are the pi_old of the clipped surrogate, so the importance ratio
-pi_theta / pi_old corrects for the noise while the update runs on the clean policy (04's docstring:
-the ratio cancels AQN in expectation, so AQN acts only through which samples are drawn; the 4-bit
-rounding noise is shared by sampler and trainer, hence on-policy and uncorrected).
+QeRL trains reasoning with RL while the base model stays frozen in NVFP4 and only LoRA adapters learn:
+the 4-bit base makes sampling (most of a step) cheap, and its rounding noise, plus AQN's scheduled noise
+on the RMSNorm gains, raises sampling entropy, which helps exploration. One step: B prompts x G samples
+drawn under AQN (their log-probs are pi_old) -> rewards (correct answer + 0.1 for the <think>/<answer>
+format) -> group-normalised advantages -> clipped surrogate (eps 0.2 / 0.28, token-mean "DAPO"
+aggregation by default) on the clean policy -> AdamW on the adapters. Simplifications: groups whose G
+rewards are all equal carry no signal and are left out of the loss (DAPO's filter, without resampling);
+the optional KL (--beta) compares with the base under lora_disabled, not a reference copy.
 
-One step: B prompts x G samples -> rewards (correct answer + 0.1 for the <think>/<answer> format) ->
-group-normalised advantages -> clipped surrogate (eps 0.2 / 0.28, token-mean "DAPO" aggregation by
-default) -> AdamW on the adapters only. Deliberate simplifications:
-  1. Groups whose G rewards are all equal carry no signal and are left out of the loss (the filter
-     half of DAPO's dynamic sampling, without resampling).
-  2. No reference model copy: the optional KL (--beta) compares with the base under lora_disabled.
-  3. The learning-rate and AQN schedules are defined by --steps; --time-budget only stops early.
-
-Run it (CPU, 2 cores, < 10 min: QeRL = NVFP4 + LoRA + AQN on the bundled tiny model, synthetic
-arithmetic; the held-out greedy accuracy is printed before and after. Measured: 750 steps at 0.58 s
-per step, 464 s in all, greedy 23.0% -> 49.2% and pass@8 44.4% -> 65.0% on 500 held-out problems):
+Run it (2 CPU cores, < 10 min: QeRL on the bundled tiny model and synthetic arithmetic; held-out greedy
+accuracy before and after; README "Results" has the measured figures):
     python 05_grpo.py
     python 05_grpo.py --quant none --no-aqn --steps 200 --out runs/lora-only
     python 05_grpo.py --resume runs/qerl/checkpoint-000200
-Data parallel: the same script under torchrun (gloo between CPU processes, NCCL between GPUs). --batch
-stays the global number of prompts per step; each rank samples its share of whole groups and the
-adapter gradients are summed across ranks (section "Data parallel" below; README "Scaling out"):
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 05_grpo.py --out runs/dp2
-Qwen2.5-7B-Instruct + GSM8K on one GPU with the paper's Table 4 settings wherever this code has
-them: 128 samples per step as 16 prompts x 8, mu 4 updates per batch, 4096 new tokens, lr 1e-5,
-clip 0.2 / 0.28, no KL, LoRA rank 32, AQN 1e-2 -> 5e-4 over 10 stages, ~600 steps, and GRPO's
-per-sequence aggregation (Table 1 says GRPO). The paper gives no LoRA alpha, warmup or gradient
-clip: alpha 32 is the official ModelConfig default; clip 0.2 and 10% warmup then cosine to 0 are the
-official scripts'.
-Every remaining difference from the paper and the official code is listed in the README ("Notes on
-the paper"); `--mu 1 --loss-agg token-mean --mask-truncated --train-norms` gives the official
-scripts' update instead. The JSONL files are GSM8K's train/test splits as {"question", "answer"}
-lines (answer ends in "#### n"). The update runs 8 rows at a time with activation checkpointing (README
-"One GPU at 7B" has the memory estimate behind these two flags):
-    python 05_grpo.py --model Qwen2.5-7B-Instruct --data gsm8k/train.jsonl --eval-data gsm8k/test.jsonl \
-        --quant nvfp4 --dtype bfloat16 --batch 16 --group 8 --mu 4 --loss-agg seq-mean-token-mean \
-        --lr 1e-5 --lora-r 32 --lora-alpha 32 --max-new-tokens 4096 --steps 600 --warmup 60 --min-lr-ratio 0 \
-        --grad-clip 0.2 --sigma-start 1e-2 --sigma-end 5e-4 --num-stages 10 --eval-every 50 --eval-size 500 \
-        --eval-k 4 --eval-chunk 128 --save-every 50 --time-budget 0 --micro-batch 8 --grad-checkpoint \
-        --out runs/qwen7b-gsm8k
-On one node with 8 GPUs, the same flags after `torchrun --standalone --nproc_per_node 8 05_grpo.py`
-(each GPU then samples 2 of the 16 groups).
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 05_grpo.py --out runs/dp2   # data parallel
+The Qwen2.5-7B + GSM8K command (Table 4's settings) and the 8-GPU one are in README "One GPU at 7B".
 """
 import argparse
 import contextlib
@@ -57,15 +26,12 @@ import math
 import os
 import random
 import re
-import shutil
 import sys
 import time
 from fractions import Fraction
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-import torch.utils.checkpoint
 from safetensors import SafetensorError
 
 quantize = importlib.import_module("01_quantize")
@@ -77,28 +43,77 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL = os.path.join(ROOT, "assets", "tiny-qwen")
 
 # -----------------------------------------------------------------------------
-# Task and reward
+# The task: problems, prompt, correctness, reward
 #
-# The synthetic task: `a op b op c = ?` with + and -, each operand 1-3 digits (digit count drawn
-# first, so small numbers are as common as large ones), worked left to right. Difficulty knobs:
-# `digits` and `nops`. With 3 digits and 2 operations there are ~4e9 problems, so the held-out set
-# (a fixed seed) practically never meets a training prompt; we exclude its questions anyway.
+# A task is one class with five methods: `problems(seed, step, n)`, the problems of a step as a pure
+# function of (seed, step) (so a resumed run draws exactly what an uninterrupted one would); `held`, the
+# held-out problems; `prompt(problem)`; `correct(problem, completion)`; `reward(problem, completion)`.
+# The loop only calls these, so a new task is one class (GSM8K's is in Part 2; tests add another).
 
-# The paper's instruction (App. E). For Qwen2.5 it goes in the system prompt; the bundled tiny model
-# never saw it: it learned the format from its supervised pretraining, and its prompt is the bare
-# problem in a ChatML user turn (a long instruction would triple its prompt length for nothing).
+# The paper's instruction (App. E). The bundled tiny model learned the format in pretraining, so its
+# prompt is the bare problem ("qerl_prompt": "bare" in its config.json).
 PAPER_INSTRUCTION = ("Solve the following math problem step by step. The reasoning process and direct answer "
                      "are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., "
                      "<think> reasoning process here </think> <answer> answer here </answer>.")
-EVAL_SEED = 1234  # the held-out stream; its first EVAL_POOL questions never appear in training
-EVAL_POOL = 2000
+EVAL_SEED, EVAL_POOL = 1234, 2000  # the held-out stream; its first EVAL_POOL questions never train
 FORMAT_REWARD = 0.1
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+# exactly one think block then one answer block (whitespace allowed between and around)
+_FORMAT = re.compile(r"\s*<think>((?!</?think>).)*</think>\s*<answer>((?!</?answer>).)*</answer>\s*", re.S)
+_EOS_STRINGS = ("<|im_end|>", "<|endoftext|>")
+
+
+def parse_number(text):
+    """The last number in `text` as an exact Fraction ("1,234.50" -> 2469/2), or None."""
+    found = _NUMBER.findall(text or "")
+    try:
+        return Fraction(found[-1].replace(",", "")) if found else None
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _answer(completion):
+    """(text without stop tokens, the number in its last <answer>...</answer> or None)."""
+    text = completion if isinstance(completion, str) else ""
+    for eos in _EOS_STRINGS:  # a sampler may or may not decode the stop token
+        text = text.replace(eos, "")
+    blocks = _ANSWER.findall(text)
+    return text, parse_number(blocks[-1]) if blocks else None
+
+
+def answer_correct(completion, gold):
+    """The one definition of "solved": the last <answer> holds the gold number."""
+    pred, want = _answer(completion)[1], parse_number(str(gold))
+    return pred is not None and want is not None and pred == want
+
+
+def reward_fn(completion, gold):
+    """1.0 if correct, plus 0.1 if the completion is exactly <think>...</think><answer>number</answer>.
+    Never raises: malformed text just scores lower."""
+    text, pred = _answer(completion)
+    formatted = _FORMAT.fullmatch(text) is not None and pred is not None
+    return float(answer_correct(completion, gold)) + (FORMAT_REWARD if formatted else 0.0)
+
+
+class AnswerTask:
+    """Problems {"question", "answer"} answered as <think>...</think><answer>number</answer>."""
+    system = False  # whether prompts carry PAPER_INSTRUCTION as the system message
+
+    def prompt(self, problem):
+        return rollout.chat_prompt(problem["question"], system=PAPER_INSTRUCTION if self.system else None)
+
+    def reward(self, problem, completion):
+        return reward_fn(completion, problem["answer"])
+
+    def correct(self, problem, completion):
+        return answer_correct(completion, problem["answer"])
 
 
 def make_problem(rng, digits=3, nops=2, ops="+-"):
-    """One problem {question, answer, solution} from a random.Random; `solution` is the worked
-    completion the tiny model is pretrained on."""
-    def operand():
+    """One problem {question, answer, solution} from a random.Random: `a op b op c = ?`, worked left to
+    right; `solution` is the completion the tiny model was pretrained on."""
+    def operand():  # the digit count is drawn first: small numbers are as common as large ones
         d = rng.randint(1, digits)
         return rng.randint(0 if d == 1 else 10 ** (d - 1), 10 ** d - 1)
 
@@ -125,132 +140,22 @@ def arithmetic_problems(n, seed, digits=3, nops=2, exclude=frozenset()):
     return out
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-# exactly one think block then one answer block (whitespace allowed between and around)
-_FORMAT = re.compile(r"\s*<think>((?!</?think>).)*</think>\s*<answer>((?!</?answer>).)*</answer>\s*", re.S)
-_EOS_STRINGS = ("<|im_end|>", "<|endoftext|>")
+class ArithmeticTask(AnswerTask):
+    """The synthetic task (~4e9 problems at 3 digits and 2 operations); training skips the whole
+    held-out pool, not only the part that is evaluated."""
 
+    def __init__(self, digits=3, nops=2, eval_size=500, system=False):
+        self.digits, self.nops, self.system = digits, nops, system
+        pool = arithmetic_problems(max(EVAL_POOL, eval_size), EVAL_SEED, digits, nops)
+        self.held, self.exclude = pool[:eval_size], frozenset(p["question"] for p in pool)
 
-def parse_number(text):
-    """The last number in `text` as an exact Fraction ("1,234.50" -> 2469/2), or None."""
-    found = _NUMBER.findall(text or "")
-    if not found:
-        return None
-    try:
-        return Fraction(found[-1].replace(",", ""))
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def extract_answer(completion):
-    """The number in the last <answer>...</answer> of a completion, or None."""
-    blocks = _ANSWER.findall(completion or "")
-    return parse_number(blocks[-1]) if blocks else None
-
-
-def reward_fn(completion, gold):
-    """1.0 if the last <answer> holds the gold number, plus 0.1 if the completion is exactly
-    <think>...</think><answer>number</answer>. Never raises: malformed text just scores lower."""
-    text = completion if isinstance(completion, str) else ""
-    for eos in _EOS_STRINGS:  # a sampler may or may not decode the stop token
-        text = text.replace(eos, "")
-    pred, want = extract_answer(text), parse_number(str(gold))
-    correct = pred is not None and want is not None and pred == want
-    formatted = _FORMAT.fullmatch(text) is not None and pred is not None
-    return float(correct) + (FORMAT_REWARD if formatted else 0.0)
-
-
-def is_correct(completion, gold):
-    return reward_fn(completion, gold) >= 1.0
-
-# -----------------------------------------------------------------------------
-# Data: synthetic arithmetic or GSM8K-style JSONL, with held-out splits
-
-
-def gsm8k_gold(answer):
-    """GSM8K's gold is the text after the last '####' ("... #### 1,200" -> "1200"), or None."""
-    if not isinstance(answer, str) or "####" not in answer:
-        return None
-    gold = answer.rsplit("####", 1)[1].strip().replace(",", "")
-    return gold if parse_number(gold) is not None else None
-
-
-def load_jsonl(path):
-    """Problems [{question, answer}] from a JSONL file of {"question", "answer": "... #### n"}.
-    Malformed lines are skipped and counted (one line of output); no usable line is an error."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path!r} not found (expected JSONL lines with 'question' and "
-                                f"'answer' ending in '#### <number>', or use --data arith)")
-    problems, bad, first_bad = [], 0, None
-    with open(path, encoding="utf-8", errors="replace") as f:  # undecodable bytes -> a malformed line
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                gold = gsm8k_gold(row.get("answer")) if isinstance(row, dict) else None
-                question = row.get("question") if isinstance(row, dict) else None
-            except json.JSONDecodeError:
-                gold = question = None
-            if gold is None or not isinstance(question, str) or not question.strip():
-                bad += 1
-                first_bad = first_bad or lineno
-                continue
-            problems.append({"question": question.strip(), "answer": gold})
-    if bad:
-        print(f"data | {path}: skipped {bad} malformed line(s) (first at line {first_bad}); "
-              f"kept {len(problems)}")
-    if not problems:
-        raise ValueError(f"data file {path!r} has no usable problems (need JSON lines with 'question' and "
-                         f"'answer' ending in '#### <number>')")
-    return problems
-
-
-def make_splits(args):
-    """(train, eval, exclude). train is a list of problems, or None for the endless synthetic stream;
-    exclude is the set of questions the synthetic stream must skip: the whole held-out pool, not just
-    the --eval-size of it that is evaluated (a data file's split is already disjoint)."""
-    if args.data == "arith":
-        pool = arithmetic_problems(max(EVAL_POOL, args.eval_size), EVAL_SEED, args.digits, args.nops)
-        return None, pool[:args.eval_size], frozenset(p["question"] for p in pool)
-    train = load_jsonl(args.data)
-    if args.eval_data:
-        held = load_jsonl(args.eval_data)[:args.eval_size]
-    else:  # hold out a fixed random slice of the training file
-        order = list(range(len(train)))
-        random.Random(EVAL_SEED).shuffle(order)
-        n_eval = min(args.eval_size, len(train) // 2)
-        held, train = [train[i] for i in order[:n_eval]], [train[i] for i in order[n_eval:]]
-    held_q = {p["question"] for p in held}
-    train = [p for p in train if p["question"] not in held_q]  # eval problems never train
-    if not train:
-        raise ValueError(f"no training problems left in {args.data!r} after removing the evaluation set")
-    return train, held, frozenset()
-
-
-def train_batch(train, step, n, seed, digits=3, nops=2, exclude=frozenset()):
-    """The n training problems of `step`: a pure function of (seed, step), so a resumed run draws
-    exactly what an uninterrupted one would, with no RNG state to carry."""
-    if train is None:
-        rng = random.Random(seed * 1_000_003 + step)
-        out = []
+    def problems(self, seed, step, n):
+        rng, out = random.Random(seed * 1_000_003 + step), []
         while len(out) < n:
-            p = make_problem(rng, digits, nops)
-            if p["question"] not in exclude:
+            p = make_problem(rng, self.digits, self.nops)
+            if p["question"] not in self.exclude:
                 out.append(p)
         return out
-    out = []
-    for i in range(step * n, step * n + n):  # walk epoch-wise shuffles of the file
-        epoch, j = divmod(i, len(train))
-        order = list(range(len(train)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        out.append(train[order[j]])
-    return out
-
-
-def prompt_text(question, system):
-    return rollout.chat_prompt(question, system=PAPER_INSTRUCTION if system else None)
 
 # -----------------------------------------------------------------------------
 # Advantages and loss
@@ -267,17 +172,15 @@ def group_advantages(rewards, group, scale_std=True, eps=1e-4):
     return adv.reshape(-1)  # (B*G,)
 
 
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
 def aggregate(values, mask, mode, max_new_tokens=None, denom=None):
     """Reduce per-token values (N, T) under mask (N, T) to a scalar.
     token-mean: sum / number of tokens (DAPO; long answers weigh more).
     seq-mean-token-mean: mean over sequences of each one's token mean (original GRPO).
     seq-mean-token-sum-norm: sum / (N * max_new_tokens), a constant (Dr. GRPO: no length bias).
-    denom, when given, replaces the divisor. policy_update passes counts summed over all ranks: for
-    token-mean the tokens, for seq-mean-token-mean the non-empty sequences, of the rows it *keeps*
-    (groups with signal; with --mask-truncated, not the cut-off rows); for seq-mean-token-sum-norm
-    all rows of the step, left-out ones included, times max_new_tokens. So token-mean steps are larger
-    than the official code's when many groups carry no signal: TRL divides by every completion token
-    of the batch, zero-advantage groups included (by all tokens / kept tokens)."""
+    denom, when given, replaces the divisor (policy_update passes counts summed over all ranks)."""
     mask = mask.to(values.dtype)
     if mode == "token-mean":
         return (values * mask).sum() / (mask.sum().clamp(min=1) if denom is None else denom)
@@ -291,9 +194,6 @@ def aggregate(values, mask, mode, max_new_tokens=None, denom=None):
         return (values * mask).sum() / (values.shape[0] * max_new_tokens if denom is None else denom)
     raise ValueError(f"unknown loss aggregation {mode!r}; choose token-mean, seq-mean-token-mean or "
                      f"seq-mean-token-sum-norm")
-
-
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def grpo_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="token-mean", max_new_tokens=None,
@@ -328,30 +228,235 @@ def grpo_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="token-
     return loss, stats
 
 # -----------------------------------------------------------------------------
+# The update. With several processes (torchrun), each holds whole groups; `global_sum` and `sum_grads`
+# (Part 2) add numbers and gradients over processes, and are no-ops in a single one. Each loss is divided
+# by the *global* count of tokens (or sequences, or rows), so the summed gradient is exactly the one a
+# single process would compute on all rows, and micro-batches are exact for the same reason.
+
+
+def _slice_loss(model, prompts, ids, mask, old_logp, adv, denom, temperature, beta, **loss_kw):
+    """Loss and statistics of one micro-batch (its share of the step's loss: denom is global)."""
+    logp, ent = rollout.sequence_logprobs(model, prompts, ids, mask, temperature=temperature)  # (mb, t) each
+    ref_logp = None
+    if beta > 0:
+        with torch.no_grad(), lora.lora_disabled(model):  # the reference policy is the base
+            ref_logp, _ = rollout.sequence_logprobs(model, prompts, ids, mask, temperature=temperature)
+    return grpo_loss(logp.float(), old_logp, adv, mask, ref_logp=ref_logp, beta=beta, entropy=ent.float(),
+                     denom=denom, **loss_kw)
+
+
+def policy_update(model, opt, params, prompt_ids, ids, mask, old_logp, rewards, *, group, max_new_tokens,
+                  temperature=1.0, mu=1, micro_batch=0, loss_agg="token-mean", eps_low=0.2, eps_high=0.28,
+                  beta=0.0, entropy_coef=0.0, grad_clip=1.0, scale_std=True):
+    """`mu` optimizer steps on this process's rows: prompt_ids (N lists), ids, mask, old_logp (N, T) from
+    the sampler, rewards (N,) in whole groups. Returns the global loss, gradient norm and statistics, the
+    kept/flat/all row counts, and "skipped" (why no step was taken: a non-finite loss or gradient)."""
+    adv = group_advantages(rewards, group, scale_std).to(quantize.model_device(model))  # (N,)
+    # Groups of equal rewards have zero advantage: the update (the larger half of a step) skips them, and
+    # rows without a token in the loss (--mask-truncated) too.
+    signal = (rewards.view(-1, group).std(1) > 0).repeat_interleave(group)  # (N,)
+    rows = (signal & (mask.sum(1) > 0)).nonzero().squeeze(1).tolist()
+    t_max = int(mask[rows].sum(1).max()) if rows else 0  # the kept rows may all be shorter than T
+    k_ids, k_mask, k_old = ids[rows, :t_max], mask[rows, :t_max], old_logp[rows, :t_max]  # (n, t_max) each
+    k_prompts, k_tok = [prompt_ids[i] for i in rows], float(k_mask.sum())
+    g_tok, g_seqs, g_kept, g_rows, g_flat = global_sum([k_tok, float((k_mask.sum(1) > 0).sum()), len(rows),
+                                                        mask.shape[0], float((~signal).sum())])
+    denom = {"token-mean": max(g_tok, 1.0), "seq-mean-token-mean": max(g_seqs, 1.0),
+             "seq-mean-token-sum-norm": g_rows * max_new_tokens}[loss_agg]
+    loss_kw = dict(eps_low=eps_low, eps_high=eps_high, agg=loss_agg, max_new_tokens=max_new_tokens,
+                   entropy_coef=entropy_coef)
+    out = {"loss": 0.0, "grad_norm": 0.0, "skipped": "", "clip": 0.0, "kl": float("nan"), "kl_old": float("nan"),
+           "ratio_max": 1.0, "kept_rows": len(rows), "kept_rows_all": g_kept, "rows_all": g_rows, "flat_all": g_flat}
+    if g_kept == 0:  # no process has a group with signal: nobody updates (a global decision)
+        return out
+    mb = micro_batch or max(len(rows), 1)  # rows per forward/backward: one slice's activations are alive
+    for _ in range(mu):
+        opt.zero_grad(set_to_none=True)
+        loss_sum, stats = 0.0, {"clip": 0.0, "kl": 0.0, "kl_old": 0.0, "ratio_max": 1.0}
+        for i in range(0, len(rows), mb):
+            j, t = slice(i, i + mb), int(k_mask[i:i + mb].sum(1).max())  # t: this slice's longest completion
+            loss, st = _slice_loss(model, k_prompts[j], k_ids[j, :t], k_mask[j, :t], k_old[j, :t], adv[rows][j],
+                                   denom, temperature, beta, **loss_kw)
+            if torch.isfinite(loss):  # a non-finite loss skips the step below; its backward is wasted work
+                loss.backward()  # the slices' gradients add up in .grad
+            loss_sum += float(loss.detach())
+            w = float(k_mask[j].sum()) / max(g_tok, 1.0)  # statistics are token means over all processes
+            for key in ("clip", "kl", "kl_old"):
+                stats[key] += st[key] * w
+            stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
+        loss_sum, out["clip"], out["kl"], out["kl_old"] = global_sum([loss_sum, stats["clip"], stats["kl"],
+                                                                      stats["kl_old"]])
+        out["ratio_max"] = stats["ratio_max"]
+        if not math.isfinite(loss_sum):  # the same verdict on every process
+            out["skipped"] = f"loss is {loss_sum}"
+            break
+        sum_grads(params)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+        if not math.isfinite(grad_norm):
+            out["skipped"] = f"gradient norm is {grad_norm}"
+            break
+        opt.step()
+        out["loss"], out["grad_norm"] = loss_sum, grad_norm
+    opt.zero_grad(set_to_none=True)
+    return out
+
+# -----------------------------------------------------------------------------
+# One GRPO step
+
+
+def truncated_rows(ids, mask, eos_token_ids):
+    """(N,) bool: the rows whose completion has no EOS token, i.e. that max_new_tokens cut off."""
+    eos = torch.tensor(list(eos_token_ids), dtype=ids.dtype, device=ids.device)
+    return ~(torch.isin(ids, eos) & (mask > 0)).any(1)
+
+
+def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, max_new_tokens=42,
+              temperature=1.0, seed=0, mask_truncated=False, compile=False, **update):
+    """Sample this process's share of the step's groups under AQN noise `sigma`, score them, update
+    (`update`: policy_update's options). Returns the step's metrics, summed over processes."""
+    t0 = time.time()
+    rank, world = rank_and_world()
+    problems = shard(task.problems(seed, step, batch), rank, world)  # whole groups: advantages need all G
+    prompts = [tok.encode(task.prompt(p)) for p in problems]
+    # One generator per step, derived from (seed, step): a resumed run samples what an uninterrupted one
+    # would. Every process draws the same AQN noise, then samples from a stream of its own.
+    device, gen_seed = quantize.model_device(model), seed * 1_000_003 + step
+    gen = torch.Generator(device=device).manual_seed(gen_seed)
+    with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen) as noise, \
+            merged_sampling_weights(model, merge_for_sampling(device)):
+        if rank > 0:
+            gen = torch.Generator(device=device).manual_seed(gen_seed + rank * 2 ** 40)
+        ro = rollout.generate(model, prompts, num_samples=group, max_new_tokens=max_new_tokens,
+                              temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=gen,
+                              tokenizer=tok, compile=compile)
+    t_sample = time.time() - t0
+    rows = [p for p in problems for _ in range(group)]  # (N,) prompt-major, like the rollout's rows
+    rewards = torch.tensor([task.reward(p, text) for p, text in zip(rows, ro.texts)])  # (N,)
+    correct = sum(task.correct(p, text) for p, text in zip(rows, ro.texts))
+    mask = ro.completion_mask.float().clone()  # (N, T) plain copies: inference-mode tensors cannot train
+    trunc = truncated_rows(ro.completion_ids, mask, tok.eos_token_ids)  # (N,) hit max_new_tokens, no EOS
+    # --mask-truncated: those rows keep their reward (their group's advantages need it) but leave the loss
+    loss_mask = mask * (~trunc).float()[:, None] if mask_truncated else mask  # (N, T)
+    upd = policy_update(model, opt, params, ro.prompt_ids, ro.completion_ids.clone(), loss_mask,
+                        ro.logprobs.float().clone(), rewards, group=group, max_new_tokens=max_new_tokens,
+                        temperature=temperature, **update)
+    if upd["skipped"]:
+        print(f"step {step + 1} | {upd['skipped']} | skipping this update (no weights changed)")
+    reward_sum, correct_sum, ent_sum, tok_sum, trunc_sum = global_sum([
+        float(rewards.sum()), correct, float((ro.entropy.float() * mask).sum()), float(mask.sum()),
+        float(trunc.sum())])
+    t_sample_max, ratio_max = global_max([t_sample, upd["ratio_max"]])
+    n = upd["rows_all"]
+    return {"step": step + 1, "reward": reward_sum / n, "acc": correct_sum / n, "entropy": ent_sum / max(tok_sum, 1),
+            "kl": upd["kl"], "clip": upd["clip"], "len": tok_sum / n, "sigma": sigma,
+            "sigma_applied": noise["applied_std"], "tok/s": tok_sum / max(t_sample_max, 1e-9),
+            "s/step": time.time() - t0, "t_sample": t_sample_max, "loss": upd["loss"], "grad_norm": upd["grad_norm"],
+            "kl_old": upd["kl_old"], "ratio_max": ratio_max, "frac_zero_std": upd["flat_all"] / n,
+            "truncated": trunc_sum / n, "skipped": int(bool(upd["skipped"]))}
+
+
+# ================================ Part 2: plumbing (data, devices, checkpoints, the run, command line) ================================
+# -----------------------------------------------------------------------------
+# GSM8K-style data: a JSONL file of {"question", "answer": "... #### n"} lines
+
+
+def gsm8k_gold(answer):
+    """GSM8K's gold is the text after the last '####' ("... #### 1,200" -> "1200"), or None."""
+    if not isinstance(answer, str) or "####" not in answer:
+        return None
+    gold = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    return gold if parse_number(gold) is not None else None
+
+
+def _problem_from_line(line):
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip():
+        return None
+    gold = gsm8k_gold(row.get("answer"))
+    return None if gold is None else {"question": row["question"].strip(), "answer": gold}
+
+
+def load_jsonl(path):
+    """Problems [{question, answer}] from a GSM8K-style JSONL file. Malformed lines are skipped and
+    counted (one line of output); a file without one usable line is an error."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path!r} not found (expected JSONL lines with 'question' and "
+                                f"'answer' ending in '#### <number>', or use --data arith)")
+    problems, bad = [], []
+    with open(path, encoding="utf-8", errors="replace") as f:  # undecodable bytes -> a malformed line
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                p = _problem_from_line(line)
+                problems.append(p) if p else bad.append(lineno)
+    if bad:
+        print(f"data | {path}: skipped {len(bad)} malformed line(s) (first at line {bad[0]}); kept {len(problems)}")
+    if not problems:
+        raise ValueError(f"data file {path!r} has no usable problems (need JSON lines with 'question' and "
+                         f"'answer' ending in '#### <number>')")
+    return problems
+
+
+class JsonlTask(AnswerTask):
+    """A problem file: the held-out set is --eval-data, or a fixed random slice of the file."""
+
+    def __init__(self, path, eval_path=None, eval_size=500, system=True):
+        train, self.system = load_jsonl(path), system
+        if eval_path:
+            held = load_jsonl(eval_path)[:eval_size]
+        else:
+            order = list(range(len(train)))
+            random.Random(EVAL_SEED).shuffle(order)
+            n_eval = min(eval_size, len(train) // 2)
+            held, train = [train[i] for i in order[:n_eval]], [train[i] for i in order[n_eval:]]
+        held_q = {p["question"] for p in held}
+        self.train, self.held = [p for p in train if p["question"] not in held_q], held  # eval never trains
+        if not self.train:
+            raise ValueError(f"no training problems left in {path!r} after removing the evaluation set")
+
+    def problems(self, seed, step, n):
+        out = []
+        for i in range(step * n, step * n + n):  # walk epoch-wise seeded shuffles of the file
+            epoch, j = divmod(i, len(self.train))
+            order = list(range(len(self.train)))
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+            out.append(self.train[order[j]])
+        return out
+
+
+def make_task(args):
+    """The task --data names; prompts carry the paper's instruction unless --system says otherwise or
+    (auto) the model's config.json says "qerl_prompt": "bare" (the bundled model's does)."""
+    system = args.system == "paper"
+    if args.system == "auto":
+        system = quantize.find_weight_files(args.model)[0].get("qerl_prompt") != "bare"
+    if args.data == "arith":
+        return ArithmeticTask(args.digits, args.nops, args.eval_size, system)
+    return JsonlTask(args.data, args.eval_data, args.eval_size, system)
+
+# -----------------------------------------------------------------------------
 # Sampling and evaluation
 #
-# Sampling runs the model once per new token (~40 forwards per step). On CPU each quantized layer
-# dequantizes its 4-bit weight on every call and each LoRA layer adds three small ops, and at this
-# model size that overhead is most of the cost. Within one step the weights are fixed, so we
-# dequantize once and fold the adapter in: W = dequant(W_4bit) + (alpha/r) B A. This is the same
-# function up to float rounding (the sampler's log-probs are pi_old anyway, and the clipped ratio
-# absorbs any difference). On CUDA the NVFP4 kernel reads the 4-bit weights directly, and a merged
-# bf16 copy of a 7B model would cost its full size in memory, so there we sample the modules as they are;
-# with --compile each adapter's casts, scale and add fuse around its two rank-r matmuls, and the step
-# replays as one CUDA graph, so the adapters add no launches (stage 03, "static shapes").
-# --gpu-path takes that CUDA path on the CPU too (QERL_TRITON_CPU=1: stage 01 calls the interpreted kernel).
+# On the CPU every sampled token would dequantize each 4-bit weight and run each adapter as three small
+# ops, so sampling uses merged float weights (02's lora_merged). On CUDA the kernel reads 4-bit weights
+# directly and a merged copy of a 7B model costs its full size: the modules run as they are (--gpu-path
+# does that on the CPU, through the interpreted kernel, QERL_TRITON_CPU=1).
 
 
 def merge_for_sampling(device):
-    """Whether sampling merges the weights: on the CPU, unless the kernel path (--gpu-path) is on."""
     return torch.device(device).type == "cpu" and os.environ.get("QERL_TRITON_CPU") != "1"
+
+
+def merged_sampling_weights(model, enabled=True):
+    return lora.lora_merged(model) if enabled else contextlib.nullcontext(model)
 
 
 def use_gpu_path(device):
     """--gpu-path: run CUDA's code path (NVFP4Linear through the Triton kernel) on any device."""
     if torch.device(device).type == "cpu":
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        if "triton" in sys.modules and not interpreted:
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("--gpu-path on the CPU runs the Triton kernel under the interpreter, which must be "
                              "on before triton is imported: set TRITON_INTERPRET=1 in the environment")
         os.environ["TRITON_INTERPRET"] = "1"
@@ -360,97 +465,39 @@ def use_gpu_path(device):
     os.environ["QERL_TRITON_CPU"] = "1"
 
 
-@contextlib.contextmanager
-def merged_sampling_weights(model, enabled=True):
-    """Inside: every LoRA-wrapped (or quantized) linear runs as one F.linear with a cached weight."""
-    patched = []
-    if enabled:
-        wrapped = {id(m.base) for m in model.modules() if isinstance(m, lora.LoRALinear)}
-        with torch.no_grad():
-            for m in model.modules():
-                if isinstance(m, lora.LoRALinear):
-                    base = m.base
-                elif hasattr(m, "dequantized_weight") and id(m) not in wrapped:
-                    base = m  # a quantized linear without an adapter
-                else:
-                    continue
-                w = base.dequantized_weight(torch.float32) if hasattr(base, "dequantized_weight") \
-                    else base.weight.float()  # (out, in)
-                if base is not m and not m.disabled:
-                    w = w + (m.lora_B.float() @ m.lora_A.float()) * m.scaling  # (out, in)
-                dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype
-                bias = base.bias.to(dtype) if getattr(base, "bias", None) is not None else None
-                m.forward = lambda x, w=w.to(dtype), b=bias: F.linear(x, w, b)  # instance attribute wins
-                patched.append(m)
-    try:
-        yield model
-    finally:
-        for m in patched:
-            del m.forward  # back to the class's forward
-
-
 def sample(model, tok, prompts, num_samples, max_new_tokens, temperature, generator, chunk, compile=False):
-    """generate() over prompt chunks (memory), concatenating texts in prompt-major order."""
-    texts, tokens = [], 0
-    step = max(1, chunk // num_samples)
+    """generate() over prompt chunks (memory) -> texts in prompt-major order."""
+    texts, step = [], max(1, chunk // num_samples)
     for i in range(0, len(prompts), step):
-        out = rollout.generate(model, prompts[i:i + step], num_samples=num_samples, max_new_tokens=max_new_tokens,
-                               temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=generator,
-                               tokenizer=tok, compile=compile)
-        texts += out.texts
-        tokens += int(out.completion_mask.sum())
-    return texts, tokens
+        texts += rollout.generate(model, prompts[i:i + step], num_samples=num_samples, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=generator,
+                                  tokenizer=tok, compile=compile).texts
+    return texts
 
 
 @torch.inference_mode()
-def evaluate(model, tok, problems, system, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512, compile=False):
+def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512, compile=False):
     """Held-out accuracy without AQN noise: greedy pass@1 always; with k > 0 also pass@1 (mean over
     the k samples) and pass@k (any of k correct) at `temperature`. Returns counts and rates."""
-    prompts = [tok.encode(prompt_text(p["question"], system)) for p in problems]
-    golds = [p["answer"] for p in problems]
-    with merged_sampling_weights(model, enabled=merge_for_sampling(model_device(model))):
-        return _evaluate(model, tok, prompts, golds, max_new_tokens, k, temperature, seed, chunk, compile)
-
-
-def _evaluate(model, tok, prompts, golds, max_new_tokens, k, temperature, seed, chunk, compile=False):
-    texts, _ = sample(model, tok, prompts, 1, max_new_tokens, 0.0, None, chunk, compile)
-    greedy = sum(is_correct(t, g) for t, g in zip(texts, golds))
-    res = {"n": len(prompts), "greedy_correct": greedy, "greedy": greedy / max(len(prompts), 1)}
-    if k > 0:
-        gen = torch.Generator(device=model_device(model)).manual_seed(seed)
-        texts, _ = sample(model, tok, prompts, k, max_new_tokens, temperature, gen, chunk, compile)
-        hits = [[is_correct(texts[i * k + j], golds[i]) for j in range(k)] for i in range(len(prompts))]
-        res.update({"k": k, "sample_correct": sum(map(sum, hits)), "pass_k_correct": sum(map(any, hits)),
-                    "pass@1": sum(map(sum, hits)) / max(k * len(prompts), 1),
-                    f"pass@{k}": sum(map(any, hits)) / max(len(prompts), 1)})
+    prompts, n, device = [tok.encode(task.prompt(p)) for p in problems], len(problems), quantize.model_device(model)
+    with merged_sampling_weights(model, merge_for_sampling(device)):
+        texts = sample(model, tok, prompts, 1, max_new_tokens, 0.0, None, chunk, compile)
+        greedy = sum(task.correct(p, t) for p, t in zip(problems, texts))
+        res = {"n": n, "greedy_correct": greedy, "greedy": greedy / max(n, 1)}
+        if k > 0:
+            gen = torch.Generator(device=device).manual_seed(seed)
+            texts = sample(model, tok, prompts, k, max_new_tokens, temperature, gen, chunk, compile)
+            hits = [[task.correct(p, texts[i * k + j]) for j in range(k)] for i, p in enumerate(problems)]
+            res.update({"k": k, "sample_correct": sum(map(sum, hits)), "pass_k_correct": sum(map(any, hits)),
+                        "pass@1": sum(map(sum, hits)) / max(k * n, 1), f"pass@{k}": sum(map(any, hits)) / max(n, 1)})
     return res
 
-
-def model_device(model):
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
-def eval_line(step, res, seconds):
-    s = f"eval | step {step} | n {res['n']} | greedy {res['greedy']:.3f}"
-    if "k" in res:
-        k = res["k"]
-        s += f" | pass@1 {res['pass@1']:.3f} | pass@{k} {res['pass@%d' % k]:.3f}"
-    return s + f" | {seconds:.1f}s"
-
 # -----------------------------------------------------------------------------
-# Data parallel (torchrun)
-#
-# `torchrun --nproc_per_node N 05_grpo.py ...` starts N copies of this script, and torch.distributed
-# connects them: NCCL between GPUs, gloo between CPU processes. Every rank holds the whole (frozen,
-# quantized) model and an identical adapter. Each step's B prompts are split across ranks in whole
-# groups (a group's advantage needs all G of its rewards); each rank samples and scores its share.
-# The loss on a rank is divided by the *global* normaliser (tokens or sequences counted over all
-# ranks), so its gradient is exactly its share of the gradient one process would get on all B*G rows:
-# one all_reduce (a sum) of the flattened adapter gradients restores that gradient on every rank, and
-# every rank takes the same AdamW step, so the adapters never drift apart. Rank 0 alone prints,
-# evaluates and writes files. Launched as a plain `python 05_grpo.py`, every helper here is a no-op.
+# Data parallel (torchrun): `torchrun --nproc_per_node N 05_grpo.py ...` starts N copies of this script,
+# joined by torch.distributed (NCCL between GPUs, gloo between CPU processes). Every process holds the
+# whole frozen model and the same adapter, samples its share of whole groups, and sums numbers
+# (`global_sum`) and adapter gradients (`sum_grads`) with the others, so all take the same AdamW step.
+# Process 0 alone prints, evaluates and writes files. In a plain `python 05_grpo.py` these are no-ops.
 
 
 def init_distributed(device):
@@ -462,41 +509,42 @@ def init_distributed(device):
     if device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        # Rank 0 evaluates while the others wait at their next collective: allow a long evaluation.
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                timeout=datetime.timedelta(hours=2))
+    if not dist.is_initialized():  # rank 0 evaluates while the others wait: allow a long evaluation
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=datetime.timedelta(hours=2))
     return dist.get_rank(), dist.get_world_size(), device
 
 
 def rank_and_world():
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
 
 
 def shard(items, rank, world):
     """This rank's contiguous share of `items` (shares differ in size by at most one)."""
-    n = len(items)
-    return items[rank * n // world:(rank + 1) * n // world]
+    return items[rank * len(items) // world:(rank + 1) * len(items) // world]
 
 
-def _comm_device():
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def all_reduce(values, op="sum"):
-    """A list of Python numbers -> the list summed (op "sum") or maximised ("max") over all ranks."""
+def _all_reduce(values, op):
+    values = [float(v) for v in values]
     if rank_and_world()[1] == 1:
-        return [float(v) for v in values]
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_comm_device())  # (n,)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return values
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=dev)  # (n,)
+    dist.all_reduce(t, op=op)
     return t.tolist()
 
 
-def all_reduce_grads(params):
-    """Sum every parameter's gradient over ranks with one all_reduce of their concatenation (a rank
-    with no rows to train on contributes zeros)."""
+def global_sum(values):
+    """A list of numbers -> each summed over all processes."""
+    return _all_reduce(values, dist.ReduceOp.SUM)
+
+
+def global_max(values):
+    return _all_reduce(values, dist.ReduceOp.MAX)
+
+
+def sum_grads(params):
+    """Sum every parameter's gradient over processes, in one all_reduce of their concatenation (a
+    process with no rows to train on contributes zeros)."""
     if rank_and_world()[1] == 1:
         return
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])  # (P,)
@@ -509,46 +557,41 @@ def all_reduce_grads(params):
 
 def broadcast_parameters(params):
     """Rank 0's values to every rank: the adapters start equal even if initialisation were to differ."""
-    if rank_and_world()[1] == 1:
-        return
-    with torch.no_grad():
-        for p in params:
-            dist.broadcast(p.data, src=0)
-
+    if rank_and_world()[1] > 1:
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src=0)
 
 # -----------------------------------------------------------------------------
-# Checkpointing
-#
-# A checkpoint folder holds the adapter in PEFT's layout (stage 02) and trainer_state.pt: the AdamW
-# state, the step (the LR schedule is a pure function of it, so it needs no state of its own), the
-# AQN feedback controller, the RNG states (the per-step generators are re-derived from (seed, step),
-# so these are only a safety net) and the run's arguments. It is written to a temporary folder and
-# renamed, so a crash never leaves half a checkpoint.
+# Checkpoints: the adapter in PEFT's layout (stage 02) and trainer_state.pt (AdamW state, step, AQN
+# feedback controller, RNG states as a safety net, the run's arguments), written under a temporary name
+# and renamed (01's atomic_write). The LR schedule and the per-step generators are pure functions of
+# (seed, step), so a resumed run is bit for bit the uninterrupted one.
 
 RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_every", "device", "quiet",
                 "micro_batch", "grad_checkpoint", "gpu_path", "compile")  # how to compute, not what: a resume may change them
+TRAINED_NORMS = ("input_layernorm", "post_attention_layernorm")  # the official --ln True's modules_to_save
 
 
 def save_checkpoint(out, step, model, opt, args, feedback=None, extra=None):
-    final = os.path.join(out, f"checkpoint-{step:06d}")
-    tmp = os.path.join(out, f".tmp-checkpoint-{step:06d}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    lora.save_adapter(model, tmp, base_model_name_or_path=args.model,
-                      modules_to_save=TRAINED_NORMS if getattr(args, "train_norms", False) else None)
-    state = {"step": step, "optimizer": opt.state_dict(), "lr": opt.param_groups[0]["lr"], "args": vars(args),
-             "feedback": feedback.state_dict() if feedback is not None else None,
-             "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, **(extra or {})}
-    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-    if os.path.exists(final):  # re-running into the same folder: replace the old one
-        old = final + f".old{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    return final
+    def write(tmp):
+        os.makedirs(tmp)
+        lora.save_adapter(model, tmp, base_model_name_or_path=args.model,
+                          modules_to_save=TRAINED_NORMS if getattr(args, "train_norms", False) else None)
+        torch.save({"step": step, "optimizer": opt.state_dict(), "lr": opt.param_groups[0]["lr"], "args": vars(args),
+                    "feedback": feedback.state_dict() if feedback is not None else None,
+                    "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, **(extra or {})},
+                   os.path.join(tmp, "trainer_state.pt"))
+    return quantize.atomic_write(os.path.join(out, f"checkpoint-{step:06d}"), write)
+
+
+def checkpoint(args, step, model, opt, params, feedback, first_eval):
+    """save_checkpoint unless a trained tensor is not finite (the last good checkpoint then stays)."""
+    if not all(torch.isfinite(p).all() for p in params):
+        print(f"checkpoint | step {step} | adapter has non-finite values | NOT saved")
+        return None
+    return save_checkpoint(args.out, step, model, opt, args, feedback, extra={"first_eval": first_eval})
 
 
 def find_checkpoint(path):
@@ -562,21 +605,60 @@ def find_checkpoint(path):
     return os.path.join(path, found[-1])
 
 
-def load_adapter(model, ckpt):
-    """Stage 02's load_adapter, with a truncated or corrupt adapter file reported in one line."""
+def resume_args(args):
+    """--resume: (checkpoint folder, its trainer state), with the run's hyper-parameters taken from it
+    (a flag given again is ignored, with a note). (None, None) without --resume."""
+    if not args.resume:
+        return None, None
+    ckpt = find_checkpoint(args.resume)
+    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=False)
+    defaults = vars(build_parser().parse_args([]))
+    for k, v in state["args"].items():
+        if k not in RUNTIME_ARGS:
+            if getattr(args, k, v) not in (v, defaults.get(k)):
+                print(f"note | --{k.replace('_', '-')} {getattr(args, k)} ignored: resuming keeps the checkpoint's {v}")
+            setattr(args, k, v)
+    args.out = args.out or os.path.dirname(os.path.abspath(ckpt))
+    return ckpt, state
+
+
+def restore(ckpt, state, model, opt, feedback):
+    """Load a checkpoint's adapter, optimizer, controller and RNG states; returns its step."""
     try:
         lora.load_adapter(model, ckpt)
-    except SafetensorError as e:
+    except SafetensorError as e:  # a truncated adapter file: one line naming it and a tensor
         file = os.path.join(ckpt, "adapter_model.safetensors")
-        raise ValueError(f"--resume: {file}: {rollout._safetensors_problem(file) or e}; the file is truncated "
-                         f"or corrupt, resume from another checkpoint") from None
-
-
-def load_trainer_state(ckpt):
-    return torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        raise ValueError(f"--resume: {quantize.safetensors_problem(file) or f'{file}: {e}'}; resume from another "
+                         f"checkpoint") from None
+    opt.load_state_dict(state["optimizer"])
+    if feedback is not None and state.get("feedback"):
+        feedback.load_state_dict(state["feedback"])
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    print(f"resume | {ckpt} | step {state['step']} | hyper-parameters from the checkpoint")
+    return state["step"]
 
 # -----------------------------------------------------------------------------
-# Training loop
+# The run
+
+
+def build_policy(args, device):
+    """The frozen (quantized) base with fresh LoRA adapters and their AdamW -> (model, tok, params, opt).
+    The adapter initialisation depends on --seed alone, so every rank builds the same one."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        args.dtype or ("bfloat16" if str(device).startswith("cuda") or args.gpu_path else "float32")]
+    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
+    model.grad_checkpoint = args.grad_checkpoint  # the update's forward only (it needs gradients)
+    lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
+    params = lora.lora_parameters(model)
+    if args.train_norms:
+        # fp32 master copies, like the adapters (a bf16 gain near 1 would round small updates away);
+        # exactly the TRAINED_NORMS of every layer, never the final model.norm (as in the official code)
+        for _, norm in aqn.aqn_norms(model):
+            norm.weight = torch.nn.Parameter(norm.weight.detach().float())
+            params.append(norm.weight)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    return model, tok, params, opt
 
 
 def lr_lambda(warmup, total, min_ratio):
@@ -589,354 +671,157 @@ def lr_lambda(warmup, total, min_ratio):
     return f
 
 
-def wants_instruction(args):
-    """Whether prompts carry the paper's instruction as system prompt: --system paper / none, or auto:
-    yes unless the model says it learned the format in pretraining (the bundled tiny model's
-    config.json has "qerl_prompt": "bare")."""
-    if args.system != "auto":
-        return args.system == "paper"
-    with open(os.path.join(args.model, "config.json")) as f:
-        return json.load(f).get("qerl_prompt") != "bare"
+UPDATE_FLAGS = ("group", "max_new_tokens", "temperature", "mu", "micro_batch", "loss_agg", "eps_low", "eps_high",
+                "beta", "entropy_coef", "grad_clip")
 
 
-def check_model_dir(path):
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"--model {path!r} is not a model folder (expected a Hugging Face folder with "
-                                f"config.json, model.safetensors and tokenizer.json)")
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--model {path!r}: config.json is not valid JSON ({e})") from None
+def update_options(args):
+    """policy_update's keyword arguments from the command line."""
+    return {**{k: getattr(args, k) for k in UPDATE_FLAGS}, "scale_std": not args.no_std_scale}
 
 
-TRAINED_NORMS = ("input_layernorm", "post_attention_layernorm")  # the official --ln True's modules_to_save
+def step_options(args):
+    """grpo_step's keyword arguments from the command line."""
+    return {**update_options(args), "batch": args.batch, "seed": args.seed, "mask_truncated": args.mask_truncated,
+            "compile": args.compile}
 
 
-def train_norm_gains(model):
-    """--train-norms: make every decoder layer's pre-norm gains trainable fp32 master copies (like the
-    adapters: a bf16 gain near 1 would round away updates below 2^-8) and return them. The final
-    model.norm stays frozen, as in the official code. Stage 03's RMSNorm rounds its output to the
-    activation dtype, and AQN adds its noise to the current trained value without writing it."""
-    gains = []
-    for _, norm in aqn.aqn_norms(model):  # exactly the TRAINED_NORMS of every layer
-        norm.weight = torch.nn.Parameter(norm.weight.detach().float(), requires_grad=True)
-        gains.append(norm.weight)
-    return gains
-
-
-def build_policy(args, device):
-    """The frozen (quantized) base with fresh LoRA adapters and their AdamW -> (model, tok, params, opt).
-    The adapter initialisation depends on --seed alone, so every rank builds the same one."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        args.dtype or ("bfloat16" if str(device).startswith("cuda") or args.gpu_path else "float32")]
-    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
-    lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
-    params = lora.lora_parameters(model)
-    if args.train_norms:
-        params += train_norm_gains(model)
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    return model, tok, params, opt
-
-
-def train(args):
-    """The GRPO loop. Returns the summary dict (also written to <out>/summary.json by rank 0)."""
+def train(args, task=None):
+    """The GRPO run: grpo_step over --steps with evaluations, checkpoints and the time budget. `task`
+    replaces the one --data names. Returns the summary (also written to <out>/summary.json)."""
     t_start = time.time()
     rank, world, device = init_distributed(args.device or quantize.autodetect_device())
     if rank > 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors still reach stderr
-    state = None
-    if args.resume:
-        ckpt = find_checkpoint(args.resume)
-        state = load_trainer_state(ckpt)
-        defaults = vars(build_parser().parse_args([]))
-        for k, v in state["args"].items():  # the run's hyper-parameters come from the checkpoint
-            if k not in RUNTIME_ARGS:
-                if getattr(args, k, v) not in (v, defaults.get(k)):
-                    print(f"note | --{k.replace('_', '-')} {getattr(args, k)} ignored: resuming keeps the "
-                          f"checkpoint's {v}")
-                setattr(args, k, v)
-        if not args.out:
-            args.out = os.path.dirname(os.path.abspath(ckpt))
-    validate_args(args)
-    if args.batch < world:
-        raise ValueError(f"--batch {args.batch} is smaller than the number of ranks ({world}): every rank "
-                         f"needs at least one prompt group; raise --batch or launch fewer processes")
-    check_model_dir(args.model)
+    ckpt, state = resume_args(args)
+    _check_args(args, world)
     if args.gpu_path:
         use_gpu_path(device)
-    train_set, eval_set, exclude = make_splits(args)  # bad data fails here, before the model loads
-    if not args.out:
-        args.out = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-    system = wants_instruction(args)
+    task = task or make_task(args)  # bad data fails here, before the model loads
+    args.out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     model, tok, params, opt = build_policy(args, device)
-    lr_at = lr_lambda(args.warmup, args.steps, args.min_lr_ratio)  # a pure function of the step: nothing to save
-    feedback = None
-    if args.aqn and args.aqn_kind == "feedback":
-        feedback = aqn.FeedbackSigma(args.target_entropy, sigma_init=args.sigma_start)
-    start = 0
-    if state is not None:
-        load_adapter(model, ckpt)
-        opt.load_state_dict(state["optimizer"])
-        if feedback is not None and state.get("feedback"):
-            feedback.load_state_dict(state["feedback"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        start = state["step"]
-        print(f"resume | {ckpt} | step {start}/{args.steps} | hyper-parameters from the checkpoint")
+    lr_at = lr_lambda(args.warmup, args.steps, args.min_lr_ratio)
+    feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
+        else None
+    start = restore(ckpt, state, model, opt, feedback) if state else 0
     broadcast_parameters(params)
-
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    if rank == 0:
-        truncate_metrics(metrics_path, start)
-        with open(os.path.join(args.out, "args.json"), "w") as f:
-            json.dump(vars(args), f, indent=2)
-    dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
-    print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
-          f"device {device} | dtype {dtype} | steps {args.steps} | B {args.batch} | "
-          f"G {args.group} | lr {args.lr:g} | out {args.out}" + (f" | ranks {world}" if world > 1 else ""))
-    evaluating = rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
-
-    def run_eval(step, k):
-        t0 = time.time()
-        res = evaluate(model, tok, eval_set, system, args.max_new_tokens, k=k, temperature=args.temperature,
-                       seed=EVAL_SEED, chunk=args.eval_chunk, compile=args.compile)
-        res.update(step=step, seconds=time.time() - t0, time=time.time() - t_start)
-        print(eval_line(step, res, res["seconds"]), flush=True)
-        log_jsonl(metrics_path, {"eval": res})
-        return res
-
-    if state is not None and state.get("first_eval"):
-        first_eval = state["first_eval"]  # the gain is measured from the start of the whole run
-    else:
-        first_eval = run_eval(start, args.eval_k) if evaluating else None
-    last_eval, done, skipped, stopped, last_ckpt = first_eval, start, 0, "steps", None
-    # keep back time for the final evaluation (it also samples pass@k): 1.5x the first one
-    reserve = 1.5 * first_eval["seconds"] if first_eval else 0.0
-    recent = []  # s/step of the last few steps
+    run = Run(args, rank, start, t_start, model, tok, task, world)
+    first_eval = (state or {}).get("first_eval") or run.evaluate(start, args.eval_k)  # gains count from step 0
+    last_eval, done, skipped, stopped, last_ckpt, recent = first_eval, start, 0, "steps", None, []
     for step in range(start, args.steps):
-        next_step = sum(recent[-5:]) / len(recent[-5:]) if recent else 0.0
-        out_of_time = args.time_budget and time.time() - t_start + reserve + next_step > args.time_budget
-        if all_reduce([rank == 0 and out_of_time])[0]:  # rank 0's clock decides for everyone
+        if run.out_of_time(recent, first_eval):
             stopped = "time budget"
             break
-        rec = grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, exclude, system, device)
+        for group in opt.param_groups:
+            group["lr"] = args.lr * lr_at(step)
+        sigma = feedback.sigma if feedback is not None else aqn_sigma(args, step)
+        rec = grpo_step(model, tok, opt, params, task, step, sigma, **step_options(args))
+        if feedback is not None:
+            feedback.update(rec["entropy"])  # the same global entropy on every rank: sigma stays in step
         skipped += rec.pop("skipped")
         recent.append(rec["s/step"])
-        rec["time"] = time.time() - t_start
-        if rank == 0:
-            log_jsonl(metrics_path, rec)
-        if not args.quiet:
-            print(f"step {rec['step']}/{args.steps} | reward {rec['reward']:.3f} | acc {rec['acc']:.3f} | "
-                  f"entropy {rec['entropy']:.3f} | kl {fmt(rec['kl'])} | clip {rec['clip']:.4f} | "
-                  f"len {rec['len']:.1f} | sigma {rec['sigma']:.2e} | sigma_applied {rec['sigma_applied']:.2e} | "
-                  f"tok/s {rec['tok/s']:.0f} | "
-                  f"s/step {rec['s/step']:.2f}", flush=True)
+        run.log_step(rec, lr=opt.param_groups[0]["lr"])
         done = step + 1
-        if args.eval_every and done % args.eval_every == 0 and done < args.steps and evaluating:
-            last_eval = run_eval(done, 0)
+        if args.eval_every and done % args.eval_every == 0 and done < args.steps:
+            last_eval = run.evaluate(done, 0) or last_eval
         if rank == 0 and ((args.save_every and done % args.save_every == 0) or done == args.stop_at):
-            last_ckpt = checkpoint(args, done, model, opt, feedback, first_eval) or last_ckpt
+            last_ckpt = checkpoint(args, done, model, opt, params, feedback, first_eval) or last_ckpt
         if args.stop_at and done >= args.stop_at:
             stopped = "stop-at"
             break
     if stopped != "stop-at" and rank == 0:
         if done > start and (last_ckpt is None or not last_ckpt.endswith(f"{done:06d}")):
-            last_ckpt = checkpoint(args, done, model, opt, feedback, first_eval) or last_ckpt
-        if evaluating and (last_eval is None or last_eval["step"] != done or "k" not in last_eval):
-            last_eval = run_eval(done, args.eval_k)
-    summary = {"steps_done": done, "stopped_by": stopped, "skipped_updates": skipped,
-               "wall_s": time.time() - t_start, "first_eval": first_eval, "final_eval": last_eval,
-               "checkpoint": last_ckpt, "args": vars(args)}
-    if first_eval and last_eval:
-        summary["greedy_gain"] = last_eval["greedy"] - first_eval["greedy"]
-        print(f"summary | steps {done} | greedy {first_eval['greedy']:.3f} -> {last_eval['greedy']:.3f} "
-              f"({100 * summary['greedy_gain']:+.1f} points) | wall {summary['wall_s']:.0f}s | out {args.out}")
-    if rank == 0:
-        write_json(os.path.join(args.out, "summary.json"), summary)
-    return summary
+            last_ckpt = checkpoint(args, done, model, opt, params, feedback, first_eval) or last_ckpt
+        if last_eval is None or last_eval["step"] != done or "k" not in last_eval:
+            last_eval = run.evaluate(done, args.eval_k) or last_eval
+    return run.summary(done, stopped, skipped, first_eval, last_eval, last_ckpt)
 
 
-def grpo_step(args, step, model, tok, opt, lr_at, params, feedback, train_set, exclude, system, device):
-    """Sample this rank's share of the step's groups, score them, update once (or --mu times) with
-    the gradient summed over ranks. Returns the step's metrics, reduced over ranks."""
-    t0 = time.time()
-    rank, world = rank_and_world()
-    lr = args.lr * lr_at(step)
-    for group in opt.param_groups:
-        group["lr"] = lr
-    problems = train_batch(train_set, step, args.batch, args.seed, args.digits, args.nops, exclude)
-    problems = shard(problems, rank, world)  # whole groups: a group's advantage needs all G rewards
-    prompts = [tok.encode(prompt_text(p["question"], system)) for p in problems]
-    if feedback is not None:
-        sigma = feedback.sigma
-    elif args.aqn:
-        sigma = aqn.sigma_schedule(step, args.steps, args.sigma_start, args.sigma_end, args.num_stages,
-                                   args.aqn_kind)
-    else:
-        sigma = 0.0
-    # One generator per step, derived from (seed, step): sampling and AQN draws are then the same
-    # whether or not the run was interrupted and resumed. Every rank draws the same AQN noise (it
-    # perturbs the one model everybody samples from); ranks > 0 then sample from streams of their own,
-    # while rank 0 continues the first, so a single process is unchanged by all this.
-    seed = args.seed * 1_000_003 + step
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen) as noise, \
-            merged_sampling_weights(model, enabled=merge_for_sampling(device)):
-        if rank > 0:
-            gen = torch.Generator(device=device).manual_seed(seed + rank * 2 ** 40)
-        ro = rollout.generate(model, prompts, num_samples=args.group, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, eos_token_ids=tok.eos_token_ids, generator=gen,
-                              tokenizer=tok, compile=args.compile)
-    t_sample = time.time() - t0
-    golds = [p["answer"] for p in problems for _ in range(args.group)]
-    rewards = torch.tensor([reward_fn(t, g) for t, g in zip(ro.texts, golds)])  # (N,) N = this rank's B*G rows
-    # inference-mode tensors cannot enter autograd: take plain copies (small) for the update
-    mask = ro.completion_mask.float().clone()  # (N, T)
-    trunc = truncated_rows(ro.completion_ids, mask, tok.eos_token_ids)  # (N,) hit max_new_tokens, no EOS
-    # --mask-truncated: those rows keep their reward (their group's advantages need it) but leave the loss
-    loss_mask = mask * (~trunc).float()[:, None] if args.mask_truncated else mask  # (N, T)
-    upd = policy_update(args, model, opt, params, ro.prompt_ids, ro.completion_ids.clone(), loss_mask,
-                        ro.logprobs.float().clone(), rewards)
-
-    if upd["skipped"]:
-        print(f"step {step + 1} | {upd['skipped']} | skipping this update (no weights changed)")
-    # the step's numbers over all ranks: sums in one all_reduce, maxima in another
-    reward_sum, correct_sum, ent_sum, tok_sum, trunc_sum, flat_sum = all_reduce([
-        float(rewards.sum()), float((rewards >= 1.0).sum()), float((ro.entropy.float() * mask).sum()),
-        float(mask.sum()), float(trunc.sum()), float((rewards.view(-1, args.group).std(1) == 0).sum() * args.group)])
-    rows = upd["rows_all"]  # over all ranks, counted by the update
-    t_sample_max, ratio_max = all_reduce([t_sample, upd["ratio_max"]], op="max")
-    entropy = ent_sum / max(tok_sum, 1.0)
-    if feedback is not None:
-        feedback.update(entropy)  # the same global entropy on every rank: sigma stays in step
-    return {"step": step + 1, "reward": reward_sum / rows, "acc": correct_sum / rows, "entropy": entropy,
-            "kl": upd["kl"], "clip": upd["clip"], "len": tok_sum / rows, "sigma": sigma,
-            "sigma_applied": noise["applied_std"],
-            "tok/s": tok_sum / max(t_sample_max, 1e-9), "s/step": time.time() - t0, "t_sample": t_sample_max,
-            "loss": upd["loss"], "grad_norm": upd["grad_norm"], "lr": lr, "kl_old": upd["kl_old"],
-            "ratio_max": ratio_max, "frac_zero_std": flat_sum / rows, "truncated": trunc_sum / rows,
-            "skipped": int(bool(upd["skipped"]))}
+def aqn_sigma(args, step):
+    if not args.aqn:
+        return 0.0
+    return aqn.sigma_schedule(step, args.steps, args.sigma_start, args.sigma_end, args.num_stages, args.aqn_kind)
 
 
-@contextlib.contextmanager
-def grad_checkpointing(model, enabled=True):
-    """Inside: activation checkpointing per decoder layer. A layer keeps only its input for backward
-    and reruns its forward then, so the update holds one (rows, T, C) tensor per layer plus one
-    layer's activations at a time, for the price of a second forward."""
-    layers = list(model.model.layers) if enabled else []
-    for layer in layers:  # an instance attribute wins over the class's forward, as in merged_sampling_weights
-        layer.forward = lambda *a, f=layer.forward: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False)
-    try:
-        yield model
-    finally:
-        for layer in layers:
-            del layer.forward
+class Run:
+    """What rank 0 prints and writes for a run: metrics.jsonl, args.json, step and eval lines, summary.json."""
+    NO_SIGNAL_WARN = 20  # steps in a row without signal before the warning
 
+    def __init__(self, args, rank, start, t_start, model, tok, task, world):
+        self.args, self.rank, self.t_start, self.model, self.tok, self.task = args, rank, t_start, model, tok, task
+        self.metrics, self.flat_steps = os.path.join(args.out, "metrics.jsonl"), 0
+        self.evaluating = rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
+        if rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            truncate_metrics(self.metrics, start)  # a crash may have logged past the checkpoint
+            write_json(os.path.join(args.out, "args.json"), vars(args))
+        dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
+        print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
+              f"device {quantize.model_device(model)} | dtype {dtype} | steps {args.steps} | B {args.batch} | "
+              f"G {args.group} | lr {args.lr:g} | out {args.out}" + (f" | ranks {world}" if world > 1 else ""))
 
-def truncated_rows(ids, mask, eos_token_ids):
-    """(N,) bool: the rows whose completion has no EOS token, i.e. that max_new_tokens cut off."""
-    eos = torch.tensor(list(eos_token_ids), dtype=ids.dtype, device=ids.device)
-    return ~(torch.isin(ids, eos) & (mask > 0)).any(1)
+    def out_of_time(self, recent, first_eval):
+        """Whether the next step would eat the time kept for the final evaluation (1.5x the first one,
+        which also samples pass@k); rank 0's clock decides for everyone."""
+        a = self.args
+        reserve = 1.5 * first_eval["seconds"] if first_eval else 0.0
+        next_step = sum(recent[-5:]) / len(recent[-5:]) if recent else 0.0
+        late = a.time_budget and time.time() - self.t_start + reserve + next_step > a.time_budget
+        return bool(global_sum([self.rank == 0 and late])[0])
 
+    def evaluate(self, step, k):
+        if not self.evaluating:
+            return None
+        t0, a = time.time(), self.args
+        res = evaluate(self.model, self.tok, self.task, self.task.held, a.max_new_tokens, k=k,
+                       temperature=a.temperature, seed=EVAL_SEED, chunk=a.eval_chunk, compile=a.compile)
+        res.update(step=step, seconds=time.time() - t0, time=time.time() - self.t_start)
+        line = f"eval | step {step} | n {res['n']} | greedy {res['greedy']:.3f}"
+        if k:
+            line += f" | pass@1 {res['pass@1']:.3f} | pass@{k} {res[f'pass@{k}']:.3f}"
+        print(line + f" | {res['seconds']:.1f}s", flush=True)
+        log_jsonl(self.metrics, {"eval": res})
+        return res
 
-def policy_update(args, model, opt, params, prompt_ids, ids, mask, old_logp, rewards):
-    """--mu optimizer steps on this rank's rows; the gradient is summed over ranks first.
+    def log_step(self, rec, lr):
+        rec.update(lr=lr, time=time.time() - self.t_start)
+        if self.rank == 0:
+            log_jsonl(self.metrics, rec)
+        self.flat_steps = self.flat_steps + 1 if rec["frac_zero_std"] == 1 else 0
+        if not self.args.quiet:
+            print(f"step {rec['step']}/{self.args.steps} | reward {rec['reward']:.3f} | acc {rec['acc']:.3f} | "
+                  f"entropy {rec['entropy']:.3f} | kl {fmt(rec['kl'])} | clip {rec['clip']:.4f} | len {rec['len']:.1f} | "
+                  f"sigma {rec['sigma']:.2e} | sigma_applied {rec['sigma_applied']:.2e} | tok/s {rec['tok/s']:.0f} | "
+                  f"s/step {rec['s/step']:.2f}" + (" | no signal: every group's rewards are equal"
+                                                    if self.flat_steps else ""), flush=True)
+        if self.flat_steps == self.NO_SIGNAL_WARN:
+            solved = "always solves" if rec["acc"] > 0.5 else "never solves"
+            print(f"warning | {self.flat_steps} steps in a row without signal (every group's {self.args.group} "
+                  f"rewards equal, acc {rec['acc']:.2f}): the base {solved} this task, so GRPO learns nothing; "
+                  f"use an {'harder' if rec['acc'] > 0.5 else 'easier'} task or a stronger base", flush=True)
 
-    prompt_ids: list of N token lists; ids, mask, old_logp (N, T) from the sampler; rewards (N,) in
-    whole groups of args.group. Each rank's loss is divided by the *global* normaliser (tokens,
-    sequences or rows summed over ranks), so it is exactly its share of the loss one process would
-    compute on all rows, and the summed gradient is that process's gradient. Returns the global loss,
-    gradient norm and clipping/KL statistics, this rank's and all ranks' count of kept rows and all
-    ranks' count of rows; "skipped" says why no step was taken (non-finite loss or gradient), the same
-    on every rank."""
-    device = model_device(model)
-    adv = group_advantages(rewards, args.group, scale_std=not args.no_std_scale).to(device)  # (N,)
-    # Groups whose G rewards are all equal have zero advantage: they add nothing to the surrogate, so
-    # the update (forward + backward, the larger half of a step) runs on the other rows only.
-    keep = (rewards.view(-1, args.group).std(1) > 0).repeat_interleave(args.group)  # (N,)
-    keep &= mask.sum(1) > 0  # a row with no token in the loss (--mask-truncated) needs no forward either
-    rows = keep.nonzero().squeeze(1).tolist()
-    t_max = int(mask[rows].sum(1).max()) if rows else 0  # the kept rows may all be shorter than T
-    k_ids, k_mask, k_old = ids[rows, :t_max], mask[rows, :t_max], old_logp[rows, :t_max]  # (n, t_max) each
-    k_adv, k_prompts = adv[rows], [prompt_ids[i] for i in rows]
-    k_tok = float(k_mask.sum())
-    g_tok, g_seqs, g_kept, g_rows = all_reduce([k_tok, float((k_mask.sum(1) > 0).sum()), float(len(rows)),
-                                                float(mask.shape[0])])
-    denom = {"token-mean": max(g_tok, 1.0), "seq-mean-token-mean": max(g_seqs, 1.0),
-             "seq-mean-token-sum-norm": g_rows * args.max_new_tokens}[args.loss_agg]
-    out = {"loss": 0.0, "grad_norm": 0.0, "skipped": "", "clip": 0.0, "kl": float("nan"), "kl_old": float("nan"),
-           "ratio_max": 1.0, "kept_rows": len(rows), "kept_rows_all": g_kept, "rows_all": g_rows}
-    if g_kept == 0:  # no rank has a group with signal: nobody updates (a global decision)
-        return out
-    mb = args.micro_batch or max(len(rows), 1)  # rows per forward/backward
-    for _ in range(args.mu):
-        opt.zero_grad(set_to_none=True)
-        # Micro-batches: each slice's loss is its share of the step's loss (the denominator is global),
-        # so summing their gradients in .grad gives the all-rows gradient while only one slice's
-        # activations are alive. The statistics are token means: weight each slice by its tokens.
-        loss_sum, stats = 0.0, {"clip": 0.0, "kl": 0.0, "kl_old": 0.0, "ratio_max": 1.0}
-        for i in range(0, len(rows), mb):
-            j = slice(i, i + mb)
-            t = int(k_mask[j].sum(1).max())  # this slice's longest completion
-            s_ids, s_mask, s_old, s_prompts = k_ids[j, :t], k_mask[j, :t], k_old[j, :t], k_prompts[j]
-            with grad_checkpointing(model, args.grad_checkpoint):
-                logp, ent = rollout.sequence_logprobs(model, s_prompts, s_ids, s_mask,
-                                                      temperature=args.temperature)  # (mb, t) each
-            ref_logp = None
-            if args.beta > 0:
-                with torch.no_grad(), lora.lora_disabled(model):
-                    ref_logp, _ = rollout.sequence_logprobs(model, s_prompts, s_ids, s_mask,
-                                                            temperature=args.temperature)  # (mb, t)
-            loss, st = grpo_loss(logp.float(), s_old, k_adv[j], s_mask, args.eps_low, args.eps_high, args.loss_agg,
-                                 args.max_new_tokens, ref_logp, args.beta, ent.float(), args.entropy_coef,
-                                 denom=denom)
-            if torch.isfinite(loss):  # a non-finite loss skips the step below; its backward is wasted work
-                loss.backward()
-            loss_sum += float(loss.detach())
-            w = float(s_mask.sum()) / max(k_tok, 1.0)
-            for key in ("clip", "kl", "kl_old"):
-                stats[key] += st[key] * w
-            stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
-        # the statistics are token means over this rank's kept rows: weight them by its share of tokens
-        share = k_tok / max(g_tok, 1.0)
-        loss_sum, out["clip"], out["kl"], out["kl_old"] = all_reduce([
-            loss_sum, stats["clip"] * share, stats["kl"] * share, stats["kl_old"] * share])
-        out["ratio_max"] = stats["ratio_max"]
-        if not math.isfinite(loss_sum):  # the same verdict on every rank
-            out["skipped"] = f"loss is {loss_sum}"
-            break
-        all_reduce_grads(params)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
-        if not math.isfinite(grad_norm):
-            out["skipped"] = f"gradient norm is {grad_norm}"
-            break
-        opt.step()
-        out["loss"], out["grad_norm"] = loss_sum, grad_norm
-    opt.zero_grad(set_to_none=True)
-    return out
+    def summary(self, done, stopped, skipped, first_eval, last_eval, last_ckpt):
+        s = {"steps_done": done, "stopped_by": stopped, "skipped_updates": skipped, "wall_s": time.time() - self.t_start,
+             "first_eval": first_eval, "final_eval": last_eval, "checkpoint": last_ckpt, "args": vars(self.args)}
+        if first_eval and last_eval:
+            s["greedy_gain"] = last_eval["greedy"] - first_eval["greedy"]
+            print(f"summary | steps {done} | greedy {first_eval['greedy']:.3f} -> {last_eval['greedy']:.3f} "
+                  f"({100 * s['greedy_gain']:+.1f} points) | wall {s['wall_s']:.0f}s | out {self.args.out}")
+        if self.rank == 0:
+            write_json(os.path.join(self.args.out, "summary.json"), s)
+        return s
 
-
-def checkpoint(args, step, model, opt, feedback, first_eval):
-    gains = [n.weight for _, n in aqn.aqn_norms(model)] if args.train_norms else []
-    trained = lora.lora_parameters(model) + gains
-    bad = [p for p in trained if not torch.isfinite(p).all()]
-    if bad:  # never write a broken checkpoint; the last good one stays
-        print(f"checkpoint | step {step} | adapter has non-finite values | NOT saved")
-        return None
-    return save_checkpoint(args.out, step, model, opt, args, feedback, extra={"first_eval": first_eval})
+# -----------------------------------------------------------------------------
+# Files, checks, command line
 
 
 def truncate_metrics(path, step):
-    """On resume, drop metric lines past the checkpoint's step (a crash may have logged more)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    keep = [r for r in rows if r.get("step", r.get("eval", {}).get("step", 0)) <= step]
-    write_lines(path, [json.dumps(r) for r in keep])
+    """On resume, drop metric lines past the checkpoint's step."""
+    if os.path.exists(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        keep = [r for r in rows if r.get("step", r.get("eval", {}).get("step", 0)) <= step]
+        quantize.atomic_write(path, lambda tmp: open(tmp, "w").write("".join(json.dumps(r) + "\n" for r in keep)))
 
 
 def clean(obj):
@@ -945,9 +830,7 @@ def clean(obj):
         return None
     if isinstance(obj, dict):
         return {k: clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [clean(v) for v in obj]
-    return obj
+    return [clean(v) for v in obj] if isinstance(obj, (list, tuple)) else obj
 
 
 def log_jsonl(path, rec):
@@ -955,27 +838,18 @@ def log_jsonl(path, rec):
         f.write(json.dumps(clean(rec)) + "\n")
 
 
-def write_lines(path, lines):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("".join(line + "\n" for line in lines))
-    os.replace(tmp, path)
-
-
 def write_json(path, obj):
-    write_lines(path, [json.dumps(clean(obj), indent=2)])
+    quantize.atomic_write(path, lambda tmp: open(tmp, "w").write(json.dumps(clean(obj), indent=2) + "\n"))
 
 
 def fmt(x):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
 
 
-def validate_args(args):
+def _check_args(args, world):
     if args.batch < 1 or args.group < 2:
         raise ValueError(f"need --batch >= 1 and --group >= 2 (got {args.batch}, {args.group}): GRPO compares "
                          f"samples within a group")
-    if args.loss_agg not in LOSS_AGGS:
-        raise ValueError(f"unknown --loss-agg {args.loss_agg!r}; choose one of {', '.join(LOSS_AGGS)}")
     if args.steps < 1 or args.mu < 1:
         raise ValueError(f"need --steps >= 1 and --mu >= 1 (got {args.steps}, {args.mu})")
     if args.micro_batch < 0:
@@ -985,9 +859,13 @@ def validate_args(args):
     if args.train_norms and args.beta > 0:
         raise ValueError("--train-norms with --beta > 0 is not supported: the KL reference (the base under "
                          "lora_disabled) would keep the trained gains; drop one of the two")
-
-# -----------------------------------------------------------------------------
-# CLI
+    if args.batch < world:
+        raise ValueError(f"--batch {args.batch} is smaller than the number of ranks ({world}): every rank "
+                         f"needs at least one prompt group; raise --batch or launch fewer processes")
+    try:  # fail before the data and the model load
+        quantize.find_weight_files(args.model)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--model {args.model!r} is not a model folder ({e})") from None
 
 
 def build_parser():

@@ -79,8 +79,8 @@ def run_case(name, flags, optimizer, rows, rank=0, world=1):
     n_groups = rows["ids"].shape[0] // G
     mine = grpo.shard(list(range(n_groups)), rank, world)
     r = [g * G + j for g in mine for j in range(G)]
-    report = grpo.policy_update(args, model, opt, params, [rows["prompt_ids"][i] for i in r], rows["ids"][r],
-                                rows["mask"][r], rows["old_logp"][r], rows["rewards"][r])
+    report = grpo.policy_update(model, opt, params, [rows["prompt_ids"][i] for i in r], rows["ids"][r],
+                                rows["mask"][r], rows["old_logp"][r], rows["rewards"][r], **grpo.update_options(args))
     return [p.detach().clone() for p in params], report
 
 

@@ -56,19 +56,22 @@ def test_reward(text, gold, want):
 def test_splits_exclude_eval_and_are_pure_functions_of_seed_and_step():
     pool = {p["question"] for p in grpo.arithmetic_problems(grpo.EVAL_POOL, grpo.EVAL_SEED)}
     exclude = frozenset(list(pool)[:50])
-    b1 = grpo.train_batch(None, 5, 16, seed=1, exclude=exclude)
-    assert b1 == grpo.train_batch(None, 5, 16, seed=1, exclude=exclude)  # same (seed, step) -> same problems
-    assert b1 != grpo.train_batch(None, 6, 16, seed=1, exclude=exclude)
+    task = grpo.ArithmeticTask()
+    task.exclude = exclude
+    b1 = task.problems(1, 5, 16)
+    assert b1 == task.problems(1, 5, 16)  # same (seed, step) -> same problems
+    assert b1 != task.problems(1, 6, 16)
     assert not {p["question"] for p in b1} & exclude
     # a forced collision: with an exclusion set holding the stream's first problems they are skipped
     import random
     first = grpo.make_problem(random.Random(1 * 1_000_003 + 0))["question"]
-    assert first not in {p["question"] for p in grpo.train_batch(None, 0, 4, seed=1, exclude=frozenset([first]))}
+    task.exclude = frozenset([first])
+    assert first not in {p["question"] for p in task.problems(1, 0, 4)}
     # the eval set is a prefix of the held-out stream, so --eval-size 200 is part of --eval-size 500
     assert grpo.arithmetic_problems(20, grpo.EVAL_SEED) == grpo.arithmetic_problems(50, grpo.EVAL_SEED)[:20]
     # training skips the whole held-out pool, not just the part that is evaluated
-    train, held, skipped = grpo.make_splits(parse("--eval-size", "300"))
-    assert train is None and len(held) == 300 and skipped == pool
+    task = grpo.make_task(parse("--eval-size", "300"))
+    assert len(task.held) == 300 and task.exclude == pool
 
 # -----------------------------------------------------------------------------
 # Data
@@ -106,11 +109,12 @@ def test_gsm8k_loader(tmp_path, capsys):
 def test_jsonl_splits_hold_out_eval(tmp_path):
     rows = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(20)]
     args = grpo.build_parser().parse_args(["--data", write_jsonl(tmp_path / "d.jsonl", rows), "--eval-size", "5"])
-    train, held, exclude = grpo.make_splits(args)
-    assert len(held) == 5 and len(train) == 15 and exclude == frozenset()  # a file's split is disjoint already
+    task = grpo.make_task(args)
+    train, held = task.train, task.held
+    assert len(held) == 5 and len(train) == 15 and not hasattr(task, "exclude")  # a file's split is disjoint
     assert not {p["question"] for p in held} & {p["question"] for p in train}
     # every training problem is visited once per epoch, in a seeded order
-    seen = [p["question"] for s in range(5) for p in grpo.train_batch(train, s, 3, seed=0)]
+    seen = [p["question"] for s in range(5) for p in task.problems(0, s, 3)]
     assert sorted(seen) == sorted(p["question"] for p in train)
 
 # -----------------------------------------------------------------------------
@@ -208,7 +212,7 @@ def test_evaluate_counts(monkeypatch):
                                torch.zeros(n, 1), torch.zeros(n, 1), texts)
 
     monkeypatch.setattr(grpo.rollout, "generate", fake_generate)
-    res = grpo.evaluate(torch.nn.Linear(1, 1), Tok(), problems, False, 8, k=4)
+    res = grpo.evaluate(torch.nn.Linear(1, 1), Tok(), grpo.ArithmeticTask(eval_size=0), problems, 8, k=4)
     assert res["n"] == 3 and res["greedy_correct"] == 2 and res["greedy"] == pytest.approx(2 / 3)
     assert res["sample_correct"] == 5 and res["pass@1"] == pytest.approx(5 / 12)
     assert res["pass_k_correct"] == 2 and res["pass@4"] == pytest.approx(2 / 3)
@@ -224,7 +228,7 @@ def test_merged_sampling_weights_compute_the_same_function():
     with torch.no_grad():
         for p in grpo.lora.lora_parameters(model):  # a trained-looking adapter: B != 0
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    ids = torch.tensor([tok.encode(grpo.prompt_text("12+3-4=?", False))])  # (1, T)
+    ids = torch.tensor([tok.encode(grpo.ArithmeticTask(eval_size=0).prompt({"question": "12+3-4=?"}))])  # (1, T)
     want = model(ids)  # (1, T, V)
     with grpo.merged_sampling_weights(model):
         got = model(ids)
@@ -242,7 +246,7 @@ def test_lora_sampler_merged_unmerged_and_compiled_draw_the_same_samples():
     with torch.no_grad():
         for p in grpo.lora.lora_parameters(model):  # a trained-looking adapter: B != 0
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
-    prompts = [tok.encode(grpo.prompt_text(q, False)) for q in ("12+3-4=?", "7*8=?")]
+    prompts = [tok.encode(grpo.ArithmeticTask(eval_size=0).prompt({"question": q})) for q in ("12+3-4=?", "7*8=?")]
     kw = dict(num_samples=2, max_new_tokens=12, temperature=1.0, eos_token_ids=tok.eos_token_ids)
     with torch.inference_mode():
         plain = rollout.generate(model, prompts, generator=torch.Generator().manual_seed(3), **kw)
@@ -354,8 +358,8 @@ def test_train_norms_first_adam_step_by_hand():
         pre = [n for _, n in grpo.aqn.aqn_norms(model)]
         before = [n.weight.detach().clone() for n in pre]
         final = model.model.norm.weight.detach().clone()
-        rec = grpo.grpo_step(args, 0, model, tok, opt, grpo.lr_lambda(1, 5, 0.1), params, None, None,
-                             frozenset(), False, "cpu")
+        rec = grpo.grpo_step(model, tok, opt, params, grpo.ArithmeticTask(eval_size=0), 0, 0.0,
+                             **grpo.step_options(args))
         assert rec["frac_zero_std"] < 1  # some group had signal: an update was taken
         moves[bool(flag)] = torch.cat([n.weight.detach().float() - b.float() for n, b in zip(pre, before)])
         assert torch.equal(model.model.norm.weight.detach(), final)
@@ -391,8 +395,8 @@ def test_mask_truncated_update_by_hand(monkeypatch):
         opt = torch.optim.SGD([policy.theta], lr=1.0)
         args = parse("--group", "2", "--max-new-tokens", "3", "--grad-clip", "1e9", *(["--mask-truncated"] * masked))
         loss_mask = mask * (~trunc).float()[:, None] if args.mask_truncated else mask  # as grpo_step does
-        grpo.policy_update(args, policy, opt, [policy.theta], [[5]] * 4, ids, loss_mask, torch.zeros(4, 3),
-                           torch.tensor([1.0, 0.0, 1.0, 0.0]))
+        grpo.policy_update(policy, opt, [policy.theta], [[5]] * 4, ids, loss_mask, torch.zeros(4, 3),
+                           torch.tensor([1.0, 0.0, 1.0, 0.0]), **grpo.update_options(args))
         got[masked] = policy.theta.detach().clone()
     want = {False: torch.tensor([0, 1, -3, 1, -2, 0, 0, 0, 0, 1]) * A / 10,  # 10 tokens in the loss
             True: torch.tensor([0, 1, 0, 1, -2, 0, 0, 0, 0, 1]) * A / 7}  # row 1's 3 tokens left out
@@ -485,7 +489,8 @@ def test_micro_batches_give_the_same_update(lora_policy, agg, beta, monkeypatch)
         args = parse("--group", 4, "--loss-agg", agg, "--beta", beta, "--entropy-coef", 0.01, "--max-new-tokens", 9,
                      "--grad-clip", 1e9, "--micro-batch", mb, *(["--grad-checkpoint"] if ckpt else []))
         opt = torch.optim.SGD(params, lr=0.2)
-        out = grpo.policy_update(args, model, opt, params, *batch)
+        model.grad_checkpoint = ckpt
+        out = grpo.policy_update(model, opt, params, *batch, **grpo.update_options(args))
         assert out["kept_rows"] == 8 and not out["skipped"] and math.isfinite(out["loss"])
         results.append(([(p.detach() - p0) for p, p0 in zip(params, start)], out))
     (want, ref), *others = results
@@ -496,6 +501,7 @@ def test_micro_batches_give_the_same_update(lora_policy, agg, beta, monkeypatch)
         for key in ("loss", "grad_norm", "clip", "kl", "kl_old", "ratio_max"):
             if not (math.isnan(ref[key]) and math.isnan(out[key])):
                 assert out[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
+    model.grad_checkpoint = False
     with torch.no_grad():
         for p, p0 in zip(params, start):
             p.copy_(p0)
@@ -509,12 +515,13 @@ def test_grad_checkpointing_keeps_only_layer_inputs(lora_policy):
     counts = []
     for enabled in (False, True):
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t), \
-                grpo.grad_checkpointing(model, enabled):
+        model.grad_checkpoint = enabled
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
             h = model.hidden_states(ids)  # (2, 20, C)
         h.float().pow(2).sum().backward()
         counts.append(sum(saved))
     model.zero_grad()
+    model.grad_checkpoint = False
     assert counts[1] < counts[0] / 5  # what is left: the embedding, RoPE tables and final norm
     assert not any("forward" in vars(m) for m in model.modules())
 
@@ -582,8 +589,8 @@ def test_truncated_safetensors_is_one_clear_line(tmp_path):
                         "--out", str(tmp_path / "o"), "--device", "cpu"], capture_output=True, text=True, timeout=120)
     lines = [line for line in r.stderr.strip().splitlines() if line]
     assert r.returncode != 0 and len(lines) == 1, r.stderr
-    assert re.match(r"error: \S+model.safetensors: tensor \S+ needs \d+ bytes but the file has \d+; the file is "
-                    r"truncated or corrupt", lines[0]), lines[0]
+    assert re.match(r"error: \S+model.safetensors: tensor \S+ needs bytes \d+\.\.\d+ but the file has \d+; the file "
+                    r"is truncated or corrupt", lines[0]), lines[0]
     # a checkpoint whose adapter file was cut short: --resume names the file and a tensor
     args = tiny_args(tmp_path / "run", "--eval-size", "0")
     model, tok, params, opt = grpo.build_policy(args, "cpu")
@@ -592,5 +599,5 @@ def test_truncated_safetensors_is_one_clear_line(tmp_path):
     data = open(adapter, "rb").read()
     open(adapter, "wb").write(data[:-8])
     with pytest.raises(ValueError, match=r"--resume: \S+adapter_model.safetensors: tensor \S+lora_\w.weight needs "
-                                         r"\d+ bytes but the file has \d+; the file is truncated or corrupt"):
+                                         r"bytes \d+\.\.\d+ but the file has \d+; the file is truncated or corrupt"):
         grpo.train(parse("--resume", ckpt, "--quiet"))
