@@ -3,19 +3,16 @@
 QeRL trains reasoning with RL while the base model stays frozen in NVFP4 and only LoRA adapters learn:
 the 4-bit base makes sampling (most of a step) cheap, and its rounding noise, plus AQN's scheduled noise
 on the RMSNorm gains, raises sampling entropy, which helps exploration. One step: B prompts x G samples
-drawn under AQN (their log-probs are pi_old) -> rewards (correct answer + 0.1 for the <think>/<answer>
-format) -> group-normalised advantages -> clipped surrogate (eps 0.2 / 0.28, token-mean "DAPO"
-aggregation by default) on the clean policy -> AdamW on the adapters. Simplifications: groups whose G
-rewards are all equal carry no signal and are left out of the loss (DAPO's filter, without resampling);
-the optional KL (--beta) compares with the base under lora_disabled, not a reference copy.
+drawn under AQN (their log-probs are pi_old) -> rewards -> group-normalised advantages -> clipped
+surrogate on the clean policy -> AdamW on the adapters. Groups whose G rewards are all equal carry no
+signal and are left out; the optional KL (--beta) compares with the base under lora_disabled.
 
-Run it (2 CPU cores, < 10 min: QeRL on the bundled tiny model and synthetic arithmetic; held-out greedy
-accuracy before and after; README "Results" has the measured figures):
+Run it (2 CPU cores, < 10 min: the bundled tiny model learns synthetic arithmetic; README "Results"):
     python 05_grpo.py
     python 05_grpo.py --quant none --no-aqn --steps 200 --out runs/lora-only
     python 05_grpo.py --resume runs/qerl/checkpoint-000200
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 05_grpo.py --out runs/dp2   # data parallel
-The Qwen2.5-7B + GSM8K command (Table 4's settings) and the 8-GPU one are in README "One GPU at 7B".
+Qwen2.5-7B + GSM8K on one GPU or eight: README "One GPU at 7B".
 """
 import argparse
 import contextlib
@@ -150,12 +147,7 @@ class ArithmeticTask(AnswerTask):
         self.held, self.exclude = pool[:eval_size], frozenset(p["question"] for p in pool)
 
     def problems(self, seed, step, n):
-        rng, out = random.Random(seed * 1_000_003 + step), []
-        while len(out) < n:
-            p = make_problem(rng, self.digits, self.nops)
-            if p["question"] not in self.exclude:
-                out.append(p)
-        return out
+        return arithmetic_problems(n, seed * 1_000_003 + step, self.digits, self.nops, self.exclude)
 
 # -----------------------------------------------------------------------------
 # Advantages and loss
@@ -345,7 +337,7 @@ def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, 
     reward_sum, correct_sum, ent_sum, tok_sum, trunc_sum = global_sum([
         float(rewards.sum()), correct, float((ro.entropy.float() * mask).sum()), float(mask.sum()),
         float(trunc.sum())])
-    t_sample_max, ratio_max = global_max([t_sample, upd["ratio_max"]])
+    t_sample_max, ratio_max = global_sum([t_sample, upd["ratio_max"]], op="max")
     n = upd["rows_all"]
     return {"step": step + 1, "reward": reward_sum / n, "acc": correct_sum / n, "entropy": ent_sum / max(tok_sum, 1),
             "kl": upd["kl"], "clip": upd["clip"], "len": tok_sum / n, "sigma": sigma,
@@ -355,42 +347,33 @@ def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, 
             "truncated": trunc_sum / n, "skipped": int(bool(upd["skipped"]))}
 
 
-# ================================ Part 2: plumbing (data, devices, checkpoints, the run, command line) ================================
+# ================================= Part 2: plumbing (data, runs, processes, checkpoints, command line) ==
 # -----------------------------------------------------------------------------
 # GSM8K-style data: a JSONL file of {"question", "answer": "... #### n"} lines
 
 
-def gsm8k_gold(answer):
-    """GSM8K's gold is the text after the last '####' ("... #### 1,200" -> "1200"), or None."""
-    if not isinstance(answer, str) or "####" not in answer:
-        return None
-    gold = answer.rsplit("####", 1)[1].strip().replace(",", "")
-    return gold if parse_number(gold) is not None else None
-
-
-def _problem_from_line(line):
+def _gsm8k_problem(line):
+    """{question, answer} from one JSONL line, the gold being the number after the last '####'; or None."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError:
         return None
-    if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip():
+    if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip() \
+            or not isinstance(row.get("answer"), str) or "####" not in row["answer"]:
         return None
-    gold = gsm8k_gold(row.get("answer"))
-    return None if gold is None else {"question": row["question"].strip(), "answer": gold}
+    gold = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")  # "... #### 1,200" -> "1200"
+    return {"question": row["question"].strip(), "answer": gold} if parse_number(gold) is not None else None
 
 
 def load_jsonl(path):
-    """Problems [{question, answer}] from a GSM8K-style JSONL file. Malformed lines are skipped and
-    counted (one line of output); a file without one usable line is an error."""
+    """Problems [{question, answer}] from a GSM8K-style JSONL file; malformed lines are skipped and
+    counted (one line of output), a file without one usable line is an error."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path!r} not found (expected JSONL lines with 'question' and "
                                 f"'answer' ending in '#### <number>', or use --data arith)")
-    problems, bad = [], []
     with open(path, encoding="utf-8", errors="replace") as f:  # undecodable bytes -> a malformed line
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                p = _problem_from_line(line)
-                problems.append(p) if p else bad.append(lineno)
+        parsed = [(n, _gsm8k_problem(line)) for n, line in enumerate(f, 1) if line.strip()]
+    problems, bad = [p for _, p in parsed if p], [n for n, p in parsed if not p]
     if bad:
         print(f"data | {path}: skipped {len(bad)} malformed line(s) (first at line {bad[0]}); kept {len(problems)}")
     if not problems:
@@ -400,7 +383,7 @@ def load_jsonl(path):
 
 
 class JsonlTask(AnswerTask):
-    """A problem file: the held-out set is --eval-data, or a fixed random slice of the file."""
+    """A problem file; the held-out set is --eval-data, or a fixed random slice of the file."""
 
     def __init__(self, path, eval_path=None, eval_size=500, system=True):
         train, self.system = load_jsonl(path), system
@@ -411,14 +394,14 @@ class JsonlTask(AnswerTask):
             random.Random(EVAL_SEED).shuffle(order)
             n_eval = min(eval_size, len(train) // 2)
             held, train = [train[i] for i in order[:n_eval]], [train[i] for i in order[n_eval:]]
-        held_q = {p["question"] for p in held}
-        self.train, self.held = [p for p in train if p["question"] not in held_q], held  # eval never trains
+        self.held, held_q = held, {p["question"] for p in held}
+        self.train = [p for p in train if p["question"] not in held_q]  # eval problems never train
         if not self.train:
             raise ValueError(f"no training problems left in {path!r} after removing the evaluation set")
 
-    def problems(self, seed, step, n):
+    def problems(self, seed, step, n):  # walk epoch-wise seeded shuffles of the file
         out = []
-        for i in range(step * n, step * n + n):  # walk epoch-wise seeded shuffles of the file
+        for i in range(step * n, step * n + n):
             epoch, j = divmod(i, len(self.train))
             order = list(range(len(self.train)))
             random.Random(seed * 1_000_003 + epoch).shuffle(order)
@@ -427,25 +410,23 @@ class JsonlTask(AnswerTask):
 
 
 def make_task(args):
-    """The task --data names; prompts carry the paper's instruction unless --system says otherwise or
-    (auto) the model's config.json says "qerl_prompt": "bare" (the bundled model's does)."""
-    system = args.system == "paper"
-    if args.system == "auto":
-        system = quantize.find_weight_files(args.model)[0].get("qerl_prompt") != "bare"
+    """The task --data names. Prompts carry the paper's instruction unless --system none, or (auto) the
+    model's config.json says "qerl_prompt": "bare" (the bundled model's does)."""
+    system = args.system == "paper" or (args.system == "auto" and
+                                        quantize.find_weight_files(args.model)[0].get("qerl_prompt") != "bare")
     if args.data == "arith":
         return ArithmeticTask(args.digits, args.nops, args.eval_size, system)
     return JsonlTask(args.data, args.eval_data, args.eval_size, system)
 
 # -----------------------------------------------------------------------------
-# Sampling and evaluation
+# Sampling weights and evaluation
 #
 # On the CPU every sampled token would dequantize each 4-bit weight and run each adapter as three small
-# ops, so sampling uses merged float weights (02's lora_merged). On CUDA the kernel reads 4-bit weights
-# directly and a merged copy of a 7B model costs its full size: the modules run as they are (--gpu-path
-# does that on the CPU, through the interpreted kernel, QERL_TRITON_CPU=1).
+# ops, so sampling uses merged float weights (02's lora_merged). On CUDA the kernel reads the 4-bit
+# weights, and a merged copy of a 7B model costs its full size: the modules run as they are.
 
 
-def merge_for_sampling(device):
+def merge_for_sampling(device):  # --gpu-path (QERL_TRITON_CPU=1) takes the CUDA path on the CPU too
     return torch.device(device).type == "cpu" and os.environ.get("QERL_TRITON_CPU") != "1"
 
 
@@ -465,29 +446,25 @@ def use_gpu_path(device):
     os.environ["QERL_TRITON_CPU"] = "1"
 
 
-def sample(model, tok, prompts, num_samples, max_new_tokens, temperature, generator, chunk, compile=False):
-    """generate() over prompt chunks (memory) -> texts in prompt-major order."""
-    texts, step = [], max(1, chunk // num_samples)
-    for i in range(0, len(prompts), step):
-        texts += rollout.generate(model, prompts[i:i + step], num_samples=num_samples, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=generator,
-                                  tokenizer=tok, compile=compile).texts
-    return texts
-
-
 @torch.inference_mode()
 def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512, compile=False):
-    """Held-out accuracy without AQN noise: greedy pass@1 always; with k > 0 also pass@1 (mean over
-    the k samples) and pass@k (any of k correct) at `temperature`. Returns counts and rates."""
+    """Held-out accuracy without AQN noise: greedy pass@1; with k > 0 also pass@1 (mean over the k
+    samples) and pass@k (any of k correct) at `temperature`. Returns counts and rates."""
     prompts, n, device = [tok.encode(task.prompt(p)) for p in problems], len(problems), quantize.model_device(model)
+
+    def solved(num_samples, temperature, gen):  # generate() over chunks of rows (memory)
+        texts, step = [], max(1, chunk // num_samples)
+        for i in range(0, n, step):
+            texts += rollout.generate(model, prompts[i:i + step], num_samples=num_samples, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=gen,
+                                      tokenizer=tok, compile=compile).texts
+        return [[task.correct(p, texts[i * num_samples + j]) for j in range(num_samples)] for i, p in enumerate(problems)]
+
     with merged_sampling_weights(model, merge_for_sampling(device)):
-        texts = sample(model, tok, prompts, 1, max_new_tokens, 0.0, None, chunk, compile)
-        greedy = sum(task.correct(p, t) for p, t in zip(problems, texts))
+        greedy = sum(h[0] for h in solved(1, 0.0, None))
         res = {"n": n, "greedy_correct": greedy, "greedy": greedy / max(n, 1)}
         if k > 0:
-            gen = torch.Generator(device=device).manual_seed(seed)
-            texts = sample(model, tok, prompts, k, max_new_tokens, temperature, gen, chunk, compile)
-            hits = [[task.correct(p, texts[i * k + j]) for j in range(k)] for i, p in enumerate(problems)]
+            hits = solved(k, temperature, torch.Generator(device=device).manual_seed(seed))
             res.update({"k": k, "sample_correct": sum(map(sum, hits)), "pass_k_correct": sum(map(any, hits)),
                         "pass@1": sum(map(sum, hits)) / max(k * n, 1), f"pass@{k}": sum(map(any, hits)) / max(n, 1)})
     return res
@@ -495,7 +472,7 @@ def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, s
 # -----------------------------------------------------------------------------
 # Data parallel (torchrun): `torchrun --nproc_per_node N 05_grpo.py ...` starts N copies of this script,
 # joined by torch.distributed (NCCL between GPUs, gloo between CPU processes). Every process holds the
-# whole frozen model and the same adapter, samples its share of whole groups, and sums numbers
+# whole frozen model and the same adapter (built from --seed), samples its share of whole groups, and sums numbers
 # (`global_sum`) and adapter gradients (`sum_grads`) with the others, so all take the same AdamW step.
 # Process 0 alone prints, evaluates and writes files. In a plain `python 05_grpo.py` these are no-ops.
 
@@ -503,8 +480,7 @@ def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, s
 def init_distributed(device):
     """(rank, world_size, device). Joins the process group when torchrun started us (WORLD_SIZE > 1);
     on CUDA each rank takes the GPU of its LOCAL_RANK."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return 0, 1, device
     if device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
@@ -523,23 +499,15 @@ def shard(items, rank, world):
     return items[rank * len(items) // world:(rank + 1) * len(items) // world]
 
 
-def _all_reduce(values, op):
+def global_sum(values, op="sum"):
+    """A list of numbers -> each summed (or, op "max", maximised) over all processes."""
     values = [float(v) for v in values]
     if rank_and_world()[1] == 1:
         return values
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor(values, dtype=torch.float64, device=dev)  # (n,)
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t.tolist()
-
-
-def global_sum(values):
-    """A list of numbers -> each summed over all processes."""
-    return _all_reduce(values, dist.ReduceOp.SUM)
-
-
-def global_max(values):
-    return _all_reduce(values, dist.ReduceOp.MAX)
 
 
 def sum_grads(params):
@@ -549,31 +517,26 @@ def sum_grads(params):
         return
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])  # (P,)
     dist.all_reduce(flat)
-    offset = 0
-    for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-
-
-def broadcast_parameters(params):
-    """Rank 0's values to every rank: the adapters start equal even if initialisation were to differ."""
-    if rank_and_world()[1] > 1:
-        with torch.no_grad():
-            for p in params:
-                dist.broadcast(p.data, src=0)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)
 
 # -----------------------------------------------------------------------------
 # Checkpoints: the adapter in PEFT's layout (stage 02) and trainer_state.pt (AdamW state, step, AQN
 # feedback controller, RNG states as a safety net, the run's arguments), written under a temporary name
-# and renamed (01's atomic_write). The LR schedule and the per-step generators are pure functions of
-# (seed, step), so a resumed run is bit for bit the uninterrupted one.
+# and renamed. The LR schedule and the per-step generators are pure functions of (seed, step), so a
+# resumed run is, bit for bit, the uninterrupted one.
 
 RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_every", "device", "quiet",
                 "micro_batch", "grad_checkpoint", "gpu_path", "compile")  # how to compute, not what: a resume may change them
 TRAINED_NORMS = ("input_layernorm", "post_attention_layernorm")  # the official --ln True's modules_to_save
 
 
-def save_checkpoint(out, step, model, opt, args, feedback=None, extra=None):
+def save_checkpoint(out, step, model, opt, params, args, feedback=None, extra=None):
+    """checkpoint-<step> in `out`; None (and the last good one stays) if a trained tensor is not finite."""
+    if not all(torch.isfinite(p).all() for p in params):
+        print(f"checkpoint | step {step} | adapter has non-finite values | NOT saved")
+        return None
+
     def write(tmp):
         os.makedirs(tmp)
         lora.save_adapter(model, tmp, base_model_name_or_path=args.model,
@@ -584,14 +547,6 @@ def save_checkpoint(out, step, model, opt, args, feedback=None, extra=None):
                     "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, **(extra or {})},
                    os.path.join(tmp, "trainer_state.pt"))
     return quantize.atomic_write(os.path.join(out, f"checkpoint-{step:06d}"), write)
-
-
-def checkpoint(args, step, model, opt, params, feedback, first_eval):
-    """save_checkpoint unless a trained tensor is not finite (the last good checkpoint then stays)."""
-    if not all(torch.isfinite(p).all() for p in params):
-        print(f"checkpoint | step {step} | adapter has non-finite values | NOT saved")
-        return None
-    return save_checkpoint(args.out, step, model, opt, args, feedback, extra={"first_eval": first_eval})
 
 
 def find_checkpoint(path):
@@ -607,7 +562,7 @@ def find_checkpoint(path):
 
 def resume_args(args):
     """--resume: (checkpoint folder, its trainer state), with the run's hyper-parameters taken from it
-    (a flag given again is ignored, with a note). (None, None) without --resume."""
+    (a flag given again is ignored, with a note); (None, None) without --resume."""
     if not args.resume:
         return None, None
     ckpt = find_checkpoint(args.resume)
@@ -628,8 +583,8 @@ def restore(ckpt, state, model, opt, feedback):
         lora.load_adapter(model, ckpt)
     except SafetensorError as e:  # a truncated adapter file: one line naming it and a tensor
         file = os.path.join(ckpt, "adapter_model.safetensors")
-        raise ValueError(f"--resume: {quantize.safetensors_problem(file) or f'{file}: {e}'}; resume from another "
-                         f"checkpoint") from None
+        raise ValueError(f"--resume: {quantize.safetensors_problem(file) or f'{file}: {e}'} (resume from another "
+                         f"checkpoint)") from None
     opt.load_state_dict(state["optimizer"])
     if feedback is not None and state.get("feedback"):
         feedback.load_state_dict(state["feedback"])
@@ -648,12 +603,10 @@ def build_policy(args, device):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         args.dtype or ("bfloat16" if str(device).startswith("cuda") or args.gpu_path else "float32")]
     model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
-    model.grad_checkpoint = args.grad_checkpoint  # the update's forward only (it needs gradients)
+    model.grad_checkpoint = args.grad_checkpoint  # acts in the update's forward only (it needs gradients)
     lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
     params = lora.lora_parameters(model)
-    if args.train_norms:
-        # fp32 master copies, like the adapters (a bf16 gain near 1 would round small updates away);
-        # exactly the TRAINED_NORMS of every layer, never the final model.norm (as in the official code)
+    if args.train_norms:  # fp32 master copies of every layer's pre-norm gains, as the official code trains
         for _, norm in aqn.aqn_norms(model):
             norm.weight = torch.nn.Parameter(norm.weight.detach().float())
             params.append(norm.weight)
@@ -671,13 +624,11 @@ def lr_lambda(warmup, total, min_ratio):
     return f
 
 
-UPDATE_FLAGS = ("group", "max_new_tokens", "temperature", "mu", "micro_batch", "loss_agg", "eps_low", "eps_high",
-                "beta", "entropy_coef", "grad_clip")
-
-
 def update_options(args):
     """policy_update's keyword arguments from the command line."""
-    return {**{k: getattr(args, k) for k in UPDATE_FLAGS}, "scale_std": not args.no_std_scale}
+    names = ("group", "max_new_tokens", "temperature", "mu", "micro_batch", "loss_agg", "eps_low", "eps_high",
+             "beta", "entropy_coef", "grad_clip")
+    return {**{k: getattr(args, k) for k in names}, "scale_std": not args.no_std_scale}
 
 
 def step_options(args):
@@ -704,53 +655,58 @@ def train(args, task=None):
     feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
         else None
     start = restore(ckpt, state, model, opt, feedback) if state else 0
-    broadcast_parameters(params)
-    run = Run(args, rank, start, t_start, model, tok, task, world)
-    first_eval = (state or {}).get("first_eval") or run.evaluate(start, args.eval_k)  # gains count from step 0
+    log = RunLog(args, rank, start, t_start, model, world)
+    evaluating = rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
+
+    def run_eval(step, k):
+        if not evaluating:
+            return None
+        t0 = time.time()
+        res = evaluate(model, tok, task, task.held, args.max_new_tokens, k, args.temperature, EVAL_SEED,
+                       args.eval_chunk, args.compile)
+        return log.eval(res, step, k, time.time() - t0)
+
+    first_eval = (state or {}).get("first_eval") or run_eval(start, args.eval_k)  # gains count from step 0
     last_eval, done, skipped, stopped, last_ckpt, recent = first_eval, start, 0, "steps", None, []
+    save = lambda: save_checkpoint(args.out, done, model, opt, params, args, feedback,  # noqa: E731
+                                   {"first_eval": first_eval}) or last_ckpt
     for step in range(start, args.steps):
-        if run.out_of_time(recent, first_eval):
+        if log.out_of_time(recent, first_eval):
             stopped = "time budget"
             break
         for group in opt.param_groups:
             group["lr"] = args.lr * lr_at(step)
-        sigma = feedback.sigma if feedback is not None else aqn_sigma(args, step)
+        sigma = 0.0 if not args.aqn else feedback.sigma if feedback else aqn.sigma_schedule(
+            step, args.steps, args.sigma_start, args.sigma_end, args.num_stages, args.aqn_kind)
         rec = grpo_step(model, tok, opt, params, task, step, sigma, **step_options(args))
         if feedback is not None:
             feedback.update(rec["entropy"])  # the same global entropy on every rank: sigma stays in step
         skipped += rec.pop("skipped")
         recent.append(rec["s/step"])
-        run.log_step(rec, lr=opt.param_groups[0]["lr"])
+        log.step(rec, lr=opt.param_groups[0]["lr"])
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-            last_eval = run.evaluate(done, 0) or last_eval
+            last_eval = run_eval(done, 0) or last_eval
         if rank == 0 and ((args.save_every and done % args.save_every == 0) or done == args.stop_at):
-            last_ckpt = checkpoint(args, done, model, opt, params, feedback, first_eval) or last_ckpt
+            last_ckpt = save()
         if args.stop_at and done >= args.stop_at:
             stopped = "stop-at"
             break
     if stopped != "stop-at" and rank == 0:
         if done > start and (last_ckpt is None or not last_ckpt.endswith(f"{done:06d}")):
-            last_ckpt = checkpoint(args, done, model, opt, params, feedback, first_eval) or last_ckpt
+            last_ckpt = save()
         if last_eval is None or last_eval["step"] != done or "k" not in last_eval:
-            last_eval = run.evaluate(done, args.eval_k) or last_eval
-    return run.summary(done, stopped, skipped, first_eval, last_eval, last_ckpt)
+            last_eval = run_eval(done, args.eval_k) or last_eval
+    return log.summary(done, stopped, skipped, first_eval, last_eval, last_ckpt)
 
 
-def aqn_sigma(args, step):
-    if not args.aqn:
-        return 0.0
-    return aqn.sigma_schedule(step, args.steps, args.sigma_start, args.sigma_end, args.num_stages, args.aqn_kind)
+class RunLog:
+    """What a run prints and what rank 0 writes: metrics.jsonl, args.json, summary.json."""
+    NO_SIGNAL_STEPS = 20  # steps in a row without signal before the warning
 
-
-class Run:
-    """What rank 0 prints and writes for a run: metrics.jsonl, args.json, step and eval lines, summary.json."""
-    NO_SIGNAL_WARN = 20  # steps in a row without signal before the warning
-
-    def __init__(self, args, rank, start, t_start, model, tok, task, world):
-        self.args, self.rank, self.t_start, self.model, self.tok, self.task = args, rank, t_start, model, tok, task
-        self.metrics, self.flat_steps = os.path.join(args.out, "metrics.jsonl"), 0
-        self.evaluating = rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
+    def __init__(self, args, rank, start, t_start, model, world):
+        self.args, self.rank, self.t_start, self.flat_steps = args, rank, t_start, 0
+        self.metrics = os.path.join(args.out, "metrics.jsonl")
         if rank == 0:
             os.makedirs(args.out, exist_ok=True)
             truncate_metrics(self.metrics, start)  # a crash may have logged past the checkpoint
@@ -763,27 +719,20 @@ class Run:
     def out_of_time(self, recent, first_eval):
         """Whether the next step would eat the time kept for the final evaluation (1.5x the first one,
         which also samples pass@k); rank 0's clock decides for everyone."""
-        a = self.args
         reserve = 1.5 * first_eval["seconds"] if first_eval else 0.0
         next_step = sum(recent[-5:]) / len(recent[-5:]) if recent else 0.0
-        late = a.time_budget and time.time() - self.t_start + reserve + next_step > a.time_budget
+        late = self.args.time_budget and time.time() - self.t_start + reserve + next_step > self.args.time_budget
         return bool(global_sum([self.rank == 0 and late])[0])
 
-    def evaluate(self, step, k):
-        if not self.evaluating:
-            return None
-        t0, a = time.time(), self.args
-        res = evaluate(self.model, self.tok, self.task, self.task.held, a.max_new_tokens, k=k,
-                       temperature=a.temperature, seed=EVAL_SEED, chunk=a.eval_chunk, compile=a.compile)
-        res.update(step=step, seconds=time.time() - t0, time=time.time() - self.t_start)
+    def eval(self, res, step, k, seconds):
+        res.update(step=step, seconds=seconds, time=time.time() - self.t_start)
         line = f"eval | step {step} | n {res['n']} | greedy {res['greedy']:.3f}"
-        if k:
-            line += f" | pass@1 {res['pass@1']:.3f} | pass@{k} {res[f'pass@{k}']:.3f}"
-        print(line + f" | {res['seconds']:.1f}s", flush=True)
+        line += f" | pass@1 {res['pass@1']:.3f} | pass@{k} {res[f'pass@{k}']:.3f}" if k else ""
+        print(line + f" | {seconds:.1f}s", flush=True)
         log_jsonl(self.metrics, {"eval": res})
         return res
 
-    def log_step(self, rec, lr):
+    def step(self, rec, lr):
         rec.update(lr=lr, time=time.time() - self.t_start)
         if self.rank == 0:
             log_jsonl(self.metrics, rec)
@@ -792,13 +741,13 @@ class Run:
             print(f"step {rec['step']}/{self.args.steps} | reward {rec['reward']:.3f} | acc {rec['acc']:.3f} | "
                   f"entropy {rec['entropy']:.3f} | kl {fmt(rec['kl'])} | clip {rec['clip']:.4f} | len {rec['len']:.1f} | "
                   f"sigma {rec['sigma']:.2e} | sigma_applied {rec['sigma_applied']:.2e} | tok/s {rec['tok/s']:.0f} | "
-                  f"s/step {rec['s/step']:.2f}" + (" | no signal: every group's rewards are equal"
+                  f"s/step {rec['s/step']:.2f}" + (" | no signal (all rewards equal in every group)"
                                                     if self.flat_steps else ""), flush=True)
-        if self.flat_steps == self.NO_SIGNAL_WARN:
-            solved = "always solves" if rec["acc"] > 0.5 else "never solves"
-            print(f"warning | {self.flat_steps} steps in a row without signal (every group's {self.args.group} "
-                  f"rewards equal, acc {rec['acc']:.2f}): the base {solved} this task, so GRPO learns nothing; "
-                  f"use an {'harder' if rec['acc'] > 0.5 else 'easier'} task or a stronger base", flush=True)
+        if self.flat_steps == self.NO_SIGNAL_STEPS:
+            never = rec["acc"] < 0.5
+            print(f"warning | {self.flat_steps} steps in a row without signal: the base {'never' if never else 'always'}"
+                  f" solves this task (acc {rec['acc']:.2f}), so GRPO learns nothing; try an "
+                  f"{'easier' if never else 'harder'} task or another base", flush=True)
 
     def summary(self, done, stopped, skipped, first_eval, last_eval, last_ckpt):
         s = {"steps_done": done, "stopped_by": stopped, "skipped_updates": skipped, "wall_s": time.time() - self.t_start,
@@ -816,7 +765,6 @@ class Run:
 
 
 def truncate_metrics(path, step):
-    """On resume, drop metric lines past the checkpoint's step."""
     if os.path.exists(path):
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -850,10 +798,9 @@ def _check_args(args, world):
     if args.batch < 1 or args.group < 2:
         raise ValueError(f"need --batch >= 1 and --group >= 2 (got {args.batch}, {args.group}): GRPO compares "
                          f"samples within a group")
-    if args.steps < 1 or args.mu < 1:
-        raise ValueError(f"need --steps >= 1 and --mu >= 1 (got {args.steps}, {args.mu})")
-    if args.micro_batch < 0:
-        raise ValueError(f"need --micro-batch >= 0 (0: all rows at once), got {args.micro_batch}")
+    if args.steps < 1 or args.mu < 1 or args.micro_batch < 0:
+        raise ValueError(f"need --steps >= 1, --mu >= 1 and --micro-batch >= 0 (0: all rows at once), got "
+                         f"{args.steps}, {args.mu}, {args.micro_batch}")
     if args.aqn and args.aqn_kind != "feedback":
         aqn.check_sigma_range(args.sigma_start, args.sigma_end, args.aqn_kind)
     if args.train_norms and args.beta > 0:

@@ -72,7 +72,6 @@ def run_case(name, flags, optimizer, rows, rank=0, world=1):
     """One policy_update on this rank's share of the groups -> (adapter after, the update's report)."""
     model, _ = micro_model()
     params = lora.lora_parameters(model)
-    grpo.broadcast_parameters(params)
     args = grpo.build_parser().parse_args(["--group", str(G), "--max-new-tokens", "10", "--grad-clip", "1e9",
                                            *flags])
     opt = torch.optim.SGD(params, lr=0.5) if optimizer == "sgd" else torch.optim.AdamW(params, lr=1e-2)

@@ -594,7 +594,7 @@ def test_truncated_safetensors_is_one_clear_line(tmp_path):
     # a checkpoint whose adapter file was cut short: --resume names the file and a tensor
     args = tiny_args(tmp_path / "run", "--eval-size", "0")
     model, tok, params, opt = grpo.build_policy(args, "cpu")
-    ckpt = grpo.save_checkpoint(str(tmp_path / "run"), 1, model, opt, args)
+    ckpt = grpo.save_checkpoint(str(tmp_path / "run"), 1, model, opt, params, args)
     adapter = os.path.join(ckpt, "adapter_model.safetensors")
     data = open(adapter, "rb").read()
     open(adapter, "wb").write(data[:-8])
