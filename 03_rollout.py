@@ -222,7 +222,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-
 # ---------------------------------------------------------------------------------------------------
 # The model: embeddings, the layers under one causal mask, the final norm, lm_head
 
@@ -287,16 +286,12 @@ class CausalLM(nn.Module):
         return self.lm_head(h).float()  # (B, T, V), fp32 so log-softmax is accurate even for bf16 models
 
 
-
 # ---------------------------------------------------------------------------------------------------
 # Sampler
 
 def filter_logits(logits, top_k=0, top_p=1.0):
-    """Set to -inf every logit outside the top-k and then outside the nucleus. logits (..., V).
-
-    Nucleus = the smallest set of most likely tokens whose probability sums to >= top_p (computed on the
-    top-k-renormalized distribution). The most likely token is always kept. Ties at the k-th value keep
-    all tied tokens."""
+    """Set to -inf every logit (..., V) outside the top-k (ties at the k-th value stay), then outside the
+    nucleus: the fewest most likely tokens whose top-k-renormalized probability sums to >= top_p."""
     if top_k and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -305,7 +300,7 @@ def filter_logits(logits, top_k=0, top_p=1.0):
         p = sorted_logits.softmax(-1)
         mass_before = torch.cat((torch.zeros_like(p[..., :1]), p.cumsum(-1)[..., :-1]), dim=-1)  # exclusive cumsum
         drop = mass_before >= top_p  # the set is already big enough without this token
-        drop[..., 0] = False
+        drop[..., 0] = False  # the most likely token always stays
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return logits
 
@@ -351,12 +346,10 @@ DONE_CHECK_EVERY = 8
 @torch.no_grad()
 def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0, top_p=1.0,
              eos_token_ids=None, generator=None, tokenizer=None, compile=False):
-    """Sample `num_samples` completions for each prompt (a list of token-id lists) -> Rollout.
-
-    Rows are prompt-major (B = len(prompts) * num_samples below). temperature=0 is greedy. eos_token_ids
-    defaults to the tokenizer's; each row stops at its own EOS. Pass a seeded torch.Generator for
-    reproducible samples (it may live on the CPU even when the model is on CUDA). compile=True runs the
-    decode steps through `static_decoder` (torch.compile; the first call per shape bucket compiles)."""
+    """Sample `num_samples` completions for each prompt (a list of token-id lists) -> Rollout, with rows
+    prompt-major. temperature=0 is greedy; each row stops at its own EOS (default: the tokenizer's). A
+    seeded torch.Generator (CPU or the model's device) makes it reproducible. compile=True decodes through
+    `static_decoder` (torch.compile; the first call per shape bucket compiles)."""
     _check_generate(model.config, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
     if eos_token_ids is None:
         eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else []
@@ -471,8 +464,7 @@ class StaticDecoder:
             torch._dynamo.mark_static_address(t)
 
     def start(self, key_ok, P, lens):
-        """Reset for a new batch: key_ok (B, S) real slots, P the padded prompt length, lens (B,) prompt
-        lengths. Returns the cache for the (eager) prefill, which fills slots [0, P)."""
+        """New batch: key_ok (B, S) real slots, P padded prompt length, lens (B,) -> the prefill's cache."""
         self.key_ok.zero_()
         self.key_ok[:, :key_ok.shape[1]] = key_ok
         self.slot.fill_(P)
@@ -481,8 +473,7 @@ class StaticDecoder:
         return self.cache
 
     def step(self, tok, temperature, top_k, top_p, generator):
-        """Feed tok (B, 1) at the current slot -> the next (token, logprob, entropy), each (B,); then
-        advance the slot and the positions."""
+        """Feed tok (B, 1) at the current slot -> the next (token, logprob, entropy), each (B,)."""
         self.tok.copy_(tok)
         self.cache.slot = self.slot
         if self.slot.is_cuda:
@@ -509,10 +500,8 @@ def static_decoder(model, batch, length):
 # Log-probs with gradients, for the policy update
 
 def left_pad(prompt_ids, completion_ids):
-    """(prompt + completion) rows, left-padded to one length, for a teacher-forced forward.
-
-    Returns ids (B, P+T), key_ok (B, P+T) bool, positions (B, P+T) and P, the padded prompt length:
-    the hidden state at P-1+t predicts completion token t."""
+    """(prompt + completion) rows, left-padded to one length -> ids, key_ok (real slots), RoPE positions,
+    each (B, P+T), and P, the padded prompt length (the state at P-1+t predicts completion token t)."""
     B, T = completion_ids.shape
     dev = completion_ids.device
     P = max(len(p) for p in prompt_ids)
@@ -578,11 +567,9 @@ class _ChunkLogprobs(torch.autograd.Function):
 
 
 def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0):
-    """Log-probs and entropies (B, T) of `completion_ids` after each row's prompt, with gradients.
-
-    One left-padded forward over prompt + completion; positions after EOS come out as 0. For temperature
-    sampling without top-k/top-p this equals what `generate` recorded (up to fp rounding). Only the
-    completion tokens (mask > 0) reach lm_head, in chunks (see LOGITS_CHUNK_BYTES above)."""
+    """Log-probs and entropies (B, T) of `completion_ids` after each row's prompt, with gradients; 0 after
+    EOS. Without top-k/top-p it equals what `generate` recorded (up to fp rounding). One left-padded
+    forward; only the completion tokens (mask > 0) reach lm_head, in chunks (see LOGITS_CHUNK_BYTES)."""
     completion_ids = completion_ids.to(quantize.model_device(model))
     B, T = completion_ids.shape
     h = completion_hidden(model, prompt_ids, completion_ids)  # (B, T, C)
@@ -603,22 +590,18 @@ def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temper
     return lp.view(B, T) * m, ent.view(B, T) * m  # (B, T) each
 
 
-
 # =============== Part 2: plumbing (HF loader, tokenizer, random model, checks, command line) ================
 
 # ---------------------------------------------------------------------------------------------------
 # Loader: a meta-device model, filled from safetensors one tensor at a time
 
 def load_model(path, quant="none", dtype=None, device=None):
-    """Load a Hugging Face folder -> (CausalLM in eval mode, Tokenizer).
-
-    quant="nvfp4"/"nf4" quantizes the decoder Linears with stage 01 while loading. A folder written by
-    `01_quantize.py --out` (config.json has a quantization_config) loads as NVFP4 whatever `quant` says.
-    dtype defaults to bf16 on CUDA and fp32 on CPU; device to stage 01's autodetect. Memory: the model is
-    built on the meta device (0 bytes) and each tensor goes straight into its slot, so the peak is the
-    model plus one tensor (plus one bf16 layer when quantizing: each layer shrinks as soon as it is full)."""
-    raw, files = _check_model_folder(Path(path))
+    """Load a Hugging Face folder -> (CausalLM in eval mode, Tokenizer). quant="nvfp4"/"nf4" quantizes the
+    decoder Linears with stage 01, layer by layer as they arrive; a folder written by `01_quantize.py --out`
+    loads as NVFP4 whatever `quant` says. dtype: bf16 on CUDA, fp32 on CPU; device: stage 01's autodetect.
+    Built on the meta device and filled one tensor at a time, so the peak is about the model's own size."""
     path = Path(path)
+    raw, files = _check_model_folder(path)
     cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
     quant, prequantized = _load_format(path, raw, quant)
     tokenizer = load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
@@ -774,11 +757,9 @@ QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful
 
 
 def chat_prompt(user, system=None):
-    """Qwen2.5-Instruct ChatML prompt, ending where the assistant starts talking.
-
-    system=None writes no system block. Note that Qwen2.5's own chat template inserts
-    QWEN_DEFAULT_SYSTEM when no system message is given: pass system=QWEN_DEFAULT_SYSTEM to get
-    exactly what `apply_chat_template` would produce."""
+    """Qwen2.5-Instruct ChatML prompt, ending where the assistant starts talking. system=None writes no
+    system block, but Qwen2.5's own template then inserts QWEN_DEFAULT_SYSTEM: pass that to get exactly
+    what `apply_chat_template` would produce."""
     head = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
     return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
