@@ -142,9 +142,8 @@ class KVCache:
 
 
 class StaticKVCache(KVCache):
-    """The same storage, for a decode step whose shapes never change (what torch.compile and CUDA graphs
-    need): the prefill fills slots [0, pos) as above; then each step writes its token at `slot`, a (1,)
-    tensor advanced on the device, and attention reads all max_len slots under a mask."""
+    """The same storage for a decode step whose shapes never change (torch.compile, CUDA graphs): after the
+    prefill, each step writes its token at `slot`, a (1,) device tensor, and attention reads all slots."""
 
     def __init__(self, cfg, batch, max_len, device, dtype):
         super().__init__(cfg, batch, max_len, device, dtype)
@@ -335,11 +334,9 @@ class Rollout:
     stats: dict = field(default_factory=dict)  # prefill/decode token counts and seconds
 
 
-# Left padding + G copies rather than prefill-once-and-share: every row's next token lands in the same
-# cache slot, so one cache, one position counter and one code path serve any mix of prompts; sharing a
-# prompt's prefill would save little, since decode (hundreds of sequential steps) dominates.
-# The loop asks "are all rows done?" only every DONE_CHECK_EVERY tokens: reading a GPU value on the host
-# waits for every queued kernel. Finished rows decode pad tokens meanwhile (masked out, trimmed at the end).
+# Left padding puts every row's next token in the same cache slot: one cache, one position counter, one code
+# path for any mix of prompts. "Are all rows done?" is asked only every DONE_CHECK_EVERY tokens: reading a GPU
+# value on the host waits for every queued kernel (finished rows decode masked pad tokens meanwhile).
 DONE_CHECK_EVERY = 8
 
 
