@@ -1,18 +1,12 @@
 """Stage 03: the policy model and the rollout sampler, written from scratch in plain torch.
 
-In GRPO each prompt gets G sampled completions and the advantages come from comparing the G rewards
-within that group. Generating those completions ("rollouts") is what eats most of the wall-clock time
-of RL training, and that is why QeRL quantizes the policy to NVFP4: a 4-bit model decodes faster.
-This file holds everything that generation needs:
-
-  1. a Qwen2 / Llama / Qwen3 decoder that reads a Hugging Face folder (config.json + safetensors) with
-     the HF module names, so stage 01's quantizer and stage 02's LoRA adapters find layers by name;
-  2. a loader that builds the model on the meta device and fills it one tensor at a time, so a 7B
-     checkpoint needs about its own size in memory (and about its quantized size with quant="nvfp4");
-  3. a batched, KV-cached sampler (temperature, top-k, top-p, per-row EOS) that records the log-prob and
-     entropy of every sampled token, plus `sequence_logprobs` that recomputes those with gradients;
-  4. the same decode step with static shapes, which torch.compile turns into fused kernels (and, on
-     CUDA, one CUDA graph per token): `generate(..., compile=True)`.
+In GRPO each prompt gets G sampled completions, compared within their group. Generating them
+("rollouts") eats most of RL's wall-clock time, which is why QeRL samples from an NVFP4 policy.
+Part 1: a Qwen2 / Llama / Qwen3 decoder with the HF module names (so stages 01 and 02 find layers by
+name); a batched, KV-cached sampler (temperature, top-k, top-p, per-row EOS) that records each token's
+log-prob and entropy; the same decode step with static shapes for torch.compile (`compile=True`); and
+`sequence_logprobs`, which recomputes those log-probs with gradients. Part 2: the loader (a meta-device
+model filled one tensor at a time, quantized layer by layer with quant="nvfp4"), the tokenizer, the CLI.
 
 Run it:
     python 03_rollout.py                                 # assets/tiny-qwen, or a random model
@@ -20,12 +14,8 @@ Run it:
     python 03_rollout.py --model DIR --quant nvfp4       # quantize on the way in (stage 01)
     python 03_rollout.py --compile                       # decode steps through torch.compile
 
-Deliberate simplifications:
-  1. Prompts are left-padded and repeated G times (B*G rows), instead of prefilling each prompt once and
-     sharing its KV cache (see the note above `generate`).
-  2. One preallocated KV cache per call (per shape bucket with --compile); no paged attention, no
-     continuous batching.
-  3. Only what the three families need: SwiGLU, RMSNorm, rotate-half RoPE (plain or "llama3"-scaled).
+Simplifications: prompts are left-padded and repeated G times (no shared prefill); one preallocated KV
+cache per call (no paged attention, no continuous batching); only SwiGLU, RMSNorm and rotate-half RoPE.
 """
 import argparse
 import importlib
@@ -40,15 +30,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
+quantize = importlib.import_module("01_quantize")
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
-
-
-def autodetect_device():
-    # Stage 01 owns the one autodetect all stages share; this file must also run without it.
-    try:
-        return importlib.import_module("01_quantize").autodetect_device()
-    except ImportError:
-        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -76,36 +60,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d, where="config.json"):
-        mt = d.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"{where}: unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (only silu)")
-        if d.get("use_sliding_window"):
-            raise ValueError(f"{where}: use_sliding_window=true is not supported; set it to false")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in d]
-        if missing:
-            raise ValueError(f"{where}: missing required field(s) {', '.join(missing)}")
-        # transformers < 5 writes rope_theta + rope_scaling; transformers 5 writes one rope_parameters dict.
-        rope = d.get("rope_parameters") or {}
-        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind == "default":
-                scaling = None
-            elif kind != "llama3":
-                raise ValueError(f"{where}: rope scaling {kind!r} is not supported (only 'llama3')")
-        heads = d["num_attention_heads"]
-        bias = d.get("attention_bias", False)
+        _check_config(d, where)
+        mt, heads, bias = d["model_type"], d["num_attention_heads"], d.get("attention_bias", False)
         return cls(
             model_type=mt, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta), rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling(d, where), max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=True if mt == "qwen2" else bias, o_bias=False if mt == "qwen2" else bias,
             mlp_bias=d.get("mlp_bias", False), qk_norm=(mt == "qwen3"))
@@ -153,14 +116,10 @@ def rope_inv_freq(cfg, device=None):
     return torch.where(middle, blend, slow)
 
 
-def rotate_half(x):
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 def apply_rope(x, cos, sin):
     # HF convention: the two halves of head_dim form the (real, imaginary) pairs, not even/odd lanes.
-    return x * cos + rotate_half(x) * sin  # (B, H, T, D)
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-b, a), dim=-1) * sin  # (B, H, T, D)
 
 
 class KVCache:
@@ -183,9 +142,8 @@ class KVCache:
 
 
 class StaticKVCache(KVCache):
-    """The same storage, for a decode step whose shapes never change (what torch.compile and CUDA graphs
-    need): the prefill fills slots [0, pos) as above; then each step writes its token at `slot`, a (1,)
-    tensor advanced on the device, and attention reads all max_len slots under a mask."""
+    """The same storage for a decode step whose shapes never change (torch.compile, CUDA graphs): after the
+    prefill, each step writes its token at `slot`, a (1,) device tensor, and attention reads all slots."""
 
     def __init__(self, cfg, batch, max_len, device, dtype):
         super().__init__(cfg, batch, max_len, device, dtype)
@@ -216,6 +174,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, kv_cache=None):
+        """x (B, T, C); mask (B, 1, T, S) bool, True where a query may attend to a key slot."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.H, self.D)  # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.H_kv, self.D)  # (B, T, H_kv, D)
@@ -227,10 +186,11 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), S = past + T
         # Grouped-query attention without copying K/V: query head h reads K/V head h // G, so fold the
-        # G query heads of each group into the query-length axis. (SDPA's enable_gqa would do the same,
-        # but with a mask on CUDA it falls back to the math kernel, which materializes (B, H, T, S) in fp32.)
-        G = self.H // self.H_kv
+        # G query heads of each group into the query-length axis, and the mask with them. (SDPA's enable_gqa
+        # would too, but with a mask on CUDA it falls back to the math kernel: (B, H, T, S) in fp32.)
+        G, S = self.H // self.H_kv, k.shape[2]
         q = q.reshape(B, self.H_kv, G * T, self.D)  # (B, H_kv, G*T, D)
+        mask = mask[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # (B, 1, G*T, S)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.D ** -0.5)  # (B, H_kv, G*T, D)
         y = y.reshape(B, self.H, T, self.D).transpose(1, 2)  # (B, T, H, D)
         return self.o_proj(y.reshape(B, T, self.H * self.D))  # (B, T, C)
@@ -261,21 +221,21 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Body(nn.Module):
-    """Holds what HF calls `model.*`, so state-dict names match the checkpoint one to one."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
+# ---------------------------------------------------------------------------------------------------
+# The model: embeddings, the layers under one causal mask, the final norm, lm_head
 
 class CausalLM(nn.Module):
+    # Activation checkpointing (stage 05 sets it for the policy update): each layer keeps only its input
+    # for backward and reruns its forward then, one layer's activations at a time for a second forward.
+    grad_checkpoint = False
+
     def __init__(self, cfg):
         super().__init__()
         self.config = cfg
-        self.model = Body(cfg)
+        self.model = nn.Module()  # what HF calls `model.*`, so state-dict names match the checkpoint's
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -298,13 +258,15 @@ class CausalLM(nn.Module):
         # Causal AND key is real. Each slot may also see itself: a left-pad query has no real key before
         # it, and a softmax over nothing is NaN (its output is never used, but NaN would spread via 0*NaN).
         mask = ((k_slot <= q_slot) & key_ok[:, None, None, :]) | (k_slot == q_slot)  # (B, 1, T, S)
-        G = self.config.num_attention_heads // self.config.num_key_value_heads
-        mask = mask.repeat(1, 1, G, 1)  # (B, 1, G*T, S): query heads are folded into T, see Attention
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = self.rope(positions, x.dtype)  # (B, 1, T, D) each
+        checkpoint = self.grad_checkpoint and torch.is_grad_enabled() and kv_cache is None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, kv_cache)
+            if checkpoint:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, kv_cache, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, kv_cache)  # (B, T, C)
         if kv_cache is not None:
             kv_cache.pos += T  # every layer has written its slots; advance once
         return self.model.norm(x)  # (B, T, C)
@@ -323,51 +285,409 @@ class CausalLM(nn.Module):
         return self.lm_head(h).float()  # (B, T, V), fp32 so log-softmax is accurate even for bf16 models
 
 
-def model_device(model):
-    return model.model.embed_tokens.weight.device
+# ---------------------------------------------------------------------------------------------------
+# Sampler
+
+def filter_logits(logits, top_k=0, top_p=1.0):
+    """Set to -inf every logit (..., V) outside the top-k (ties at the k-th value stay), then outside the
+    nucleus: the fewest most likely tokens whose top-k-renormalized probability sums to >= top_p."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (..., V)
+        p = sorted_logits.softmax(-1)
+        mass_before = torch.cat((torch.zeros_like(p[..., :1]), p.cumsum(-1)[..., :-1]), dim=-1)  # exclusive cumsum
+        drop = mass_before >= top_p  # the set is already big enough without this token
+        drop[..., 0] = False  # the most likely token always stays
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def entropy_from_logp(logp):
+    # masked_fill (not where) keeps 0 * -inf out of both the value and the gradient.
+    return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
+
+
+def sample_next(logits, temperature, top_k, top_p, generator):
+    """One token per row from logits (B, V) -> (token, logprob, entropy), each (B,)."""
+    if temperature == 0:
+        logp = logits.log_softmax(-1)  # (B, V), greedy reports the untempered distribution
+        tok = logits.argmax(-1)
+    else:
+        logp = filter_logits(logits / temperature, top_k, top_p).log_softmax(-1)  # (B, V)
+        probs = logp.exp()
+        if generator is not None and generator.device != probs.device:
+            probs = probs.to(generator.device)  # e.g. a CPU generator driving a CUDA model
+        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)  # (B,)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), entropy_from_logp(logp)
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list          # list[list[int]], one per row (prompt-major: rows i*G..i*G+G-1 = prompt i)
+    completion_ids: torch.Tensor   # (B*G, T) long, pad after EOS
+    completion_mask: torch.Tensor  # (B*G, T) float, 1 for sampled tokens including the EOS token
+    logprobs: torch.Tensor         # (B*G, T) log-prob under the distribution the token was drawn from
+    entropy: torch.Tensor          # (B*G, T) entropy of that distribution
+    texts: list = None             # decoded completions when a tokenizer is given
+    stats: dict = field(default_factory=dict)  # prefill/decode token counts and seconds
+
+
+# Left padding puts every row's next token in the same cache slot: one cache, one position counter, one code
+# path for any mix of prompts. "Are all rows done?" is asked only every DONE_CHECK_EVERY tokens: reading a GPU
+# value on the host waits for every queued kernel (finished rows decode masked pad tokens meanwhile).
+DONE_CHECK_EVERY = 8
+
+
+@torch.no_grad()
+def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0, top_p=1.0,
+             eos_token_ids=None, generator=None, tokenizer=None, compile=False):
+    """Sample `num_samples` completions for each prompt (a list of token-id lists) -> Rollout, with rows
+    prompt-major. temperature=0 is greedy; each row stops at its own EOS (default: the tokenizer's). A
+    seeded torch.Generator (CPU or the model's device) makes it reproducible. compile=True decodes through
+    `static_decoder` (torch.compile; the first call per shape bucket compiles)."""
+    _check_generate(model.config, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
+    if eos_token_ids is None:
+        eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else []
+    pad_id = tokenizer.pad_token_id if tokenizer is not None else (list(eos_token_ids) or [0])[0]
+    dev = quantize.model_device(model)
+    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=dev)
+    rows = [list(p) for p in prompts for _ in range(num_samples)]  # prompt-major
+    B, N = len(rows), max_new_tokens
+    out_ids = torch.full((B, N), pad_id, dtype=torch.long, device=dev)  # (B, N)
+    out_mask, out_lp, out_ent = (torch.zeros(B, N, device=dev) for _ in range(3))  # (B, N)
+    ids, key_ok, positions, P = left_pad(rows, out_ids)  # key_ok (B, P+N): prompt tokens and every new slot
+    lens = torch.tensor([len(r) for r in rows], device=dev)  # (B,)
+    if compile:
+        dec = static_decoder(model, B, P + N)
+        cache, setting = dec.start(key_ok, P, lens), (temperature, top_k, top_p, generator is None)
+    else:
+        cache = KVCache(model.config, B, P + N, dev, model.model.embed_tokens.weight.dtype)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    t0 = time.perf_counter()
+    h = model.hidden_states(ids[:, :P], positions[:, :P], key_ok[:, :P], cache)  # (B, P, C)
+    logits = model.lm_head(h[:, -1]).float()  # (B, V): only the last position is needed
+    tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)  # (B,) each
+    sync()
+    t1 = time.perf_counter()
+    compile_s, run = 0.0, 0
+    for t in range(N):
+        live = ~done
+        out_ids[:, t] = torch.where(live, tok, pad_id)
+        out_mask[:, t], out_lp[:, t], out_ent[:, t] = live.float(), lp * live, ent * live
+        done = done | (live & torch.isin(tok, eos))  # the EOS token itself stays in the completion
+        run = t + 1
+        if t == N - 1 or (run % DONE_CHECK_EVERY == 0 and bool(done.all())):
+            break
+        # Finished rows keep being fed (pad tokens): their outputs are ignored, and dropping rows would
+        # mean compacting the cache. Next token of row b sits at RoPE position lens[b] + t.
+        if compile:
+            ts = time.perf_counter()
+            tok, lp, ent = dec.step(out_ids[:, t:t + 1], temperature, top_k, top_p, generator)  # (B,) each
+            if setting not in dec.compiled:  # the first step of a new bucket or setting compiles
+                sync()
+                compile_s = time.perf_counter() - ts
+                dec.compiled.add(setting)
+        else:
+            logits = model(out_ids[:, t:t + 1], (lens + t)[:, None], key_ok[:, :P + t + 1], cache)[:, -1]  # (B, V)
+            tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)
+    steps = int(out_mask[:, :run].any(0).sum())  # rows only ever stop, so the live columns are a prefix
+    sync()
+    t2 = time.perf_counter()
+
+    r = Rollout(rows, out_ids[:, :steps], out_mask[:, :steps], out_lp[:, :steps], out_ent[:, :steps])
+    if tokenizer is not None:
+        r.texts = [tokenizer.decode(row[m > 0].tolist()) for row, m in zip(r.completion_ids, r.completion_mask)]
+    r.stats = dict(prefill_tokens=int(lens.sum()), prefill_s=t1 - t0, decode_tokens=int(r.completion_mask.sum()),
+                   decode_s=t2 - t1 - compile_s, decode_steps=steps, decode_steps_run=run, compile_s=compile_s)
+    return r
 
 
 # ---------------------------------------------------------------------------------------------------
-# Loader: meta-device model, then one checkpoint tensor at a time
+# The same decode step with static shapes, for torch.compile and CUDA graphs
 #
-# Memory: `torch.device("meta")` builds every module with shape-only tensors (0 bytes). Each weight is
-# then read from safetensors, cast, moved, and put straight into its slot, so the largest extra
-# allocation is one tensor: a 7B bf16 checkpoint (on CUDA) needs ~15 GB, not twice that as with
-# "build a random model, then load_state_dict a full state dict". With quant="nvfp4"/"nf4", decoder
-# layer N is quantized as soon as its last tensor arrives and its bf16 weights are dropped: peak ~
-# the quantized model (embeddings and lm_head stay bf16) + one bf16 layer (~0.5 GB for 7B).
+# The eager loop grows the cache view and the mask by one key per token, so a compiler would see a new
+# graph every step. Here the cache keeps all S_max slots, the token is written at a slot held in a device
+# tensor and a full-length mask hides unwritten slots; nothing reads back to the host (CUDA-graphable).
 
-def _checkpoint_index(path):
-    """name -> safetensors file, from model.safetensors or a sharded model.safetensors.index.json."""
-    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / f for name, f in weight_map.items()}
-    if single.exists():
-        with _open_safetensors(single) as f:
-            return {name: single for name in f.keys()}
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+def decode_step(model, cache, tok, pos, key_ok):
+    """One new token per row: tok, pos (B, 1) are the tokens and their RoPE positions, key_ok (B, S_max)
+    the real slots, cache.slot (1,) the slot being written. Returns fp32 logits (B, V)."""
+    S = key_ok.shape[1]
+    x = model.model.embed_tokens(tok)  # (B, 1, C)
+    cos, sin = model.rope(pos, x.dtype)  # (B, 1, 1, D)
+    k_slot = torch.arange(S, device=key_ok.device)  # (S,)
+    mask = (key_ok & (k_slot <= cache.slot))[:, None, None, :]  # (B, 1, 1, S): real slots written so far
+    for layer in model.model.layers:
+        x = layer(x, cos, sin, mask, cache)  # (B, 1, C)
+    return model.lm_head(model.model.norm(x)[:, -1]).float()  # (B, V)
+
+
+def decode_and_sample(model, cache, tok, pos, key_ok, temperature, top_k, top_p, generator):
+    """decode_step, then sample_next on its logits: compiled together, the sampler's softmax, entropy and
+    argmax fuse with the model's last kernels. (torch.multinomial with a generator stays outside the graph.)"""
+    logits = decode_step(model, cache, tok, pos, key_ok)  # (B, V)
+    return sample_next(logits, temperature, top_k, top_p, generator)
+
+
+_compiled_steps = {}  # mode -> one torch.compile wrapper, which keeps one compiled graph per shape
+
+
+class StaticDecoder:
+    """A compiled decode step with its static cache and inputs, for one (batch, cache length) bucket.
+    Built once per model and bucket (see `static_decoder`) and reused by every later generate() call."""
+
+    def __init__(self, model, batch, max_len):
+        # CUDA graphs on CUDA; on a CPU, inductor fuses the small ops into a few C++ loops.
+        mode = "reduce-overhead" if quantize.model_device(model).type == "cuda" else None
+        if mode not in _compiled_steps:
+            _compiled_steps[mode] = torch.compile(decode_and_sample, mode=mode, dynamic=False)
+            # One graph per (batch, cache length, sampling settings); dynamo's default allows only 8.
+            c = torch._dynamo.config
+            limit = "recompile_limit" if hasattr(c, "recompile_limit") else "cache_size_limit"  # older torch
+            setattr(c, limit, max(getattr(c, limit), 64))
+        self.fn, self.model = _compiled_steps[mode], model
+        self.compiled = set()  # the sampling settings traced so far (each is its own graph)
+        dev, cfg = quantize.model_device(model), model.config
+        self.cache = StaticKVCache(cfg, batch, max_len, dev, model.model.embed_tokens.weight.dtype)
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1)
+        self.key_ok = torch.zeros(batch, max_len, dtype=torch.bool, device=dev)  # (B, S_max)
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
+        for t in (self.tok, self.pos, self.key_ok, self.slot):
+            torch._dynamo.mark_static_address(t)
+
+    def start(self, key_ok, P, lens):
+        """New batch: key_ok (B, S) real slots, P padded prompt length, lens (B,) -> the prefill's cache."""
+        self.key_ok.zero_()
+        self.key_ok[:, :key_ok.shape[1]] = key_ok
+        self.slot.fill_(P)
+        self.pos.copy_(lens[:, None])
+        self.cache.pos, self.cache.slot = 0, None
+        return self.cache
+
+    def step(self, tok, temperature, top_k, top_p, generator):
+        """Feed tok (B, 1) at the current slot -> the next (token, logprob, entropy), each (B,)."""
+        self.tok.copy_(tok)
+        self.cache.slot = self.slot
+        if self.slot.is_cuda:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+        out = self.fn(self.model, self.cache, self.tok, self.pos, self.key_ok, temperature, top_k, top_p,
+                      generator)
+        self.slot += 1
+        self.pos += 1
+        return out
+
+
+def static_decoder(model, batch, length):
+    """The StaticDecoder for (batch, length rounded up to 64) of this model, built on first use: prompts
+    of different lengths then share one compiled step."""
+    decoders = model.__dict__.setdefault("_static_decoders", {})
+    w = model.model.embed_tokens.weight
+    key = (batch, -(-length // 64) * 64, w.dtype, w.device)
+    if key not in decoders:
+        decoders[key] = StaticDecoder(model, batch, key[1])
+    return decoders[key]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Log-probs with gradients, for the policy update
+
+def left_pad(prompt_ids, completion_ids):
+    """(prompt + completion) rows, left-padded to one length -> ids, key_ok (real slots), RoPE positions,
+    each (B, P+T), and P, the padded prompt length (the state at P-1+t predicts completion token t)."""
+    B, T = completion_ids.shape
+    dev = completion_ids.device
+    P = max(len(p) for p in prompt_ids)
+    ids = torch.zeros(B, P + T, dtype=torch.long, device=dev)  # (B, P+T)
+    key_ok = torch.zeros(B, P + T, dtype=torch.bool, device=dev)  # (B, P+T)
+    for i, p in enumerate(prompt_ids):
+        ids[i, P - len(p):P] = torch.tensor(list(p), device=dev)
+        key_ok[i, P - len(p):] = True
+    ids[:, P:] = completion_ids
+    positions = (key_ok.long().cumsum(-1) - 1).clamp(min=0)  # (B, P+T)
+    return ids, key_ok, positions, P
+
+
+def completion_hidden(model, prompt_ids, completion_ids):
+    """Final-norm hidden states (B, T, C) at the positions that predict each completion token."""
+    T = completion_ids.shape[1]
+    ids, key_ok, positions, P = left_pad(prompt_ids, completion_ids.to(quantize.model_device(model)))
+    h = model.hidden_states(ids, positions, key_ok)  # (B, P+T, C)
+    return h[:, P - 1:P + T - 1]  # (B, T, C): the state at P-1+t predicts completion token t
+
+
+def completion_logits(model, prompt_ids, completion_ids):
+    """fp32 logits (B, T, V) of the distributions that produced each completion token."""
+    # Running lm_head on just these T positions keeps (B, T, V) the only vocabulary-sized tensor.
+    return model.lm_head(completion_hidden(model, prompt_ids, completion_ids)).float()  # (B, T, V)
+
+
+# Log-probs without the full logits: at Qwen2.5's vocabulary (151,936) one fp32 (rows, T, V) tensor for
+# 128 x 1,024 tokens is ~80 GB, and log_softmax, the entropy and their gradients each make another. So
+# lm_head runs over chunks of at most LOGITS_CHUNK_BYTES of logits, recomputed one at a time in backward.
+LOGITS_CHUNK_BYTES = 2 ** 26  # 64 MiB of fp32 logits per chunk: 110 tokens at V = 151,936
+
+
+def _token_logprobs(lm_head, h, ids, temperature):
+    """Log-prob of ids and entropy, each (n,), from hidden states h (n, C)."""
+    logits = lm_head(h).float()  # (n, V)
+    logp = (logits / temperature if temperature > 0 else logits).log_softmax(-1)  # (n, V)
+    return logp.gather(-1, ids[:, None]).squeeze(-1), entropy_from_logp(logp)  # (n,) each
+
+
+class _ChunkLogprobs(torch.autograd.Function):
+    """(log-prob, entropy) of one chunk of tokens; saves h, not the logits, and recomputes them in backward.
+    (torch.utils.checkpoint would keep the recomputed entropy branch alive until the whole backward ends.)"""
+
+    @staticmethod
+    def forward(ctx, h, ids, lm_head, temperature):  # h (n, C), ids (n,)
+        ctx.save_for_backward(h, ids)
+        ctx.lm_head, ctx.temperature = lm_head, temperature
+        ctx.set_materialize_grads(False)  # an unused output (often the entropy) gets None: skip its branch
+        with torch.no_grad():
+            return _token_logprobs(lm_head, h, ids, temperature)
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        h, ids = ctx.saved_tensors
+        with torch.enable_grad():
+            h = h.detach().requires_grad_()
+            outs = _token_logprobs(ctx.lm_head, h, ids, ctx.temperature)  # (n,) each, now with a graph
+            used = [(o, g) for o, g in zip(outs, (g_lp, g_ent)) if g is not None]
+            if used:  # also accumulates into any trainable lm_head parameter's .grad
+                torch.autograd.backward(*zip(*used))
+        return h.grad, None, None, None
+
+
+def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0):
+    """Log-probs and entropies (B, T) of `completion_ids` after each row's prompt, with gradients; 0 after
+    EOS. Without top-k/top-p it equals what `generate` recorded (up to fp rounding). One left-padded
+    forward; only the completion tokens (mask > 0) reach lm_head, in chunks (see LOGITS_CHUNK_BYTES)."""
+    completion_ids = completion_ids.to(quantize.model_device(model))
+    B, T = completion_ids.shape
+    h = completion_hidden(model, prompt_ids, completion_ids)  # (B, T, C)
+    m = completion_mask.to(h.device, torch.float32)  # (B, T)
+    sel = m.reshape(-1).nonzero().squeeze(1)  # (n,) flat indices of the completion tokens
+    h_sel, ids_sel = h.reshape(B * T, -1)[sel], completion_ids.reshape(-1)[sel]  # (n, C), (n,)
+    step = max(1, LOGITS_CHUNK_BYTES // (4 * model.config.vocab_size))  # tokens per chunk
+    grad = torch.is_grad_enabled() and h_sel.requires_grad
+    lps, ents = [], []
+    for i in range(0, len(sel), step):
+        h_i, ids_i = h_sel[i:i + step], ids_sel[i:i + step]  # (chunk, C), (chunk,)
+        lp, ent = (_ChunkLogprobs.apply(h_i, ids_i, model.lm_head, temperature) if grad
+                   else _token_logprobs(model.lm_head, h_i, ids_i, temperature))
+        lps.append(lp)  # (chunk,)
+        ents.append(ent)
+    zero = h.sum(-1).float().reshape(-1) * 0  # (B*T,) zeros that keep the graph even with no token selected
+    lp, ent = (zero.index_put((sel,), torch.cat(v)) if v else zero for v in (lps, ents))  # (B*T,) each
+    return lp.view(B, T) * m, ent.view(B, T) * m  # (B, T) each
+
+
+# =============== Part 2: plumbing (HF loader, tokenizer, random model, checks, command line) ================
+
+# ---------------------------------------------------------------------------------------------------
+# Loader: a meta-device model, filled from safetensors one tensor at a time
+
+def load_model(path, quant="none", dtype=None, device=None):
+    """Load a Hugging Face folder -> (CausalLM in eval mode, Tokenizer). quant="nvfp4"/"nf4" quantizes the
+    decoder Linears with stage 01, layer by layer as they arrive; a folder written by `01_quantize.py --out`
+    loads as NVFP4 whatever `quant` says. dtype: bf16 on CUDA, fp32 on CPU; device: stage 01's autodetect.
+    Built on the meta device and filled one tensor at a time, so the peak is about the model's own size."""
+    path = Path(path)
+    raw, files = _check_model_folder(path)
+    cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
+    quant, prequantized = _load_format(path, raw, quant)
+    tokenizer = load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
+    device = torch.device(device or quantize.autodetect_device())
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    if prequantized:
+        _nvfp4_shells(model, files)
+    expected = [n for n in model.state_dict() if not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    missing = [n for n in expected if n not in files]
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), first: {missing[0]}")
+    _fill(model, expected, files, quant, device, dtype)
+    extra = sorted(set(files) - set(expected) - {"lm_head.weight"})
+    extra = [n for n in extra if not n.endswith(("rotary_emb.inv_freq", "input_global_scale"))]
+    if extra:
+        print(f"note | ignored {len(extra)} checkpoint tensor(s) the model does not use, first: {extra[0]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval(), tokenizer
+
+
+def _check_model_folder(path):
+    """-> (config.json as a dict, {tensor name: safetensors file path})."""
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path / 'config.json'} not found: point --model at a Hugging Face model folder")
+    raw, weight_map, _ = quantize.find_weight_files(str(path))
+    return raw, {name: path / f for name, f in weight_map.items()}
+
+
+def _load_format(path, raw, quant):
+    """-> (the format to quantize into while loading, whether the checkpoint is already NVFP4)."""
+    if quant not in ("none", "nvfp4", "nf4"):
+        raise ValueError(f"quant must be none, nvfp4 or nf4, got {quant!r}")
+    ct = raw.get("quantization_config")
+    if ct is None:
+        return quant, False
+    if ct.get("format") != "nvfp4-pack-quantized":
+        raise ValueError(f"{path}: only nvfp4-pack-quantized checkpoints load, got format {ct.get('format')!r}")
+    if quant == "nf4":
+        raise ValueError(f"{path} is already NVFP4-quantized; load it with quant='none' or 'nvfp4'")
+    return "none", True  # its Linear layers arrive quantized
+
+
+def _nvfp4_shells(model, files):
+    """Swap each Linear that the checkpoint stores as NVFP4 (it has `<name>.weight_packed`) for an empty
+    NVFP4Linear on the meta device; its buffers are then filled like any other tensor."""
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, nn.Linear) and name + ".weight_packed" in files:
+            quantize.replace_module(model, name, quantize.NVFP4Linear(
+                mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta"))
+
+
+def _fill(model, names, files, quant, device, dtype):
+    """Read `names` from their files into the meta model: non-layer tensors, then layer 0, 1, ...; with
+    quant != "none", layer i is quantized (and its full-precision weights dropped) once it is complete."""
+    def layer_of(name):
+        return int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+
+    handles = {}
+    order = sorted(names, key=layer_of)
+    for j, n in enumerate(order):
+        if files[n] not in handles:
+            handles[files[n]] = _open_safetensors(files[n])
+        try:
+            t = handles[files[n]].get_tensor(n)
+        except Exception as e:
+            raise ValueError(f"{files[n]}: cannot read tensor {n} ({e}): the file is truncated or corrupt") from None
+        # Float weights take the compute dtype; packed codes, fp8 scales and fp32 global scales keep
+        # their stored dtypes (a bf16 global scale would shift every dequantized value). Weights about
+        # to be quantized also stay as stored, so they quantize exactly as `01_quantize.py --out` does.
+        keep = (t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or n.endswith("global_scale")
+                or (quant != "none" and n.startswith("model.layers.") and n.endswith("_proj.weight")))
+        _put(model, n, t.to(device=device, dtype=None if keep else dtype), files[n])
+        i = layer_of(n)
+        if quant != "none" and i >= 0 and (j + 1 == len(order) or layer_of(order[j + 1]) != i):
+            quantize.quantize_model(model.model.layers[i], fmt=quant, skip=())  # layer i complete: shrink it
 
 
 def _open_safetensors(file):
     """safe_open, with a truncated or corrupt file reported in one line naming the file and the tensor."""
-    if not Path(file).exists():
-        raise FileNotFoundError(f"{file} not found (listed in model.safetensors.index.json)")
     try:
         return safe_open(file, "pt", device="cpu")  # memory-mapped, reads lazily
     except Exception as e:  # safetensors raises its own SafetensorError (not an OSError/ValueError)
-        raise ValueError(f"{file}: {_safetensors_problem(file) or e}; the file is truncated or corrupt, "
-                         f"download or write it again") from None
+        raise ValueError(quantize.safetensors_problem(file) or f"{file}: {e}; the file is truncated or corrupt, "
+                         "download or write it again") from None
 
 
-def _safetensors_problem(file):
-    """What is wrong with a file safetensors refuses: an unreadable header, or the first tensor whose
-    bytes lie past the end of the file."""
-    size = Path(file).stat().st_size
-    try:
-        with open(file, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n)) if 8 + n <= size else None
         bad = [(k, v["data_offsets"][1]) for k, v in header.items()
                if k != "__metadata__" and 8 + n + v["data_offsets"][1] > size]
     except (ValueError, TypeError, KeyError, AttributeError, IndexError):
@@ -388,82 +708,6 @@ def _put(model, name, t, file="the checkpoint"):
         mod._parameters[attr] = nn.Parameter(t, requires_grad=old.requires_grad)
     else:
         mod._buffers[attr] = t
-
-
-def _nvfp4_shells(model, q, files):
-    """Swap each Linear that the checkpoint stores as NVFP4 (it has `<name>.weight_packed`) for an empty
-    NVFP4Linear on the meta device; its buffers are then filled like any other tensor."""
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, nn.Linear) and name + ".weight_packed" in files:
-            parent, _, child = name.rpartition(".")
-            shell = q.NVFP4Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
-            setattr(model.get_submodule(parent), child, shell)
-
-
-def load_model(path, quant="none", dtype=None, device=None):
-    """Load a Hugging Face folder -> (CausalLM in eval mode, Tokenizer).
-
-    quant="nvfp4"/"nf4" quantizes the decoder Linears with stage 01 while loading. A folder written by
-    `01_quantize.py --out` (config.json has a quantization_config) loads as NVFP4 whatever `quant` says.
-    dtype defaults to bf16 on CUDA and fp32 on CPU; device to stage 01's autodetect."""
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path / 'config.json'} not found: point --model at a Hugging Face model folder")
-    raw = json.loads((path / "config.json").read_text())
-    cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
-    if quant not in ("none", "nvfp4", "nf4"):
-        raise ValueError(f"quant must be none, nvfp4 or nf4, got {quant!r}")
-    ct = raw.get("quantization_config")
-    if ct is not None:
-        if ct.get("format") != "nvfp4-pack-quantized":
-            raise ValueError(f"{path}: only nvfp4-pack-quantized checkpoints load, got format {ct.get('format')!r}")
-        if quant == "nf4":
-            raise ValueError(f"{path} is already NVFP4-quantized; load it with quant='none' or 'nvfp4'")
-        quant = "none"  # its Linear layers arrive quantized
-    tokenizer = load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
-    device = torch.device(device or autodetect_device())
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    files = _checkpoint_index(path)
-
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-    q = importlib.import_module("01_quantize") if (quant != "none" or ct is not None) else None
-    if ct is not None:
-        _nvfp4_shells(model, q, files)
-    expected = [n for n in model.state_dict() if not (cfg.tie_word_embeddings and n == "lm_head.weight")]
-    missing = [n for n in expected if n not in files]
-    if missing:
-        raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), first: {missing[0]}")
-
-    def layer_of(name):  # load order: non-layer tensors first, then layer 0, 1, ...
-        return int(name.split(".")[2]) if name.startswith("model.layers.") else -1
-
-    handles = {}
-    order = sorted(expected, key=layer_of)
-    for j, n in enumerate(order):
-        if files[n] not in handles:
-            handles[files[n]] = _open_safetensors(files[n])
-        try:
-            t = handles[files[n]].get_tensor(n)
-        except Exception as e:
-            raise ValueError(f"{files[n]}: cannot read tensor {n} ({e}): the file is truncated or corrupt") from None
-        # Float weights take the compute dtype; packed codes, fp8 scales and fp32 global scales keep
-        # their stored dtypes (a bf16 global scale would shift every dequantized value). Weights about
-        # to be quantized also stay as stored, so they quantize exactly as `01_quantize.py --out` does.
-        keep = (t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or n.endswith("global_scale")
-                or (quant != "none" and n.startswith("model.layers.") and n.endswith("_proj.weight")))
-        _put(model, n, t.to(device=device, dtype=None if keep else dtype), files[n])
-        i = layer_of(n)
-        if quant != "none" and i >= 0 and (j + 1 == len(order) or layer_of(order[j + 1]) != i):
-            q.quantize_model(model.model.layers[i], fmt=quant, skip=())  # layer i complete: shrink it now
-    del handles
-    extra = sorted(set(files) - set(expected) - {"lm_head.weight"})
-    extra = [n for n in extra if not n.endswith(("rotary_emb.inv_freq", "input_global_scale"))]
-    if extra:
-        print(f"note | ignored {len(extra)} checkpoint tensor(s) the model does not use, first: {extra[0]}")
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval(), tokenizer
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -510,11 +754,9 @@ QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful
 
 
 def chat_prompt(user, system=None):
-    """Qwen2.5-Instruct ChatML prompt, ending where the assistant starts talking.
-
-    system=None writes no system block. Note that Qwen2.5's own chat template inserts
-    QWEN_DEFAULT_SYSTEM when no system message is given: pass system=QWEN_DEFAULT_SYSTEM to get
-    exactly what `apply_chat_template` would produce."""
+    """Qwen2.5-Instruct ChatML prompt, ending where the assistant starts talking. system=None writes no
+    system block, but Qwen2.5's own template then inserts QWEN_DEFAULT_SYSTEM: pass that to get exactly
+    what `apply_chat_template` would produce."""
     head = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
     return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -531,354 +773,6 @@ def byte_tokenizer():
                      tok.token_to_id("<|endoftext|>"))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Sampler
-
-def filter_logits(logits, top_k=0, top_p=1.0):
-    """Set to -inf every logit outside the top-k and then outside the nucleus. logits (..., V).
-
-    Nucleus = the smallest set of most likely tokens whose probability sums to >= top_p (computed on the
-    top-k-renormalized distribution). The most likely token is always kept. Ties at the k-th value keep
-    all tied tokens."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (..., V)
-        p = sorted_logits.softmax(-1)
-        mass_before = torch.cat((torch.zeros_like(p[..., :1]), p.cumsum(-1)[..., :-1]), dim=-1)  # exclusive cumsum
-        drop = mass_before >= top_p  # the set is already big enough without this token
-        drop[..., 0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    return logits
-
-
-def entropy_from_logp(logp):
-    # masked_fill (not where) keeps 0 * -inf out of both the value and the gradient.
-    return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
-
-
-def sample_next(logits, temperature, top_k, top_p, generator):
-    """One token per row from logits (B, V) -> (token, logprob, entropy), each (B,)."""
-    if temperature == 0:
-        logp = logits.log_softmax(-1)  # (B, V), greedy reports the untempered distribution
-        tok = logits.argmax(-1)
-    else:
-        logp = filter_logits(logits / temperature, top_k, top_p).log_softmax(-1)  # (B, V)
-        probs = logp.exp()
-        if generator is not None and generator.device != probs.device:
-            probs = probs.to(generator.device)  # e.g. a CPU generator driving a CUDA model
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)  # (B,)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), entropy_from_logp(logp)
-
-
-@dataclass
-class Rollout:
-    prompt_ids: list          # list[list[int]], one per row (prompt-major: rows i*G..i*G+G-1 = prompt i)
-    completion_ids: torch.Tensor   # (B*G, T) long, pad after EOS
-    completion_mask: torch.Tensor  # (B*G, T) float, 1 for sampled tokens including the EOS token
-    logprobs: torch.Tensor         # (B*G, T) log-prob under the distribution the token was drawn from
-    entropy: torch.Tensor          # (B*G, T) entropy of that distribution
-    texts: list = None             # decoded completions when a tokenizer is given
-    stats: dict = field(default_factory=dict)  # prefill/decode token counts and seconds
-
-
-# Why left padding + G copies rather than prefill-once-and-share: with left padding every row's next
-# token lands in the same cache slot, so one KV cache, one position counter and one code path serve any
-# mix of prompts, and the rows of a group stay independent. Sharing a prompt's prefill across its G
-# samples would save (G-1)/G of the prefill FLOPs, but prefill is one batched forward while decode is
-# hundreds of sequential ones, and the cache ends up holding G copies of the prompt either way (without
-# paged attention). So the saving is small for the reasoning-length completions GRPO produces.
-#
-# Why the loop asks "are all rows done?" only every DONE_CHECK_EVERY tokens: reading a GPU value on the
-# host waits for every queued kernel, so asking each token would stall the GPU's queue once per token.
-# Finished rows keep decoding pad tokens in between (masked out), and the result is trimmed at the end.
-DONE_CHECK_EVERY = 8
-
-
-@torch.no_grad()
-def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0, top_p=1.0,
-             eos_token_ids=None, generator=None, tokenizer=None, compile=False):
-    """Sample `num_samples` completions for each prompt (a list of token-id lists) -> Rollout.
-
-    Rows are prompt-major (B = len(prompts) * num_samples below). temperature=0 is greedy. eos_token_ids
-    defaults to the tokenizer's; each row stops at its own EOS. Pass a seeded torch.Generator for
-    reproducible samples (it may live on the CPU even when the model is on CUDA). compile=True runs the
-    decode steps through `static_decoder` (torch.compile; the first call per shape bucket compiles)."""
-    cfg = model.config
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate: every prompt must be a non-empty list of token ids")
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 1 or num_samples < 1:
-        raise ValueError("generate: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1 "
-                         "and num_samples >= 1")
-    for i, p in enumerate(prompts):
-        if len(p) + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
-                             f"model's context of {cfg.max_position_embeddings} (shorten it or lower max_new_tokens)")
-        if max(p) >= cfg.vocab_size or min(p) < 0:
-            raise ValueError(f"prompt {i} has a token id outside [0, {cfg.vocab_size})")
-    if eos_token_ids is None:
-        eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else []
-    pad_id = tokenizer.pad_token_id if tokenizer is not None else (list(eos_token_ids) or [0])[0]
-    dev = model_device(model)
-    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=dev)
-
-    rows = [list(p) for p in prompts for _ in range(num_samples)]  # prompt-major
-    B, P = len(rows), max(len(r) for r in rows)
-    lens = torch.tensor([len(r) for r in rows], device=dev)  # (B,)
-    ids = torch.full((B, P), pad_id, dtype=torch.long, device=dev)  # (B, P), left-padded
-    key_ok = torch.zeros(B, P + max_new_tokens, dtype=torch.bool, device=dev)  # (B, S) real key slots
-    for i, r in enumerate(rows):
-        ids[i, P - len(r):] = torch.tensor(r, device=dev)
-        key_ok[i, P - len(r):] = True  # prompt tokens and every generated slot
-    positions = (key_ok[:, :P].long().cumsum(-1) - 1).clamp(min=0)  # (B, P), 0 at the first real token
-    if compile:
-        dec = static_decoder(model, B, P + max_new_tokens)
-        cache = dec.start(key_ok, P, lens)
-        setting = (temperature, top_k, top_p, generator is None)
-    else:
-        cache = KVCache(cfg, B, P + max_new_tokens, dev, model.model.embed_tokens.weight.dtype)
-
-    out_ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=dev)  # (B, N)
-    out_mask, out_lp, out_ent = (torch.zeros(B, max_new_tokens, device=dev) for _ in range(3))  # (B, N)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
-    t0 = time.perf_counter()
-    h = model.hidden_states(ids, positions, key_ok[:, :P], cache)  # (B, P, C)
-    logits = model.lm_head(h[:, -1]).float()  # (B, V): only the last position is needed
-    tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)  # (B,) each
-    sync()
-    t1 = time.perf_counter()
-    compile_s, run = 0.0, 0
-    for t in range(max_new_tokens):
-        live = ~done
-        out_ids[:, t] = torch.where(live, tok, pad_id)
-        out_mask[:, t], out_lp[:, t], out_ent[:, t] = live.float(), lp * live, ent * live
-        done = done | (live & torch.isin(tok, eos))  # the EOS token itself stays in the completion
-        run = t + 1
-        if t == max_new_tokens - 1 or (run % DONE_CHECK_EVERY == 0 and bool(done.all())):
-            break
-        # Finished rows keep being fed (pad tokens): their outputs are ignored, and dropping rows would
-        # mean compacting the cache. Next token of row b sits at RoPE position lens[b] + t.
-        if compile:
-            ts = time.perf_counter()
-            tok, lp, ent = dec.step(out_ids[:, t:t + 1], temperature, top_k, top_p, generator)  # (B,) each
-            if setting not in dec.compiled:  # the first step of a new bucket or setting compiles
-                sync()
-                compile_s = time.perf_counter() - ts
-                dec.compiled.add(setting)
-        else:
-            logits = model(out_ids[:, t:t + 1], (lens + t)[:, None], key_ok[:, :P + t + 1], cache)[:, -1]  # (B, V)
-            tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)
-    steps = int(out_mask[:, :run].any(0).sum())  # rows only ever stop, so the live columns are a prefix
-    sync()
-    t2 = time.perf_counter()
-
-    r = Rollout(rows, out_ids[:, :steps], out_mask[:, :steps], out_lp[:, :steps], out_ent[:, :steps])
-    if tokenizer is not None:
-        r.texts = [tokenizer.decode(row[m > 0].tolist()) for row, m in zip(r.completion_ids, r.completion_mask)]
-    r.stats = dict(prefill_tokens=int(lens.sum()), prefill_s=t1 - t0, decode_tokens=int(r.completion_mask.sum()),
-                   decode_s=t2 - t1 - compile_s, decode_steps=steps, decode_steps_run=run, compile_s=compile_s)
-    return r
-
-
-# ---------------------------------------------------------------------------------------------------
-# The same decode step with static shapes, for torch.compile and CUDA graphs
-#
-# The eager loop above is the readable reference, but each step's shapes grow by one key (the cache view,
-# the mask), so a compiler would see a new graph every token. Here every step has the same shapes: the
-# cache keeps all S_max slots, the new token is written at a slot held in a device tensor, and a full-
-# length mask hides the slots not written yet. Nothing in the step reads a value back to the host, so on
-# CUDA `mode="reduce-overhead"` records it once as a CUDA graph and replays it: one launch per token
-# instead of hundreds of small kernels (the same trick as gpt-fast). The step calls the model's own
-# modules, so LoRA, AQN and quantized layers behave exactly as in the eager loop.
-
-def decode_step(model, cache, tok, pos, key_ok):
-    """One new token per row: tok, pos (B, 1) are the tokens and their RoPE positions, key_ok (B, S_max)
-    the real slots, cache.slot (1,) the slot being written. Returns fp32 logits (B, V)."""
-    B, S = key_ok.shape
-    x = model.model.embed_tokens(tok)  # (B, 1, C)
-    cos, sin = model.rope(pos, x.dtype)  # (B, 1, 1, D)
-    k_slot = torch.arange(S, device=key_ok.device)  # (S,)
-    mask = key_ok & (k_slot <= cache.slot)  # (B, S): real slots written so far, this one included
-    G = model.config.num_attention_heads // model.config.num_key_value_heads
-    mask = mask[:, None, None, :].expand(B, 1, G, S)  # (B, 1, G, S): query heads are folded, see Attention
-    for layer in model.model.layers:
-        x = layer(x, cos, sin, mask, cache)  # (B, 1, C)
-    return model.lm_head(model.model.norm(x)[:, -1]).float()  # (B, V)
-
-
-def decode_and_sample(model, cache, tok, pos, key_ok, temperature, top_k, top_p, generator):
-    """decode_step, then sample_next on its logits: compiled together, the sampler's softmax, entropy and
-    argmax fuse with the model's last kernels. (torch.multinomial with a generator stays outside the graph.)"""
-    logits = decode_step(model, cache, tok, pos, key_ok)  # (B, V)
-    return sample_next(logits, temperature, top_k, top_p, generator)
-
-
-_compiled_steps = {}  # mode -> one torch.compile wrapper, which keeps one compiled graph per shape
-
-
-def shape_bucket(n, quantum=64):
-    # Cache lengths round up to a multiple of 64: prompts of different lengths then share one compiled step.
-    return -(-n // quantum) * quantum
-
-
-class StaticDecoder:
-    """A compiled decode step with its static cache and inputs, for one (batch, cache length) bucket.
-    Built once per model and bucket (see `static_decoder`) and reused by every later generate() call."""
-
-    def __init__(self, model, batch, max_len):
-        # CUDA graphs on CUDA; on a CPU, inductor fuses the small ops into a few C++ loops.
-        mode = "reduce-overhead" if model_device(model).type == "cuda" else None
-        if mode not in _compiled_steps:
-            _compiled_steps[mode] = torch.compile(decode_and_sample, mode=mode, dynamic=False)
-            # One graph per (batch, cache length, sampling settings); dynamo's default allows only 8.
-            c = torch._dynamo.config
-            limit = "recompile_limit" if hasattr(c, "recompile_limit") else "cache_size_limit"  # older torch
-            setattr(c, limit, max(getattr(c, limit), 64))
-        self.fn, self.model = _compiled_steps[mode], model
-        self.compiled = set()  # the sampling settings traced so far (each is its own graph)
-        dev, cfg = model_device(model), model.config
-        self.cache = StaticKVCache(cfg, batch, max_len, dev, model.model.embed_tokens.weight.dtype)
-        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1)
-        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1)
-        self.key_ok = torch.zeros(batch, max_len, dtype=torch.bool, device=dev)  # (B, S_max)
-        self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
-        for t in (self.tok, self.pos, self.key_ok, self.slot):
-            torch._dynamo.mark_static_address(t)
-
-    def start(self, key_ok, P, lens):
-        """Reset for a new batch: key_ok (B, S) real slots, P the padded prompt length, lens (B,) prompt
-        lengths. Returns the cache for the (eager) prefill, which fills slots [0, P)."""
-        self.key_ok.zero_()
-        self.key_ok[:, :key_ok.shape[1]] = key_ok
-        self.slot.fill_(P)
-        self.pos.copy_(lens[:, None])
-        self.cache.pos, self.cache.slot = 0, None
-        return self.cache
-
-    def step(self, tok, temperature, top_k, top_p, generator):
-        """Feed tok (B, 1) at the current slot -> the next (token, logprob, entropy), each (B,); then
-        advance the slot and the positions."""
-        self.tok.copy_(tok)
-        self.cache.slot = self.slot
-        if self.slot.is_cuda:
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-        out = self.fn(self.model, self.cache, self.tok, self.pos, self.key_ok, temperature, top_k, top_p,
-                      generator)
-        self.slot += 1
-        self.pos += 1
-        return out
-
-
-def static_decoder(model, batch, length):
-    """The StaticDecoder for (batch, shape_bucket(length)) of this model, built on first use."""
-    decoders = model.__dict__.setdefault("_static_decoders", {})
-    w = model.model.embed_tokens.weight
-    key = (batch, shape_bucket(length), w.dtype, w.device)
-    if key not in decoders:
-        decoders[key] = StaticDecoder(model, batch, key[1])
-    return decoders[key]
-
-
-def left_pad(prompt_ids, completion_ids):
-    """(prompt + completion) rows, left-padded to one length, for a teacher-forced forward.
-
-    Returns ids (B, P+T), key_ok (B, P+T) bool, positions (B, P+T) and P, the padded prompt length:
-    the hidden state at P-1+t predicts completion token t."""
-    B, T = completion_ids.shape
-    dev = completion_ids.device
-    P = max(len(p) for p in prompt_ids)
-    ids = torch.zeros(B, P + T, dtype=torch.long, device=dev)  # (B, P+T)
-    key_ok = torch.zeros(B, P + T, dtype=torch.bool, device=dev)  # (B, P+T)
-    for i, p in enumerate(prompt_ids):
-        ids[i, P - len(p):P] = torch.tensor(list(p), device=dev)
-        key_ok[i, P - len(p):] = True
-    ids[:, P:] = completion_ids
-    positions = (key_ok.long().cumsum(-1) - 1).clamp(min=0)  # (B, P+T)
-    return ids, key_ok, positions, P
-
-
-def completion_hidden(model, prompt_ids, completion_ids):
-    """Final-norm hidden states (B, T, C) at the positions that predict each completion token."""
-    T = completion_ids.shape[1]
-    ids, key_ok, positions, P = left_pad(prompt_ids, completion_ids.to(model_device(model)))
-    h = model.hidden_states(ids, positions, key_ok)  # (B, P+T, C)
-    return h[:, P - 1:P + T - 1]  # (B, T, C): the state at P-1+t predicts completion token t
-
-
-def completion_logits(model, prompt_ids, completion_ids):
-    """fp32 logits (B, T, V) of the distributions that produced each completion token."""
-    # Running lm_head on just these T positions keeps (B, T, V) the only vocabulary-sized tensor.
-    return model.lm_head(completion_hidden(model, prompt_ids, completion_ids)).float()  # (B, T, V)
-
-
-# Log-probs without the full logits. At a real vocabulary (Qwen2.5: 151,936) one fp32 (rows, T, V)
-# tensor for 128 rows x 1,024 tokens is ~80 GB, and log_softmax, the entropy's exp and their gradients
-# each make another. So the vocabulary-sized part runs over chunks of at most LOGITS_CHUNK_BYTES of fp32
-# logits: the forward keeps only each chunk's hidden states (C per token, not V), and the backward
-# recomputes one chunk's logits at a time. (torch.utils.checkpoint would do the same, but it keeps the
-# recomputed entropy branch alive until the whole backward ends when the loss does not use the entropy.)
-LOGITS_CHUNK_BYTES = 2 ** 26  # 64 MiB of fp32 logits per chunk: 110 tokens at V = 151,936
-
-
-def _token_logprobs(lm_head, h, ids, temperature):
-    """Log-prob of ids and entropy, each (n,), from hidden states h (n, C)."""
-    logits = lm_head(h).float()  # (n, V)
-    logp = (logits / temperature if temperature > 0 else logits).log_softmax(-1)  # (n, V)
-    return logp.gather(-1, ids[:, None]).squeeze(-1), entropy_from_logp(logp)  # (n,) each
-
-
-class _ChunkLogprobs(torch.autograd.Function):
-    """(log-prob, entropy) of one chunk of tokens; saves h, not the logits, and recomputes them in backward."""
-
-    @staticmethod
-    def forward(ctx, h, ids, lm_head, temperature):  # h (n, C), ids (n,)
-        ctx.save_for_backward(h, ids)
-        ctx.lm_head, ctx.temperature = lm_head, temperature
-        ctx.set_materialize_grads(False)  # an unused output (often the entropy) gets None: skip its branch
-        with torch.no_grad():
-            return _token_logprobs(lm_head, h, ids, temperature)
-
-    @staticmethod
-    def backward(ctx, g_lp, g_ent):
-        h, ids = ctx.saved_tensors
-        with torch.enable_grad():
-            h = h.detach().requires_grad_()
-            outs = _token_logprobs(ctx.lm_head, h, ids, ctx.temperature)  # (n,) each, now with a graph
-            used = [(o, g) for o, g in zip(outs, (g_lp, g_ent)) if g is not None]
-            if used:  # also accumulates into any trainable lm_head parameter's .grad
-                torch.autograd.backward(*zip(*used))
-        return h.grad, None, None, None
-
-
-def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0):
-    """Log-probs and entropies (B, T) of `completion_ids` after each row's prompt, with gradients.
-
-    One left-padded forward over prompt + completion; positions after EOS come out as 0. For temperature
-    sampling without top-k/top-p this equals what `generate` recorded (up to fp rounding). Only the
-    completion tokens (mask > 0) reach lm_head, in chunks (see LOGITS_CHUNK_BYTES above)."""
-    completion_ids = completion_ids.to(model_device(model))
-    B, T = completion_ids.shape
-    h = completion_hidden(model, prompt_ids, completion_ids)  # (B, T, C)
-    m = completion_mask.to(h.device, torch.float32)  # (B, T)
-    sel = m.reshape(-1).nonzero().squeeze(1)  # (n,) flat indices of the completion tokens
-    h_sel, ids_sel = h.reshape(B * T, -1)[sel], completion_ids.reshape(-1)[sel]  # (n, C), (n,)
-    step = max(1, LOGITS_CHUNK_BYTES // (4 * model.config.vocab_size))  # tokens per chunk
-    grad = torch.is_grad_enabled() and h_sel.requires_grad
-    lps, ents = [], []
-    for i in range(0, len(sel), step):
-        h_i, ids_i = h_sel[i:i + step], ids_sel[i:i + step]  # (chunk, C), (chunk,)
-        lp, ent = (_ChunkLogprobs.apply(h_i, ids_i, model.lm_head, temperature) if grad
-                   else _token_logprobs(model.lm_head, h_i, ids_i, temperature))
-        lps.append(lp)  # (chunk,)
-        ents.append(ent)
-    zero = h.sum(-1).float().reshape(-1) * 0  # (B*T,) zeros that keep the graph even with no token selected
-    lp, ent = (zero.index_put((sel,), torch.cat(v)) if v else zero for v in (lps, ents))  # (B*T,) each
-    return lp.view(B, T) * m, ent.view(B, T) * m  # (B, T) each
-
-
 def random_model(tok, seed=0, device="cpu"):
     """A small random Qwen2-shaped model for demos when no checkpoint is at hand."""
     torch.manual_seed(seed)
@@ -892,9 +786,52 @@ def random_model(tok, seed=0, device="cpu"):
 
 
 # ---------------------------------------------------------------------------------------------------
-# CLI
+# Checks: one clear line for each kind of bad input
 
-if __name__ == "__main__":
+def _check_config(d, where):
+    mt = d.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{where}: unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (only silu)")
+    if d.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window=true is not supported; set it to false")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in d]
+    if missing:
+        raise ValueError(f"{where}: missing required field(s) {', '.join(missing)}")
+
+
+def _rope_scaling(d, where):
+    # transformers < 5 writes rope_theta + rope_scaling; transformers 5 writes one rope_parameters dict.
+    rope = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"{where}: rope scaling {kind!r} is not supported (only 'llama3')")
+    return scaling if kind == "llama3" else None
+
+
+def _check_generate(cfg, prompts, num_samples, max_new_tokens, temperature, top_k, top_p):
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt must be a non-empty list of token ids")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 1 or num_samples < 1:
+        raise ValueError("generate: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1 "
+                         "and num_samples >= 1")
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
+                             f"model's context of {cfg.max_position_embeddings} (shorten it or lower max_new_tokens)")
+        if max(p) >= cfg.vocab_size or min(p) < 0:
+            raise ValueError(f"prompt {i} has a token id outside [0, {cfg.vocab_size})")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Command line
+
+def build_parser():
     ap = argparse.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
     ap.add_argument("--model", default=None, help="HF model folder (default: assets/tiny-qwen, else a random model)")
     ap.add_argument("--prompt", default="What is 12 + 7? Answer with a number.", help="user message (ChatML-wrapped)")
@@ -909,10 +846,13 @@ if __name__ == "__main__":
     ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
     ap.add_argument("--compile", action="store_true", help="decode with the torch.compile'd static-shape step "
                     "(the first call compiles: tens of seconds)")
-    args = ap.parse_args()
+    return ap
 
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     model_dir = args.model or ("assets/tiny-qwen" if Path("assets/tiny-qwen/config.json").exists() else None)
-    device = torch.device(args.device or autodetect_device())
+    device = torch.device(args.device or quantize.autodetect_device())
     t0 = time.perf_counter()
     if model_dir is not None:
         model, tok = load_model(model_dir, quant=args.quant, device=device)
@@ -922,7 +862,7 @@ if __name__ == "__main__":
         tok = byte_tokenizer()
         model = random_model(tok, args.seed)
         if args.quant != "none":
-            importlib.import_module("01_quantize").quantize_model(model, fmt=args.quant)
+            quantize.quantize_model(model, fmt=args.quant)
         model = model.to(device)
     cfg = model.config
     print(f"model | {model_dir or 'random'} | type {cfg.model_type} | layers {cfg.num_hidden_layers} "
@@ -943,3 +883,7 @@ if __name__ == "__main__":
           f"| decode | tokens {s['decode_tokens']} | steps {s['decode_steps']} "
           f"| tok/s {s['decode_tokens'] / max(s['decode_s'], 1e-9):.0f}"
           + (f" | compile_s {s['compile_s']:.1f}" if args.compile else ""))
+
+
+if __name__ == "__main__":
+    main()

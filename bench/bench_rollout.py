@@ -194,7 +194,7 @@ def pick_device(name):
     """--device (None, "cpu" or "cuda") -> torch.device, or exit with a one-line error."""
     if name not in (None, "cpu", "cuda"):
         raise SystemExit(f"error: --device must be cpu or cuda, got {name!r}")
-    device = torch.device(name or ro.autodetect_device())
+    device = torch.device(name or ro.quantize.autodetect_device())
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but torch sees no CUDA GPU; use --device cpu")
     return device

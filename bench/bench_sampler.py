@@ -307,7 +307,7 @@ if __name__ == "__main__":
         torch.set_num_threads(args.threads)
     ro = importlib.import_module("03_rollout")
     br = importlib.import_module("bench_rollout")  # its random-model builder and shapes
-    device = torch.device(args.device or ro.autodetect_device())
+    device = torch.device(args.device or ro.quantize.autodetect_device())
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     if args.kv_vs_recompute:

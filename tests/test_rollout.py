@@ -220,6 +220,32 @@ def test_sequence_logprobs_equal_sampler_records(model):
     model.zero_grad()
 
 
+def test_grad_checkpoint_same_logits_and_gradients():
+    """CausalLM.grad_checkpoint reruns each layer's forward in backward: same numbers, a second forward."""
+    model = random_model(seed=4)
+    ids, mask = left_pad(PROMPTS)
+    runs, calls = [], []
+    hook = model.model.layers[1].register_forward_pre_hook(lambda m, i: calls.append(1))
+    for checkpoint in (False, True):
+        model.grad_checkpoint, calls[:] = checkpoint, []
+        model.zero_grad()
+        logits = model(ids, attention_mask=mask)  # (B, T, V)
+        logits[mask].log_softmax(-1)[:, 5].sum().backward()
+        runs.append((logits.detach(), [p.grad.clone() for p in model.parameters()], len(calls)))
+    hook.remove()
+    (l0, g0, n0), (l1, g1, n1) = runs
+    assert (n0, n1) == (1, 2)  # checkpointed: layer 1 ran again during backward
+    torch.testing.assert_close(l1, l0, atol=0, rtol=0)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert sum(float(g.abs().sum()) for g in g0) > 0
+    with torch.no_grad():  # no grad: plain layers, nothing to recompute
+        calls[:] = []
+        hook = model.model.layers[1].register_forward_pre_hook(lambda m, i: calls.append(1))
+        model(ids, attention_mask=mask)
+        hook.remove()
+    assert len(calls) == 1
+
 # ---------------------------------------------------------------------------------------------------
 # No per-token host sync; the static-shape decode step under torch.compile
 
@@ -477,11 +503,11 @@ def test_truncated_or_corrupt_safetensors_is_one_line(tmp_path):
     header = json.loads(data[8:8 + n])
     last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
     (d / "model.safetensors").write_bytes(data[:-100])  # an interrupted download: the last tensor is cut
-    with pytest.raises(ValueError, match=rf"model.safetensors: tensor {last} needs {len(data)} bytes but the "
+    with pytest.raises(ValueError, match=rf"model.safetensors: tensor {last} needs bytes \d+\.\.{len(data)} but the "
                                          rf"file has {len(data) - 100}; the file is truncated or corrupt"):
         ro.load_model(d, device="cpu")
     (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!" + data[100:])
-    with pytest.raises(ValueError, match=r"model.safetensors: its header is unreadable; the file is truncated"):
+    with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file"):
         ro.load_model(d, device="cpu")
 
 
@@ -496,8 +522,8 @@ def test_truncated_shard_and_wrong_shape_name_the_file(tmp_path):
         k: f"model-0000{1 + (i >= 5)}-of-00002.safetensors" for i, k in enumerate(names)}}))
     good = (d / "model-00002-of-00002.safetensors").read_bytes()
     (d / "model-00002-of-00002.safetensors").write_bytes(good[:len(good) // 2])
-    with pytest.raises(ValueError, match=r"model-00002-of-00002.safetensors: tensor \S+ needs \d+ bytes but the file "
-                                         r"has \d+; the file is truncated or corrupt"):
+    with pytest.raises(ValueError, match=r"model-00002-of-00002.safetensors: tensor \S+ needs bytes \d+\.\.\d+ but "
+                                         r"the file has \d+; the file is truncated or corrupt"):
         ro.load_model(d, device="cpu")
     (d / "model-00002-of-00002.safetensors").write_bytes(good)
     cfg = json.loads((d / "config.json").read_text())
