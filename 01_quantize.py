@@ -151,7 +151,6 @@ def dequantize_nf4(packed, absmax, shape, blocksize=64):
     return (vals * per_elem).view(*shape)
 
 
-
 # -----------------------------------------------------------------------------------------------------
 # Quantized Linear modules (frozen buffers; only LoRA trains on top of them in stage 02)
 
@@ -476,12 +475,10 @@ def _expected_shape(name, config):
             "down_proj.weight": (C, I)}.get(leaf)
 
 
-
-
 # -----------------------------------------------------------------------------------------------------
-# Checkpoint writer: HF folder -> compressed-tensors nvfp4-pack-quantized folder, one fused group at a time.
-# Output sizes are known up front, so each output file's header is written first and each tensor at its
-# offset as soon as it is ready: memory holds one fused group, not the model.
+# Checkpoint writer: HF folder -> compressed-tensors nvfp4-pack-quantized folder. Output sizes are known up
+# front, so each file's header is written first and each tensor at its offset once it is ready: memory
+# holds one fused group, not the model.
 
 NVFP4_QUANT_CONFIG = {  # weight-only NVFP4 (W4A16): no input_activations, unlike the W4A4 example
     "config_groups": {"group_0": {
@@ -494,42 +491,6 @@ NVFP4_QUANT_CONFIG = {  # weight-only NVFP4 (W4A16): no input_activations, unlik
     "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {}}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
-
-
-class _SafetensorsWriter:
-    """Writes a safetensors file whose tensor specs are fixed first; tensors may then come in any order."""
-
-    def __init__(self, path, specs):                                     # specs: {name: (dtype str, shape)}
-        # Largest items first keeps every tensor aligned to its item size (as safetensors itself does).
-        order = sorted(specs, key=lambda k: (-ST_DTYPES[specs[k][0]][1], k))
-        header, pos = {"__metadata__": {"format": "pt"}}, 0
-        for k in order:
-            dt, shape = specs[k]
-            n = ST_DTYPES[dt][1] * math.prod(shape)
-            header[k] = {"dtype": dt, "shape": list(shape), "data_offsets": [pos, pos + n]}
-            pos += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.header, self.start, self.todo, self.size = header, 8 + len(raw), set(specs), pos
-        self.f = open(path, "wb")
-        self.f.write(len(raw).to_bytes(8, "little") + raw)
-
-    def write(self, name, data):                                         # data: tensor or bytes
-        if isinstance(data, torch.Tensor):
-            if ST_DTYPES[self.header[name]["dtype"]][0] != data.dtype:
-                raise ValueError(f"{name}: dtype {data.dtype} does not match the planned header")
-            data = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        b, e = self.header[name]["data_offsets"]
-        if len(data) != e - b:                                          # a source file changed under us
-            raise ValueError(f"{name}: {len(data)} bytes, the header says {e - b}")
-        self.f.seek(self.start + b)
-        self.f.write(data)
-        self.todo.discard(name)
-
-    def close(self):
-        self.f.close()
-        if self.todo:
-            raise ValueError(f"tensors never written: {sorted(self.todo)[:3]}")
 
 
 def _plan_shards(model_dir, weight_map, config):
@@ -557,63 +518,81 @@ def _plan_shards(model_dir, weight_map, config):
     return headers, where, groups
 
 
-def _read_tensor(model_dir, shard, header, start, name):
-    """The raw bytes of tensor `name` of a shard (header and data start from _read_header)."""
-    b, e = header[name]["data_offsets"]
-    with open(os.path.join(model_dir, shard), "rb") as f:
-        f.seek(start + b)
-        return f.read(e - b)
+def _write_safetensors(path, specs, items):
+    """Write a safetensors file holding `specs` {name: (dtype, shape)}, its tensors taken from `items`, an
+    iterator of (name, tensor or raw bytes) in any order, so only one item is in memory at a time."""
+    order = sorted(specs, key=lambda k: (-ST_DTYPES[specs[k][0]][1], k))  # largest items first: aligned,
+    header, pos = {"__metadata__": {"format": "pt"}}, 0                   # as safetensors itself does
+    for k in order:
+        n = ST_DTYPES[specs[k][0]][1] * math.prod(specs[k][1])
+        header[k] = {"dtype": specs[k][0], "shape": list(specs[k][1]), "data_offsets": [pos, pos + n]}
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    todo = set(specs)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for name, data in items:
+            if isinstance(data, torch.Tensor):
+                if ST_DTYPES[header[name]["dtype"]][0] != data.dtype:
+                    raise ValueError(f"{name}: dtype {data.dtype} does not match the planned header")
+                data = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            b, e = header[name]["data_offsets"]
+            if len(data) != e - b:                                      # a source file changed under us
+                raise ValueError(f"{name}: {len(data)} bytes, the header says {e - b}")
+            f.seek(8 + len(raw) + b)
+            f.write(data)
+            todo.discard(name)
+    if todo:
+        raise ValueError(f"tensors never written: {sorted(todo)[:3]}")
+    return pos
 
 
-def _load_weight(model_dir, headers, where, name, device):
-    header, start = headers[where[name]]
-    raw = bytearray(_read_tensor(model_dir, where[name], header, start, name))
-    return torch.frombuffer(raw, dtype=ST_DTYPES[header[name]["dtype"]][0]).view(header[name]["shape"]).to(device)
+def _shard_items(model_dir, s, plan, device, log, progress):
+    """Yield (name, tensor or bytes) for output shard s: its other tensors byte for byte, then its weights
+    quantized one fused group at a time (progress: [weights done, weights in all])."""
+    from safetensors import safe_open
+    (header, start), where, groups = plan[0][s], plan[1], plan[2]
+    quant = {k for members in groups.values() for k in members}
+    with open(os.path.join(model_dir, s), "rb") as src:
+        for k, info in header.items():
+            if k not in quant:
+                src.seek(start + info["data_offsets"][0])
+                yield k, src.read(info["data_offsets"][1] - info["data_offsets"][0])
+                log(f"copy   {k} | dtype {info['dtype']} | shape {'x'.join(map(str, info['shape']))}")
+    for members in groups.values():
+        # The group's global scale needs every member's amax: read the group together (a member
+        # stored in another shard is read again there). Memory holds one group, never the model.
+        if not any(where[k] == s for k in members):
+            continue
+        ws = {}
+        for k in members:
+            with safe_open(os.path.join(model_dir, where[k]), framework="pt") as f:
+                ws[k] = f.get_tensor(k).to(device)
+            _check_weight(ws[k], k)
+        gs = group_global_scale(ws.values())
+        for k in (k for k in members if where[k] == s):
+            packed, scale, gs_k = quantize_nvfp4(ws[k], gs, name=k)
+            yield from ((k + "_packed", packed), (k + "_scale", scale), (k + "_global_scale", gs_k))
+            w32 = ws[k].float()
+            err = (dequantize_nvfp4(packed, scale, gs_k) - w32).norm() / w32.norm().clamp(min=1e-30)
+            progress[0] += 1
+            log(f"nvfp4  [{progress[0]}/{progress[1]}] {k} | shape {'x'.join(map(str, w32.shape))} | gs "
+                f"{gs.item():.4g} | rel_rms_err {err.item():.4f} | bytes {ws[k].numel() * ws[k].element_size()} "
+                f"-> {packed.numel() + scale.numel() + 4}")
 
 
-def _quantize_group(writer, ws, mine, log, progress):
-    """Quantize the weights `mine` of a fused group ws {name: weight} with the group's shared global scale."""
-    for k, w in ws.items():
-        _check_weight(w, k)
-    gs = group_global_scale(ws.values())
-    for k in mine:
-        packed, scale, gs_k = quantize_nvfp4(ws[k], gs, name=k)
-        for suffix, t in (("packed", packed), ("scale", scale), ("global_scale", gs_k)):
-            writer.write(f"{k}_{suffix}", t)
-        w32 = ws[k].float()
-        err = (dequantize_nvfp4(packed, scale, gs_k) - w32).norm() / w32.norm().clamp(min=1e-30)
-        progress[0] += 1
-        nbytes = (ws[k].numel() * ws[k].element_size(), packed.numel() + scale.numel() + 4)
-        log(f"nvfp4  [{progress[0]}/{progress[1]}] {k} | shape {'x'.join(map(str, w32.shape))} | gs {gs.item():.4g} "
-            f"| rel_rms_err {err.item():.4f} | bytes {nbytes[0]} -> {nbytes[1]}")
-
-
-def _write_shard(model_dir, tmp, s, plan, device, log, progress):
-    """Write shard s into tmp: its other tensors copied byte for byte, its weights quantized group by
-    group. Returns its output specs {name: (dtype, shape)} and its size in bytes."""
-    headers, where, groups = plan
-    (header, start), quant = headers[s], {k for members in groups.values() for k in members}
+def _shard_specs(header, quant):
+    """The tensors of an output shard, {name: (dtype, shape)}: each quantized weight becomes three."""
     specs = {}
     for k, info in header.items():
         if k in quant:
-            (o, i) = info["shape"]
+            o, i = info["shape"]
             specs.update({k + "_packed": ("U8", (o, i // 2)), k + "_scale": ("F8_E4M3", (o, i // NVFP4_BLOCK)),
                           k + "_global_scale": ("F32", (1,))})
         else:
             specs[k] = (info["dtype"], info["shape"])
-    writer = _SafetensorsWriter(os.path.join(tmp, s), specs)
-    for k, info in header.items():
-        if k not in quant:
-            writer.write(k, _read_tensor(model_dir, s, header, start, k))
-            log(f"copy   {k} | dtype {info['dtype']} | shape {'x'.join(map(str, info['shape']))}")
-    for members in groups.values():
-        # The group's global scale needs every member's amax: read the group together (a member
-        # stored in another shard is read again there). Memory holds one group, never the model.
-        if any(where[k] == s for k in members):
-            ws = {k: _load_weight(model_dir, headers, where, k, device) for k in members}
-            _quantize_group(writer, ws, [k for k in members if where[k] == s], log, progress)
-    writer.close()
-    return specs, writer.size
+    return specs
 
 
 def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=None, log=print):
@@ -621,15 +600,16 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
     to a hidden temporary folder renamed into place at the end (atomic_write): nothing half-written."""
     config, weight_map, has_index, device = _check_checkpoint_args(model_dir, out_dir, fmt, force, device)
     plan = headers, where, groups = _plan_shards(model_dir, weight_map, config)
-    t0, n_quant = time.time(), sum(len(m) for m in groups.values())
-    progress, new_map, sizes = [0, n_quant], {}, []  # progress: weights quantized so far, of n_quant
+    quant = {k for members in groups.values() for k in members}
+    t0, progress, new_map, sizes = time.time(), [0, len(quant)], {}, []
 
     def write(tmp):
         os.makedirs(tmp)
-        for s in headers:
-            specs, size = _write_shard(model_dir, tmp, s, plan, device, log, progress)
+        for s, (header, _) in headers.items():
+            specs = _shard_specs(header, quant)
+            sizes.append(_write_safetensors(os.path.join(tmp, s), specs,
+                                            _shard_items(model_dir, s, plan, device, log, progress)))
             new_map.update(dict.fromkeys(specs, s))
-            sizes.append(size)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(dict(config, quantization_config=NVFP4_QUANT_CONFIG), f, indent=2)
         if has_index:
@@ -643,9 +623,9 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
     out_dir = atomic_write(out_dir, write)
     bytes_in = sum(v["data_offsets"][1] - v["data_offsets"][0] for h, _ in headers.values() for v in h.values())
     bytes_out = sum(sizes)
-    log(f"done | tensors {len(where)} | quantized {n_quant} | bytes {bytes_in / 1e6:.1f} MB -> "
+    log(f"done | tensors {len(where)} | quantized {len(quant)} | bytes {bytes_in / 1e6:.1f} MB -> "
         f"{bytes_out / 1e6:.1f} MB ({bytes_out / max(bytes_in, 1):.3f}x) | time {time.time() - t0:.1f}s | out {out_dir}")
-    return {"bytes_in": bytes_in, "bytes_out": bytes_out, "quantized": n_quant, "tensors": len(where)}
+    return {"bytes_in": bytes_in, "bytes_out": bytes_out, "quantized": len(quant), "tensors": len(where)}
 
 
 # -----------------------------------------------------------------------------------------------------
