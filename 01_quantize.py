@@ -1,19 +1,16 @@
 """Stage 01: store a model's Linear weights in 4 bits, as NVFP4 (QeRL) and as NF4 (the QLoRA baseline).
 
-QeRL keeps the frozen base model in NVFP4: 4-bit E2M1 values, one FP8 (E4M3) scale per block of 16
-inputs and one FP32 scale per tensor. The 4-bit weights make rollouts cheaper, and the rounding noise
-they add raises policy entropy, which the paper finds helps exploration. NF4 (bitsandbytes, QLoRA) is
-the baseline it is compared with. Both formats are written byte for byte as their reference libraries
-do (compressed-tensors `nvfp4-pack-quantized`, bitsandbytes `quantize_4bit(nf4)`), so a checkpoint
-written here loads in compressed-tensors and vLLM.
+QeRL keeps the frozen base model in NVFP4 (4-bit E2M1 values, an FP8 E4M3 scale per 16 inputs, an FP32
+scale per tensor): rollouts get cheaper, and the rounding noise raises policy entropy, which the paper finds
+helps exploration. Both formats are written byte for byte as compressed-tensors `nvfp4-pack-quantized` and
+bitsandbytes `quantize_4bit(nf4)` write them, so a checkpoint written here loads in compressed-tensors and vLLM.
 
     python 01_quantize.py                                  # demo: bits, bytes, error, time per format
     python 01_quantize.py --model DIR --out DIR [--force]  # HF folder -> compressed-tensors NVFP4 folder
 
-NVFP4Linear sends CUDA inputs through the Triton kernel (kernels/) and dequantizes for CPU inputs.
-QERL_TRITON_CPU=1 sends CPU inputs through the kernel too, run by Triton's interpreter (TRITON_INTERPRET=1):
-stage 05's --gpu-path sets it to try the GPU code path on a CPU. Later stages import this file as
-`importlib.import_module("01_quantize")`.
+NVFP4Linear runs CUDA inputs through the Triton kernel (kernels/) and dequantizes for CPU inputs, unless
+QERL_TRITON_CPU=1: then CPU inputs go through the kernel too, run by Triton's interpreter (TRITON_INTERPRET=1;
+stage 05's --gpu-path sets it). Later stages import this file as `importlib.import_module("01_quantize")`.
 """
 import argparse
 import functools
@@ -85,11 +82,6 @@ def quantize_nvfp4(w, global_scale=None, name="weight"):
     code = (idx | ((y < 0).to(torch.uint8) << 3)).view(out_f, k_pad)     # (out, K_pad)
     packed = code[:, 0::2] | (code[:, 1::2] << 4)                        # (out, K_pad/2), even elt low nibble
     return packed.contiguous(), s.to(torch.float8_e4m3fn), gs
-
-
-def unpack_nvfp4_codes(packed):
-    """uint8 [out, K_pad/2] -> 4-bit codes [out, K_pad] (low nibble first)."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
 
 
 # Byte -> its two decoded values (low nibble first): one gather per byte instead of unpack + two gathers.
@@ -166,12 +158,9 @@ def _nvfp4_kernel():
 
 
 class _RebuiltWeightLinear(torch.autograd.Function):
-    """y = x @ W^T + b for a frozen 4-bit weight, rebuilding W in backward instead of saving it.
-
-    A plain `F.linear(x, module.dequantized_weight())` makes autograd keep every layer's
-    full-precision weight alive until backward, so a LoRA training step would need as much memory as
-    the unquantized model. The weight is frozen, so only dL/dx = dL/dy @ W is needed, and W can be
-    dequantized again then (the Triton kernel's backward does the same on the GPU)."""
+    """y = x @ W^T + b for a frozen 4-bit weight, rebuilding W in backward instead of saving it: autograd
+    would otherwise keep every layer's full-precision W until backward (the unquantized model's memory in a
+    LoRA step). W is frozen, so backward needs only dL/dx = dL/dy @ W (the Triton kernel does the same)."""
 
     @staticmethod
     def forward(ctx, x, module):
@@ -305,7 +294,7 @@ def quantize_model(model, fmt="nvfp4", skip=("lm_head",)):
 
 
 # ========= Part 2: plumbing (shared helpers, checks, compressed-tensors writer, demo, command line) =========
-# Helpers every stage uses
+# Helpers every stage uses, and checks
 
 
 def autodetect_device():
@@ -345,10 +334,6 @@ def atomic_write(path, write):
             elif os.path.exists(leftover):
                 os.remove(leftover)
     return path
-
-
-# -----------------------------------------------------------------------------------------------------
-# Checks
 
 
 def _check_weight(w, name, global_scale=None):
@@ -460,19 +445,17 @@ def find_weight_files(model_dir):
 
 def _expected_shape(name, config):
     """The shape config.json implies for a decoder weight (None for names it does not describe)."""
-    c = lambda k, d=None: config.get(k, d)  # noqa: E731
-    if not all(isinstance(c(k), int) for k in ("hidden_size", "intermediate_size", "num_attention_heads")):
+    C, I, H, V = (config.get(k) for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"))
+    if not all(isinstance(v, int) for v in (C, I, H)):
         return None
-    C, I, H = c("hidden_size"), c("intermediate_size"), c("num_attention_heads")
-    D = c("head_dim") or C // H
-    KV = (c("num_key_value_heads") or H) * D
-    leaf = ".".join(name.split(".")[-2:])
-    V = c("vocab_size") if isinstance(c("vocab_size"), int) else None
-    if leaf in ("embed_tokens.weight", "lm_head.weight"):
-        return (V, C) if V else None
-    return {"q_proj.weight": (H * D, C), "k_proj.weight": (KV, C), "v_proj.weight": (KV, C),
-            "o_proj.weight": (C, H * D), "gate_proj.weight": (I, C), "up_proj.weight": (I, C),
-            "down_proj.weight": (C, I)}.get(leaf)
+    D = config.get("head_dim") or C // H
+    KV = (config.get("num_key_value_heads") or H) * D
+    shapes = {"q_proj": (H * D, C), "k_proj": (KV, C), "v_proj": (KV, C), "o_proj": (C, H * D), "gate_proj": (I, C),
+              "up_proj": (I, C), "down_proj": (C, I)}
+    if isinstance(V, int):
+        shapes.update(embed_tokens=(V, C), lm_head=(V, C))
+    parent, _, leaf = name.rpartition(".")
+    return shapes.get(parent.rpartition(".")[2]) if leaf == "weight" else None
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -637,26 +620,25 @@ def demo(seed=0):
     h, inter, kv = 896, 4864, 2 * 64  # Qwen2.5-0.5B: hidden 896, intermediate 4864, 2 kv heads x 64
     suites = {"4096x4096": [(4096, 4096)],
               "Qwen2.5-0.5B layer": [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)]}
-    formats = {  # name: (quantize, dequantize, (bytes per weight tensor, fixed bytes per tensor))
-        "nvfp4": (quantize_nvfp4, lambda w, q: dequantize_nvfp4(*q), lambda q: (q[0].numel() + q[1].numel(), 4)),
-        "nf4": (quantize_nf4, lambda w, q: dequantize_nf4(q[0], q[1], w.shape), lambda q: (q[0].numel() + 4 * q[1].numel(), 0))}
+    formats = {  # name: (quantize, dequantize, bytes of codes + block scales); NVFP4 adds 4 bytes per tensor
+        "nvfp4": (quantize_nvfp4, lambda w, q: dequantize_nvfp4(*q), lambda q: q[0].numel() + q[1].numel()),
+        "nf4": (quantize_nf4, lambda w, q: dequantize_nf4(q[0], q[1], w.shape), lambda q: q[0].numel() + 4 * q[1].numel())}
     print("random N(0, 0.02^2) bf16 weights; errors relative to the bf16 weight; NF4 without double quantization")
     print(f"{'weights':<20}| {'format':<6}| {'bits/weight':>11} | {'+bytes/tensor':>13} | {'bytes vs bf16':>13} | "
           f"{'rel RMS err':>11} | {'max abs err':>11} | {'quantize ms':>11}")
     for label, shapes in suites.items():
         ws = [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in shapes]  # bf16, like checkpoints
-        w = torch.cat([w.float().reshape(-1) for w in ws])                                # (numel,)
+        flat = torch.cat([w.float().reshape(-1) for w in ws])                            # (numel,)
         for fmt, (quantize, dequantize, nbytes) in formats.items():
             t0 = time.perf_counter()
             qs = [quantize(w) for w in ws]
             ms = (time.perf_counter() - t0) * 1e3
-            body, fixed = (sum(b) for b in zip(*map(nbytes, qs)))
-            d = torch.cat([dequantize(wi, q).reshape(-1) for wi, q in zip(ws, qs)]) - w     # (numel,)
-            print(f"{label:<20}| {fmt:<6}| {8 * body / w.numel():>11.4f} | {fixed // len(ws):>13d} | "
-                  f"{(body + fixed) / (2 * w.numel()):>13.5f} | {(d.norm() / w.norm()).item():>11.4f} | "
+            body, fixed = sum(map(nbytes, qs)), (4 if fmt == "nvfp4" else 0) * len(ws)
+            d = torch.cat([dequantize(w, q).reshape(-1) for w, q in zip(ws, qs)]) - flat  # (numel,)
+            print(f"{label:<20}| {fmt:<6}| {8 * body / flat.numel():>11.4f} | {fixed // len(ws):>13d} | "
+                  f"{(body + fixed) / (2 * flat.numel()):>13.5f} | {(d.norm() / flat.norm()).item():>11.4f} | "
                   f"{d.abs().max().item():>11.2e} | {ms:>11.1f}")
-    print("NVFP4: exactly 4.5 bits/weight (4-bit code + one 8-bit scale per 16) + 4 bytes/tensor (fp32 global"
-          " scale).\n"
+    print("NVFP4: exactly 4.5 bits/weight (4-bit code + one 8-bit scale per 16) + 4 bytes/tensor (fp32 global scale).\n"
           "NF4 without double quantization is also 4.5 bits (4-bit code + one fp32 absmax per 64); QLoRA's double\n"
           "quantization of the absmax brings it to ~4.127 bits.")
 

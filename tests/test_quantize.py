@@ -31,7 +31,8 @@ def same_bytes(a, b):
 
 
 def codes(packed):
-    return q.unpack_nvfp4_codes(packed)
+    """uint8 [out, K_pad/2] -> 4-bit codes [out, K_pad] (low nibble first)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
 
 
 # ---------------------------------------------------------------------------------------------------
