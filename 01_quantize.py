@@ -1,83 +1,30 @@
 """Stage 01: store a model's Linear weights in 4 bits, as NVFP4 (QeRL) and as NF4 (the QLoRA baseline).
 
-QeRL keeps the base model frozen in NVFP4: 4-bit E2M1 values, one FP8 (E4M3) scale per block of 16
-inputs and one FP32 scale per tensor. The 4-bit weights make rollouts cheaper, and the rounding noise
-they add raises policy entropy, which the paper finds helps exploration. NF4 (bitsandbytes, QLoRA) is
-the baseline it is compared with. This file writes both formats byte for byte as their reference
-libraries do (compressed-tensors `nvfp4-pack-quantized`, bitsandbytes `quantize_4bit(nf4)`), so a
-checkpoint written here loads in compressed-tensors and vLLM.
+QeRL keeps the frozen base model in NVFP4 (4-bit E2M1 values, an FP8 E4M3 scale per 16 inputs, an FP32
+scale per tensor): rollouts get cheaper, and the rounding noise raises policy entropy, which the paper finds
+helps exploration. Both formats are written byte for byte as compressed-tensors `nvfp4-pack-quantized` and
+bitsandbytes `quantize_4bit(nf4)` write them, so a checkpoint written here loads in compressed-tensors and vLLM.
 
     python 01_quantize.py                                  # demo: bits, bytes, error, time per format
     python 01_quantize.py --model DIR --out DIR [--force]  # HF folder -> compressed-tensors NVFP4 folder
 
-Import it as `importlib.import_module("01_quantize")`; the exact format is in the comments below.
+NVFP4Linear runs CUDA inputs through the Triton kernel (kernels/) and dequantizes for CPU inputs, unless
+QERL_TRITON_CPU=1: then CPU inputs go through the kernel too, run by Triton's interpreter (TRITON_INTERPRET=1;
+stage 05's --gpu-path sets it). Later stages import this file as `importlib.import_module("01_quantize")`.
 """
 import argparse
-import copy
+import functools
 import itertools
 import json
 import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-# -----------------------------------------------------------------------------------------------------
-# Device
-
-
-def autodetect_device():
-    """The one device rule every stage uses: the GPU when there is one, else the CPU."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def model_device(model):
-    """The device of a module's first parameter or buffer (the CPU for a module with neither)."""
-    t = next(itertools.chain(model.parameters(), model.buffers()), None)
-    return t.device if t is not None else torch.device("cpu")
-
-
-def replace_module(model, name, new):
-    """Put `new` where model's submodule `name` (e.g. "model.layers.0.mlp.up_proj") is; returns `new`."""
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent), leaf, new)  # get_submodule("") is the model itself
-    return new
-
-
-def atomic_write(path, write):
-    """Call write(tmp) with a hidden name next to `path`, then rename it to `path`: a reader (or a resume
-    after a crash) sees the old file or folder or the complete new one, never half of it. Returns path."""
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
-    old = tmp + ".old"
-    try:
-        write(tmp)
-        if os.path.isdir(path):  # os.replace cannot overwrite a folder: move the old one aside first
-            os.replace(path, old)
-        os.replace(tmp, path)
-    finally:
-        for leftover in (tmp, old):
-            if os.path.isdir(leftover):
-                shutil.rmtree(leftover, ignore_errors=True)
-            elif os.path.exists(leftover):
-                os.remove(leftover)
-    return path
-
-
-def _check_weight(w, name):
-    if w.dim() != 2:
-        raise ValueError(f"{name}: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
-    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{name}: dtype {w.dtype} not supported (use float32, bfloat16 or float16)")
-    if not torch.isfinite(w).all():
-        raise ValueError(f"{name}: weight contains NaN or Inf; fix the checkpoint before quantizing")
-
 
 # -----------------------------------------------------------------------------------------------------
 # NVFP4: E2M1 values, an FP8 E4M3 scale per 16 inputs, an FP32 scale per tensor (all maths in fp32)
@@ -100,11 +47,16 @@ def nvfp4_global_scale(amax):
     return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
 
 
+def group_global_scale(weights):
+    """The one global scale of a fused group (q/k/v, gate/up): that of its largest |w|."""
+    return nvfp4_global_scale(torch.stack([w.detach().abs().amax().float() for w in weights]).max())
+
+
 @torch.no_grad()
 def quantize_nvfp4(w, global_scale=None, name="weight"):
     """w [out, in] -> packed uint8 [out, K_pad/2], scale fp8 [out, K_pad/16], global_scale fp32 [1].
     Pass global_scale to share one across fused layers (q/k/v, gate/up), as vLLM requires."""
-    _check_weight(w, name)
+    _check_weight(w, name, global_scale)
     w = w.detach().float()
     out_f, in_f = w.shape
     k_pad = -(-in_f // NVFP4_BLOCK) * NVFP4_BLOCK
@@ -114,8 +66,6 @@ def quantize_nvfp4(w, global_scale=None, name="weight"):
         gs = nvfp4_global_scale(w.abs().amax())
     else:
         gs = torch.as_tensor(global_scale, dtype=torch.float32).reshape(1).clone().to(w.device)
-        if not (torch.isfinite(gs).all() and gs.item() > 0):
-            raise ValueError(f"{name}: global_scale must be a finite positive number, got {gs.item()}")
     blocks = w.view(out_f, k_pad // NVFP4_BLOCK, NVFP4_BLOCK)             # (out, nb, 16)
     amax_b = blocks.abs().amax(dim=-1)                                   # (out, nb)
     s = (gs * (amax_b / FP4_MAX)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()  # RNE cast
@@ -132,11 +82,6 @@ def quantize_nvfp4(w, global_scale=None, name="weight"):
     code = (idx | ((y < 0).to(torch.uint8) << 3)).view(out_f, k_pad)     # (out, K_pad)
     packed = code[:, 0::2] | (code[:, 1::2] << 4)                        # (out, K_pad/2), even elt low nibble
     return packed.contiguous(), s.to(torch.float8_e4m3fn), gs
-
-
-def unpack_nvfp4_codes(packed):
-    """uint8 [out, K_pad/2] -> 4-bit codes [out, K_pad] (low nibble first)."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
 
 
 # Byte -> its two decoded values (low nibble first): one gather per byte instead of unpack + two gathers.
@@ -192,9 +137,7 @@ _NF4_BYTE_LUT = torch.stack((NF4_CODE[torch.arange(256) >> 4], NF4_CODE[torch.ar
 
 def dequantize_nf4(packed, absmax, shape, blocksize=64):
     """-> fp32 tensor of `shape`: code book value * its block's absmax."""
-    n = 1
-    for s in shape:
-        n *= s
+    n = math.prod(shape)
     vals = _NF4_BYTE_LUT.to(packed.device)[packed.long()].reshape(-1)[:n]  # (numel,), high nibble first
     per_elem = absmax.float().repeat_interleave(blocksize)[:n]
     return (vals * per_elem).view(*shape)
@@ -203,28 +146,21 @@ def dequantize_nf4(packed, absmax, shape, blocksize=64):
 # -----------------------------------------------------------------------------------------------------
 # Quantized Linear modules (frozen buffers; only LoRA trains on top of them in stage 02)
 
-_KERNEL = None
 
-
+@functools.cache
 def _nvfp4_kernel():
     """kernels.nvfp4_matmul when Triton is usable, else None (imported lazily: CPU-only installs work)."""
-    global _KERNEL
-    if _KERNEL is None:
-        try:
-            from kernels import HAS_TRITON, nvfp4_matmul
-            _KERNEL = nvfp4_matmul if HAS_TRITON else False
-        except ImportError:
-            _KERNEL = False
-    return _KERNEL or None
+    try:
+        from kernels import HAS_TRITON, nvfp4_matmul
+    except ImportError:
+        return None
+    return nvfp4_matmul if HAS_TRITON else None
 
 
 class _RebuiltWeightLinear(torch.autograd.Function):
-    """y = x @ W^T + b for a frozen 4-bit weight, rebuilding W in backward instead of saving it.
-
-    A plain `F.linear(x, module.dequantized_weight())` makes autograd keep every layer's
-    full-precision weight alive until backward, so a LoRA training step would need as much memory as
-    the unquantized model. The weight is frozen, so only dL/dx = dL/dy @ W is needed, and W can be
-    dequantized again then (the Triton kernel's backward does the same on the GPU)."""
+    """y = x @ W^T + b for a frozen 4-bit weight, rebuilding W in backward instead of saving it: autograd
+    would otherwise keep every layer's full-precision W until backward (the unquantized model's memory in a
+    LoRA step). W is frozen, so backward needs only dL/dx = dL/dy @ W (the Triton kernel does the same)."""
 
     @staticmethod
     def forward(ctx, x, module):
@@ -237,50 +173,61 @@ class _RebuiltWeightLinear(torch.autograd.Function):
         return grad_out @ ctx.module.dequantized_weight(grad_out.dtype), None  # (..., in)
 
 
-def _dequant_linear(module, x):
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _RebuiltWeightLinear.apply(x, module)
-    b = None if module.bias is None else module.bias.to(x.dtype)
-    return F.linear(x, module.dequantized_weight(x.dtype), b)
+class _QuantLinear(nn.Module):
+    """What NVFP4Linear and NF4Linear share: the format's buffers (registered first, in the order its
+    quantize function returns them, under their checkpoint names so that `load_state_dict` and stage 03
+    fill them by name), an optional bias, and a forward that rebuilds the weight in backward."""
+    fmt = None
 
+    def __init__(self, in_features, out_features, bias, device, bias_dtype, **format_buffers):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        for k, t in format_buffers.items():
+            self.register_buffer(k, t)
+        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
 
-class _FrozenFormat(nn.Module):
-    """`model.to(torch.bfloat16)` casts every floating buffer. The packed format must keep its dtypes
-    (fp8 scales, fp32 scales: a bf16 global scale would change every weight), so for these buffers
-    we take only the device from the conversion."""
-    _format_buffers = ()
+    @classmethod
+    def _from_linear(cls, linear, quantized, **kwargs):
+        w = linear.weight
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, w.device, w.dtype, **kwargs)
+        for k, t in zip(list(m._buffers), quantized):
+            setattr(m, k, t)
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().clone()
+        return m
+
+    def forward(self, x):                                                # (..., in) -> (..., out)
+        return _RebuiltWeightLinear.apply(x, self)  # without grad: just F.linear on the dequantized W
 
     def _apply(self, fn, recurse=True):
-        keep = {k: self._buffers[k] for k in self._format_buffers}
+        # model.to(torch.bfloat16) casts every floating buffer, and .to()/.cuda()/.half() all end here. The
+        # format must keep its dtypes (fp8 scales; a bf16 global scale would shift every weight), so its
+        # buffers take only the device from a conversion; the bias converts as usual.
+        keep = {k: t for k, t in self._buffers.items() if k != "bias"}
         super()._apply(fn, recurse)
         for k, t in keep.items():
             self._buffers[k] = t.to(self._buffers[k].device)
         return self
 
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, format={self.fmt}"
 
-class NVFP4Linear(_FrozenFormat):
-    """y = x @ W_hat^T + b with W_hat stored as NVFP4. Buffer names are the checkpoint names, so
-    `load_state_dict` reads a compressed-tensors checkpoint directly."""
-    _format_buffers = ("weight_packed", "weight_scale", "weight_global_scale")
+
+class NVFP4Linear(_QuantLinear):
+    """y = x @ W_hat^T + b with W_hat stored as NVFP4; its buffers are a compressed-tensors checkpoint's."""
+    fmt = "nvfp4"
 
     def __init__(self, in_features, out_features, bias=False, device=None, bias_dtype=torch.float32):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
         k_pad = -(-in_features // NVFP4_BLOCK) * NVFP4_BLOCK
         o, nb = out_features, k_pad // NVFP4_BLOCK
-        self.register_buffer("weight_packed", torch.zeros(o, k_pad // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("weight_scale", torch.zeros(o, nb, dtype=torch.float8_e4m3fn, device=device))
-        self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
+        super().__init__(in_features, out_features, bias, device, bias_dtype,
+                         weight_packed=torch.zeros(o, k_pad // 2, dtype=torch.uint8, device=device),
+                         weight_scale=torch.zeros(o, nb, dtype=torch.float8_e4m3fn, device=device),
+                         weight_global_scale=torch.ones(1, dtype=torch.float32, device=device))
 
     @classmethod
     def from_linear(cls, linear, global_scale=None, name="weight"):
-        w = linear.weight
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, w.device, w.dtype)
-        m.weight_packed, m.weight_scale, m.weight_global_scale = quantize_nvfp4(w, global_scale, name=name)
-        if linear.bias is not None:
-            m.bias = linear.bias.detach().clone()
-        return m
+        return cls._from_linear(linear, quantize_nvfp4(linear.weight, global_scale, name=name))
 
     def dequantized_weight(self, dtype=torch.float32):
         w = dequantize_nvfp4(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
@@ -290,49 +237,33 @@ class NVFP4Linear(_FrozenFormat):
         kernel = _nvfp4_kernel() if (x.is_cuda or os.environ.get("QERL_TRITON_CPU") == "1") else None
         if kernel is not None:
             return kernel(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
-        return _dequant_linear(self, x)
-
-    def extra_repr(self):
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, format=nvfp4"
+        return super().forward(x)
 
 
-class NF4Linear(_FrozenFormat):
+class NF4Linear(_QuantLinear):
     """The QLoRA baseline: NF4 weight, dequantized to x.dtype on every forward."""
-    _format_buffers = ("weight_packed", "weight_absmax")
+    fmt = "nf4"
 
     def __init__(self, in_features, out_features, bias=False, device=None, bias_dtype=torch.float32, blocksize=64):
-        super().__init__()
-        self.in_features, self.out_features, self.blocksize = in_features, out_features, blocksize
         n = in_features * out_features
-        self.register_buffer("weight_packed", torch.zeros((n + 1) // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("weight_absmax", torch.zeros(-(-n // blocksize), dtype=torch.float32, device=device))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
+        super().__init__(in_features, out_features, bias, device, bias_dtype,
+                         weight_packed=torch.zeros((n + 1) // 2, dtype=torch.uint8, device=device),
+                         weight_absmax=torch.zeros(-(-n // blocksize), dtype=torch.float32, device=device))
+        self.blocksize = blocksize
 
     @classmethod
     def from_linear(cls, linear, blocksize=64, name="weight"):
-        w = linear.weight
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, w.device, w.dtype, blocksize)
-        m.weight_packed, m.weight_absmax = quantize_nf4(w, blocksize, name=name)
-        if linear.bias is not None:
-            m.bias = linear.bias.detach().clone()
-        return m
+        return cls._from_linear(linear, quantize_nf4(linear.weight, blocksize, name=name), blocksize=blocksize)
 
     def dequantized_weight(self, dtype=torch.float32):
         shape = (self.out_features, self.in_features)
         return dequantize_nf4(self.weight_packed, self.weight_absmax, shape, self.blocksize).to(dtype)
-
-    def forward(self, x):                                                # (..., in) -> (..., out)
-        return _dequant_linear(self, x)
-
-    def extra_repr(self):
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, format=nf4"
 
 
 # -----------------------------------------------------------------------------------------------------
 # Whole-model quantization. vLLM runs q/k/v (and gate/up) as one fused matmul with one global
 # scale, so each group gets the scale of its largest amax (= the smallest of their own scales).
 
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
@@ -345,47 +276,110 @@ def fused_group(name):
 @torch.no_grad()
 def quantize_model(model, fmt="nvfp4", skip=("lm_head",)):
     """Replace every nn.Linear (names containing a `skip` entry excepted) in place; returns model."""
-    if fmt not in ("nvfp4", "nf4"):
-        raise ValueError(f"unknown format {fmt!r}: use 'nvfp4' or 'nf4'")
+    _check_format(fmt)
     linears = {n: m for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and not any(s in n for s in skip)}
-    amax = {}  # group -> largest |w| of its members
+    groups = {}  # fused group -> its members' weights
     for n, m in linears.items():
         _check_weight(m.weight, n)
-        a = m.weight.detach().abs().amax().float()
-        amax[fused_group(n)] = torch.maximum(amax.get(fused_group(n), a), a)
+        groups.setdefault(fused_group(n), []).append(m.weight)
+    scales = {g: group_global_scale(ws) for g, ws in groups.items()}
     for n, m in linears.items():
-        parent_name, _, leaf = n.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         if fmt == "nvfp4":
-            new = NVFP4Linear.from_linear(m, nvfp4_global_scale(amax[fused_group(n)]), name=n)
+            new = NVFP4Linear.from_linear(m, scales[fused_group(n)], name=n)
         else:
             new = NF4Linear.from_linear(m, name=n)
-        setattr(parent, leaf, new)
+        replace_module(model, n, new)
     return model
 
 
+# ========= Part 2: plumbing (shared helpers, checks, compressed-tensors writer, demo, command line) =========
+# Helpers every stage uses, and checks
+
+
+def autodetect_device():
+    """The one device rule every stage uses: the GPU when there is one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model_device(model):
+    """The device of a module's first parameter or buffer (the CPU for a module with neither)."""
+    t = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return t.device if t is not None else torch.device("cpu")
+
+
+def replace_module(model, name, new):
+    """Put `new` where model's submodule `name` (e.g. "model.layers.0.mlp.up_proj") is; returns `new`."""
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, new)  # get_submodule("") is the model itself
+    return new
+
+
+def atomic_write(path, write):
+    """Call write(tmp) with a hidden name next to `path`, then rename it to `path`: a reader (or a resume
+    after a crash) sees the old file or folder or the complete new one, never half of it. Returns path."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
+    old = tmp + ".old"
+    try:
+        write(tmp)
+        if os.path.isdir(path):  # os.replace cannot overwrite a folder: move the old one aside first
+            os.replace(path, old)
+        os.replace(tmp, path)
+    finally:
+        for leftover in (tmp, old):
+            if os.path.isdir(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
+            elif os.path.exists(leftover):
+                os.remove(leftover)
+    return path
+
+
+def _check_weight(w, name, global_scale=None):
+    if w.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: dtype {w.dtype} not supported (use float32, bfloat16 or float16)")
+    if not torch.isfinite(w).all():
+        raise ValueError(f"{name}: weight contains NaN or Inf; fix the checkpoint before quantizing")
+    gs = None if global_scale is None else torch.as_tensor(global_scale, dtype=torch.float32).reshape(1)
+    if gs is not None and not (torch.isfinite(gs).all() and gs.item() > 0):
+        raise ValueError(f"{name}: global_scale must be a finite positive number, got {gs.item()}")
+
+
+def _check_format(fmt):
+    if fmt not in ("nvfp4", "nf4"):
+        raise ValueError(f"unknown format {fmt!r}: use 'nvfp4' or 'nf4'")
+
+
+def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
+    """quantize_checkpoint's checks, before any tensor is read -> (config, weight_map, has_index, device)."""
+    if fmt != "nvfp4":
+        raise ValueError(f"checkpoint format {fmt!r} not supported: only nvfp4 (compressed-tensors) is written")
+    config, weight_map, has_index = find_weight_files(model_dir)
+    if "quantization_config" in config:
+        raise ValueError(f"{model_dir} is already quantized (its config.json has a quantization_config)")
+    if os.path.exists(out_dir) and not force:
+        raise FileExistsError(f"{os.path.abspath(out_dir)} already exists: pass --force to replace it")
+    try:
+        device = torch.device(device or autodetect_device())
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}: use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but no GPU is available")
+    return config, weight_map, has_index, device
+
+
 # -----------------------------------------------------------------------------------------------------
-# Checkpoint writer: HF folder -> compressed-tensors nvfp4-pack-quantized folder, one group at a time.
-# A safetensors file is: 8-byte little-endian header length, a JSON header {name: {dtype, shape,
-# data_offsets}}, then the raw bytes. Output sizes are known up front, so we write the header first
-# and each tensor at its offset as soon as it is ready: memory holds one fused group, not the model.
+# Reading Hugging Face folders. A safetensors file is: 8-byte little-endian header length, a JSON header
+# {name: {dtype, shape, data_offsets}}, then the raw bytes.
 
 ST_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
              "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
              "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1),
              "BOOL": (torch.bool, 1), "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1)}
-NVFP4_QUANT_CONFIG = {  # weight-only NVFP4 (W4A16): no input_activations, unlike the W4A4 example
-    "config_groups": {"group_0": {
-        "format": "nvfp4-pack-quantized", "input_activations": None, "output_activations": None,
-        "targets": ["Linear"],
-        "weights": {"dynamic": False, "group_size": 16, "num_bits": 4, "scale_dtype": "torch.float8_e4m3fn",
-                    "strategy": "tensor_group", "symmetric": True, "type": "float"}}},
-    "format": "nvfp4-pack-quantized", "global_compression_ratio": None, "ignore": ["lm_head"],
-    "kv_cache_scheme": None, "moe_sparsity_config": None, "quant_method": "compressed-tensors",
-    "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {}}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _read_json(path):
@@ -451,72 +445,45 @@ def find_weight_files(model_dir):
 
 def _expected_shape(name, config):
     """The shape config.json implies for a decoder weight (None for names it does not describe)."""
-    c = lambda k, d=None: config.get(k, d)  # noqa: E731
-    if not all(isinstance(c(k), int) for k in ("hidden_size", "intermediate_size", "num_attention_heads")):
+    C, I, H, V = (config.get(k) for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"))
+    if not all(isinstance(v, int) for v in (C, I, H)):
         return None
-    C, I, H = c("hidden_size"), c("intermediate_size"), c("num_attention_heads")
-    D = c("head_dim") or C // H
-    KV = (c("num_key_value_heads") or H) * D
-    leaf = ".".join(name.split(".")[-2:])
-    V = c("vocab_size") if isinstance(c("vocab_size"), int) else None
-    if leaf in ("embed_tokens.weight", "lm_head.weight"):
-        return (V, C) if V else None
-    return {"q_proj.weight": (H * D, C), "k_proj.weight": (KV, C), "v_proj.weight": (KV, C),
-            "o_proj.weight": (C, H * D), "gate_proj.weight": (I, C), "up_proj.weight": (I, C),
-            "down_proj.weight": (C, I)}.get(leaf)
+    D = config.get("head_dim") or C // H
+    KV = (config.get("num_key_value_heads") or H) * D
+    shapes = {"q_proj": (H * D, C), "k_proj": (KV, C), "v_proj": (KV, C), "o_proj": (C, H * D), "gate_proj": (I, C),
+              "up_proj": (I, C), "down_proj": (C, I)}
+    if isinstance(V, int):
+        shapes.update(embed_tokens=(V, C), lm_head=(V, C))
+    parent, _, leaf = name.rpartition(".")
+    return shapes.get(parent.rpartition(".")[2]) if leaf == "weight" else None
 
 
-def _is_quantizable(name, info):
-    parts = name.split(".")
-    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEAR_NAMES \
-        and len(info["shape"]) == 2 and info["dtype"] in ("F32", "BF16", "F16")
+# -----------------------------------------------------------------------------------------------------
+# Checkpoint writer: HF folder -> compressed-tensors nvfp4-pack-quantized folder. Output sizes are known up
+# front, so each file's header is written first and each tensor at its offset once it is ready: memory
+# holds one fused group, not the model.
+
+NVFP4_QUANT_CONFIG = {  # weight-only NVFP4 (W4A16): no input_activations, unlike the W4A4 example
+    "config_groups": {"group_0": {
+        "format": "nvfp4-pack-quantized", "input_activations": None, "output_activations": None,
+        "targets": ["Linear"],
+        "weights": {"dynamic": False, "group_size": 16, "num_bits": 4, "scale_dtype": "torch.float8_e4m3fn",
+                    "strategy": "tensor_group", "symmetric": True, "type": "float"}}},
+    "format": "nvfp4-pack-quantized", "global_compression_ratio": None, "ignore": ["lm_head"],
+    "kv_cache_scheme": None, "moe_sparsity_config": None, "quant_method": "compressed-tensors",
+    "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {}}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 
 
-class _SafetensorsWriter:
-    """Writes a safetensors file whose tensor specs are fixed first; tensors may then come in any order."""
-
-    def __init__(self, path, specs):                                     # specs: {name: (dtype str, shape)}
-        # Largest items first keeps every tensor aligned to its item size (as safetensors itself does).
-        order = sorted(specs, key=lambda k: (-ST_DTYPES[specs[k][0]][1], k))
-        header, pos = {"__metadata__": {"format": "pt"}}, 0
-        for k in order:
-            dt, shape = specs[k]
-            n = ST_DTYPES[dt][1]
-            for s in shape:
-                n *= s
-            header[k] = {"dtype": dt, "shape": list(shape), "data_offsets": [pos, pos + n]}
-            pos += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.header, self.start, self.todo, self.size = header, 8 + len(raw), set(specs), pos
-        self.f = open(path, "wb")
-        self.f.write(len(raw).to_bytes(8, "little") + raw)
-
-    def write(self, name, data):                                         # data: tensor or bytes
-        if isinstance(data, torch.Tensor):
-            if ST_DTYPES[self.header[name]["dtype"]][0] != data.dtype:
-                raise ValueError(f"{name}: dtype {data.dtype} does not match the planned header")
-            data = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        b, e = self.header[name]["data_offsets"]
-        if len(data) != e - b:                                          # a source file changed under us
-            raise ValueError(f"{name}: {len(data)} bytes, the header says {e - b}")
-        self.f.seek(self.start + b)
-        self.f.write(data)
-        self.todo.discard(name)
-
-    def close(self):
-        self.f.close()
-        if self.todo:
-            raise ValueError(f"tensors never written: {sorted(self.todo)[:3]}")
-
-
-def _plan_shards(model_dir, weight_map, config=None):
-    """-> (headers {shard: (header, data start)}, where {tensor: shard}, fused groups {gid: [weight names]})."""
+def _plan_shards(model_dir, weight_map, config):
+    """-> (headers {shard: (header, data start)}, where {tensor: shard}, fused groups {gid: [weight names]}).
+    Every header, size and shape is checked here, before anything is written."""
     shards = sorted(set(weight_map.values()))
     headers = {s: _read_header(os.path.join(model_dir, s)) for s in shards}
     where = {k: s for s in shards for k in headers[s][0]}
     for k, s in where.items():
-        want, got = _expected_shape(k, config or {}), tuple(headers[s][0][k]["shape"])
+        want, got = _expected_shape(k, config), tuple(headers[s][0][k]["shape"])
         if want is not None and got != want:
             raise ValueError(f"{os.path.join(model_dir, s)}: tensor {k} has shape {got}, config.json implies {want}")
     missing = sorted(set(weight_map) - set(where))
@@ -524,8 +491,9 @@ def _plan_shards(model_dir, weight_map, config=None):
         raise ValueError(f"the index lists tensors that no shard holds, e.g. {missing[0]}")
     groups = {}
     for k in sorted(where):
-        info = headers[where[k]][0][k]
-        if _is_quantizable(k, info):
+        info, parts = headers[where[k]][0][k], k.split(".")
+        if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEAR_NAMES \
+                and len(info["shape"]) == 2 and info["dtype"] in ("F32", "BF16", "F16"):
             if info["shape"][1] % NVFP4_BLOCK:
                 raise ValueError(f"{k}: in_features {info['shape'][1]} is not a multiple of 16, "
                                  "which compressed-tensors checkpoints need")
@@ -533,155 +501,114 @@ def _plan_shards(model_dir, weight_map, config=None):
     return headers, where, groups
 
 
-def _write_shards(model_dir, tmp, headers, where, groups, device, log):
-    """Quantize/copy every shard into tmp (same file names). Returns ({out name: shard}, bytes in, bytes out)."""
+def _write_safetensors(path, specs, items):
+    """Write a safetensors file holding `specs` {name: (dtype, shape)}, its tensors taken from `items`, an
+    iterator of (name, tensor or raw bytes) in any order, so only one item is in memory at a time."""
+    order = sorted(specs, key=lambda k: (-ST_DTYPES[specs[k][0]][1], k))  # largest items first: aligned,
+    header, pos = {"__metadata__": {"format": "pt"}}, 0                   # as safetensors itself does
+    for k in order:
+        n = ST_DTYPES[specs[k][0]][1] * math.prod(specs[k][1])
+        header[k] = {"dtype": specs[k][0], "shape": list(specs[k][1]), "data_offsets": [pos, pos + n]}
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    todo = set(specs)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for name, data in items:
+            if isinstance(data, torch.Tensor):
+                if ST_DTYPES[header[name]["dtype"]][0] != data.dtype:
+                    raise ValueError(f"{name}: dtype {data.dtype} does not match the planned header")
+                data = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            b, e = header[name]["data_offsets"]
+            if len(data) != e - b:                                      # a source file changed under us
+                raise ValueError(f"{name}: {len(data)} bytes, the header says {e - b}")
+            f.seek(8 + len(raw) + b)
+            f.write(data)
+            todo.discard(name)
+    if todo:
+        raise ValueError(f"tensors never written: {sorted(todo)[:3]}")
+    return pos
+
+
+def _shard_items(model_dir, s, plan, device, log, progress):
+    """Yield (name, tensor or bytes) for output shard s: its other tensors byte for byte, then its weights
+    quantized one fused group at a time (progress: [weights done, weights in all])."""
     from safetensors import safe_open
+    (header, start), where, groups = plan[0][s], plan[1], plan[2]
     quant = {k for members in groups.values() for k in members}
-    handles, new_map, bytes_in, bytes_out, done = {}, {}, 0, 0, 0
-
-    def load(name):
-        if where[name] not in handles:
-            handles[where[name]] = safe_open(os.path.join(model_dir, where[name]), framework="pt")
-        return handles[where[name]].get_tensor(name).to(device)
-
-    for s, (header, start) in headers.items():
-        specs = {}
+    with open(os.path.join(model_dir, s), "rb") as src:
         for k, info in header.items():
-            if k in quant:
-                base, (o, i) = k[: -len(".weight")], info["shape"]
-                specs.update({base + ".weight_packed": ("U8", (o, i // 2)),
-                              base + ".weight_scale": ("F8_E4M3", (o, i // NVFP4_BLOCK)),
-                              base + ".weight_global_scale": ("F32", (1,))})
-            else:
-                specs[k] = (info["dtype"], info["shape"])
-        writer = _SafetensorsWriter(os.path.join(tmp, s), specs)
-        new_map.update(dict.fromkeys(specs, s))
-        with open(os.path.join(model_dir, s), "rb") as src:
-            for k, info in header.items():
-                b, e = info["data_offsets"]
-                bytes_in += e - b
-                if k not in quant:                                       # copied byte for byte
-                    src.seek(start + b)
-                    writer.write(k, src.read(e - b))
-                    log(f"copy   {k} | dtype {info['dtype']} | shape {'x'.join(map(str, info['shape']))}")
-        for members in groups.values():
-            mine = [k for k in members if where[k] == s]
-            if not mine:
-                continue
-            # The group's global scale needs every member's amax: read the group together (a member
-            # stored in another shard is read again there). Memory holds one group, never the model.
-            ws = {k: load(k) for k in members}
-            for k, w in ws.items():
-                _check_weight(w, k)
-            gs = nvfp4_global_scale(torch.stack([w.abs().amax().float() for w in ws.values()]).max())
-            for k in mine:
-                packed, scale, gs_k = quantize_nvfp4(ws[k], gs, name=k)
-                base = k[: -len(".weight")]
-                for suffix, t in (("packed", packed), ("scale", scale), ("global_scale", gs_k)):
-                    writer.write(f"{base}.weight_{suffix}", t)
-                w32 = ws[k].float()
-                err = (dequantize_nvfp4(packed, scale, gs_k) - w32).norm() / w32.norm().clamp(min=1e-30)
-                done += 1
-                nbytes = (ws[k].numel() * ws[k].element_size(), packed.numel() + scale.numel() + 4)
-                log(f"nvfp4  [{done}/{len(quant)}] {k} | shape {'x'.join(map(str, w32.shape))} | gs {gs.item():.4g} | "
-                    f"rel_rms_err {err.item():.4f} | bytes {nbytes[0]} -> {nbytes[1]}")
-            del ws
-        bytes_out += writer.size
-        writer.close()
-    return new_map, bytes_in, bytes_out
+            if k not in quant:
+                src.seek(start + info["data_offsets"][0])
+                yield k, src.read(info["data_offsets"][1] - info["data_offsets"][0])
+                log(f"copy   {k} | dtype {info['dtype']} | shape {'x'.join(map(str, info['shape']))}")
+    for members in groups.values():
+        # The group's global scale needs every member's amax: read the group together (a member
+        # stored in another shard is read again there). Memory holds one group, never the model.
+        if not any(where[k] == s for k in members):
+            continue
+        ws = {}
+        for k in members:
+            with safe_open(os.path.join(model_dir, where[k]), framework="pt") as f:
+                ws[k] = f.get_tensor(k).to(device)
+            _check_weight(ws[k], k)
+        gs = group_global_scale(ws.values())
+        for k in (k for k in members if where[k] == s):
+            packed, scale, gs_k = quantize_nvfp4(ws[k], gs, name=k)
+            yield from ((k + "_packed", packed), (k + "_scale", scale), (k + "_global_scale", gs_k))
+            w32 = ws[k].float()
+            err = (dequantize_nvfp4(packed, scale, gs_k) - w32).norm() / w32.norm().clamp(min=1e-30)
+            progress[0] += 1
+            log(f"nvfp4  [{progress[0]}/{progress[1]}] {k} | shape {'x'.join(map(str, w32.shape))} | gs "
+                f"{gs.item():.4g} | rel_rms_err {err.item():.4f} | bytes {ws[k].numel() * ws[k].element_size()} "
+                f"-> {packed.numel() + scale.numel() + 4}")
+
+
+def _shard_specs(header, quant):
+    """The tensors of an output shard, {name: (dtype, shape)}: each quantized weight becomes three."""
+    specs = {}
+    for k, info in header.items():
+        if k in quant:
+            o, i = info["shape"]
+            specs.update({k + "_packed": ("U8", (o, i // 2)), k + "_scale": ("F8_E4M3", (o, i // NVFP4_BLOCK)),
+                          k + "_global_scale": ("F32", (1,))})
+        else:
+            specs[k] = (info["dtype"], info["shape"])
+    return specs
 
 
 def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=None, log=print):
-    """Write the compressed-tensors NVFP4 version of the HF folder model_dir to out_dir.
-    Everything goes to a hidden temporary folder next to out_dir, renamed into place at the end."""
-    if fmt != "nvfp4":
-        raise ValueError(f"checkpoint format {fmt!r} not supported: only nvfp4 (compressed-tensors) is written")
-    config, weight_map, has_index = find_weight_files(model_dir)
-    if "quantization_config" in config:
-        raise ValueError(f"{model_dir} is already quantized (its config.json has a quantization_config)")
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not force:
-        raise FileExistsError(f"{out_dir} already exists: pass --force to replace it")
-    try:
-        device = torch.device(device or autodetect_device())
-    except RuntimeError:
-        raise ValueError(f"unknown device {device!r}: use cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but no GPU is available")
-    headers, where, groups = _plan_shards(model_dir, weight_map, config)
-    t0 = time.time()
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=os.path.dirname(out_dir))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)                                    # mkdtemp makes it private
-        new_map, bytes_in, bytes_out = _write_shards(model_dir, tmp, headers, where, groups, device, log)
+    """Write the compressed-tensors NVFP4 version of the HF folder model_dir to out_dir. Everything goes
+    to a hidden temporary folder renamed into place at the end (atomic_write): nothing half-written."""
+    config, weight_map, has_index, device = _check_checkpoint_args(model_dir, out_dir, fmt, force, device)
+    plan = headers, where, groups = _plan_shards(model_dir, weight_map, config)
+    quant = {k for members in groups.values() for k in members}
+    t0, progress, new_map, sizes = time.time(), [0, len(quant)], {}, []
+
+    def write(tmp):
+        os.makedirs(tmp)
+        for s, (header, _) in headers.items():
+            specs = _shard_specs(header, quant)
+            sizes.append(_write_safetensors(os.path.join(tmp, s), specs,
+                                            _shard_items(model_dir, s, plan, device, log, progress)))
+            new_map.update(dict.fromkeys(specs, s))
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(dict(config, quantization_config=copy.deepcopy(NVFP4_QUANT_CONFIG)), f, indent=2)
+            json.dump(dict(config, quantization_config=NVFP4_QUANT_CONFIG), f, indent=2)
         if has_index:
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": bytes_out}, "weight_map": dict(sorted(new_map.items()))},
+                json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(new_map.items()))},
                           f, indent=2)
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(model_dir, name)):
                 shutil.copy2(os.path.join(model_dir, name), os.path.join(tmp, name))
-        old = tmp + ".old"
-        if os.path.exists(out_dir):                                      # --force: old folder out, new one in
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        if os.path.isdir(old):
-            shutil.rmtree(old, ignore_errors=True)
-        elif os.path.exists(old):
-            os.remove(old)
-    except BaseException:                                                # incl. Ctrl-C: leave nothing half-written
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    n_quant = sum(len(m) for m in groups.values())
-    log(f"done | tensors {len(where)} | quantized {n_quant} | bytes {bytes_in / 1e6:.1f} MB -> "
-        f"{bytes_out / 1e6:.1f} MB "
-        f"({bytes_out / max(bytes_in, 1):.3f}x) | time {time.time() - t0:.1f}s | out {out_dir}")
-    return {"bytes_in": bytes_in, "bytes_out": bytes_out, "quantized": n_quant, "tensors": len(where)}
 
-
-# -----------------------------------------------------------------------------------------------------
-# Checkpoint reader (used by stage 03)
-
-
-def read_nvfp4_checkpoint(model_dir):
-    """-> (config dict, {name: tensor}) for a folder written above (or any HF safetensors folder)."""
-    from safetensors.torch import load_file
-    config, weight_map, _ = find_weight_files(model_dir)
-    qc = config.get("quantization_config")
-    if qc is not None and qc.get("format") != "nvfp4-pack-quantized":
-        raise ValueError(f"{model_dir}: quantization format {qc.get('format')!r} is not nvfp4-pack-quantized")
-    tensors = {}
-    for s in sorted(set(weight_map.values())):
-        tensors.update(load_file(os.path.join(model_dir, s)))
-    return config, tensors
-
-
-def load_nvfp4_linear_state(tensors, prefix, in_features=None):
-    """NVFP4Linear from checkpoint tensors `<prefix>.weight_packed/_scale/_global_scale` (+ `.bias`)."""
-    packed = tensors[prefix + ".weight_packed"]
-    bias = tensors.get(prefix + ".bias")
-    m = NVFP4Linear(in_features or 2 * packed.shape[1], packed.shape[0], bias is not None, packed.device,
-                    bias.dtype if bias is not None else torch.float32)
-    m.load_state_dict({k[len(prefix) + 1:]: v for k, v in tensors.items()
-                       if k.startswith(prefix + ".") and k.count(".") == prefix.count(".") + 1})
-    return m
-
-
-def load_nvfp4_linears(model, tensors):
-    """Swap each nn.Linear of `model` that the checkpoint stores as NVFP4 for a loaded NVFP4Linear.
-    Returns the swapped names; the remaining tensors then load with model.load_state_dict(..., strict=False)."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n + ".weight_packed" in tensors]
-    for n in names:
-        parent_name, _, leaf = n.rpartition(".")
-        linear = model.get_submodule(n)
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, load_nvfp4_linear_state(tensors, n, linear.in_features))
-    return names
+    out_dir = atomic_write(out_dir, write)
+    bytes_in = sum(v["data_offsets"][1] - v["data_offsets"][0] for h, _ in headers.values() for v in h.values())
+    bytes_out = sum(sizes)
+    log(f"done | tensors {len(where)} | quantized {len(quant)} | bytes {bytes_in / 1e6:.1f} MB -> "
+        f"{bytes_out / 1e6:.1f} MB ({bytes_out / max(bytes_in, 1):.3f}x) | time {time.time() - t0:.1f}s | out {out_dir}")
+    return {"bytes_in": bytes_in, "bytes_out": bytes_out, "quantized": len(quant), "tensors": len(where)}
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -693,37 +620,25 @@ def demo(seed=0):
     h, inter, kv = 896, 4864, 2 * 64  # Qwen2.5-0.5B: hidden 896, intermediate 4864, 2 kv heads x 64
     suites = {"4096x4096": [(4096, 4096)],
               "Qwen2.5-0.5B layer": [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)]}
-    weights = {k: [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in shapes]  # bf16, like checkpoints
-               for k, shapes in suites.items()}
+    formats = {  # name: (quantize, dequantize, bytes of codes + block scales); NVFP4 adds 4 bytes per tensor
+        "nvfp4": (quantize_nvfp4, lambda w, q: dequantize_nvfp4(*q), lambda q: q[0].numel() + q[1].numel()),
+        "nf4": (quantize_nf4, lambda w, q: dequantize_nf4(q[0], q[1], w.shape), lambda q: q[0].numel() + 4 * q[1].numel())}
     print("random N(0, 0.02^2) bf16 weights; errors relative to the bf16 weight; NF4 without double quantization")
     print(f"{'weights':<20}| {'format':<6}| {'bits/weight':>11} | {'+bytes/tensor':>13} | {'bytes vs bf16':>13} | "
           f"{'rel RMS err':>11} | {'max abs err':>11} | {'quantize ms':>11}")
-    for label, ws in weights.items():
-        numel = sum(w.numel() for w in ws)
-        for fmt in ("nvfp4", "nf4"):
-            body = fixed = 0
-            err2 = ref2 = maxerr = 0.0
+    for label, shapes in suites.items():
+        ws = [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in shapes]  # bf16, like checkpoints
+        flat = torch.cat([w.float().reshape(-1) for w in ws])                            # (numel,)
+        for fmt, (quantize, dequantize, nbytes) in formats.items():
             t0 = time.perf_counter()
-            qs = [quantize_nvfp4(w) if fmt == "nvfp4" else quantize_nf4(w) for w in ws]
+            qs = [quantize(w) for w in ws]
             ms = (time.perf_counter() - t0) * 1e3
-            for w, q in zip(ws, qs):
-                if fmt == "nvfp4":
-                    body += q[0].numel() + q[1].numel()                  # uint8 codes + fp8 block scales
-                    fixed += 4                                           # the fp32 global scale
-                    w_hat = dequantize_nvfp4(*q)
-                else:
-                    body += q[0].numel() + 4 * q[1].numel()              # uint8 codes + fp32 absmax
-                    w_hat = dequantize_nf4(q[0], q[1], w.shape)
-                d = w_hat - w.float()
-                err2, ref2 = err2 + d.pow(2).sum().item(), ref2 + w.float().pow(2).sum().item()
-                maxerr = max(maxerr, d.abs().max().item())
-            if fmt == "nvfp4":  # 4 bits per code + 8 bits per 16 weights = 4.5 bits, plus 4 bytes per tensor
-                assert body * 16 == numel * 9 and fixed == 4 * len(ws)
-            print(f"{label:<20}| {fmt:<6}| {8 * body / numel:>11.4f} | {fixed // len(ws):>13d} | "
-                  f"{(body + fixed) / (2 * numel):>13.5f} | {(err2 / ref2) ** 0.5:>11.4f} | {maxerr:>11.2e} | "
-                  f"{ms:>11.1f}")
-    print("NVFP4: exactly 4.5 bits/weight (4-bit code + one 8-bit scale per 16) + 4 bytes/tensor (fp32 global"
-          " scale).\n"
+            body, fixed = sum(map(nbytes, qs)), (4 if fmt == "nvfp4" else 0) * len(ws)
+            d = torch.cat([dequantize(w, q).reshape(-1) for w, q in zip(ws, qs)]) - flat  # (numel,)
+            print(f"{label:<20}| {fmt:<6}| {8 * body / flat.numel():>11.4f} | {fixed // len(ws):>13d} | "
+                  f"{(body + fixed) / (2 * flat.numel()):>13.5f} | {(d.norm() / flat.norm()).item():>11.4f} | "
+                  f"{d.abs().max().item():>11.2e} | {ms:>11.1f}")
+    print("NVFP4: exactly 4.5 bits/weight (4-bit code + one 8-bit scale per 16) + 4 bytes/tensor (fp32 global scale).\n"
           "NF4 without double quantization is also 4.5 bits (4-bit code + one fp32 absmax per 64); QLoRA's double\n"
           "quantization of the absmax brings it to ~4.127 bits.")
 

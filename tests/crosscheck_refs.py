@@ -150,7 +150,9 @@ def check_checkpoint():
         src, out = os.path.join(d, "src"), os.path.join(d, "out")
         model.save_pretrained(src, max_shard_size="100KB")  # sharded: exercises the index path
         q.quantize_checkpoint(src, out, log=lambda s: None)
-        _, tensors = q.read_nvfp4_checkpoint(out)
+        from safetensors.torch import load_file
+        tensors = {k: v for f in sorted(os.listdir(out)) if f.endswith(".safetensors")
+                   for k, v in load_file(os.path.join(out, f)).items()}
         loaded = AutoModelForCausalLM.from_pretrained(
             out, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.bfloat16)
         sd = loaded.state_dict()
