@@ -386,8 +386,10 @@ def _read_json(path):
     try:
         with open(path) as f:
             return json.load(f)
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise ValueError(f"cannot read {path}: {e}") from None
+    except ValueError as e:  # also what a UTF-8 decoding error is
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
 def _read_header(path):
