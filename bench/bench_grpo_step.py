@@ -64,12 +64,10 @@ class PhaseTimer:
 def setup(args):
     """Model, tokenizer, optimizer and the other inputs of grpo_step, made by 05's own functions."""
     device = args.device or quantize.autodetect_device()
-    train_set, _, exclude = grpo.make_splits(args)
+    task = grpo.make_task(args)
     model, tok, params, opt = grpo.build_policy(args, device)
     return dict(model=model, tok=tok, opt=opt, lr_at=grpo.lr_lambda(args.warmup, args.steps, args.min_lr_ratio),
-                params=params, feedback=None, train_set=train_set, exclude=exclude,
-                system=grpo.wants_instruction(args),
-                device=device)
+                params=params, task=task)
 
 
 def measure(bench_args, train_argv):
@@ -79,7 +77,7 @@ def measure(bench_args, train_argv):
     runs = {}
     for q in bench_args.quants:
         args = grpo.build_parser().parse_args(train_argv + ["--quant", q])
-        grpo.validate_args(args)
+        grpo._check_args(args, 1)
         runs[q] = (args, setup(args), [])
     timer = PhaseTimer()
     orig = grpo.reward_fn, grpo.group_advantages
@@ -88,8 +86,12 @@ def measure(bench_args, train_argv):
         for step in range(bench_args.warmup + bench_args.steps):
             for q, (args, s, rows) in runs.items():
                 timer.reset()
-                rec = grpo.grpo_step(args, step, s["model"], s["tok"], s["opt"], s["lr_at"], s["params"],
-                                     s["feedback"], s["train_set"], s["exclude"], s["system"], s["device"])
+                for group in s["opt"].param_groups:  # as 05's train() does before each step
+                    group["lr"] = args.lr * s["lr_at"](step)
+                sigma = grpo.aqn.sigma_schedule(step, args.steps, args.sigma_start, args.sigma_end, args.num_stages,
+                                                args.aqn_kind) if args.aqn else 0.0
+                rec = grpo.grpo_step(s["model"], s["tok"], s["opt"], s["params"], s["task"], step, sigma,
+                                     **grpo.step_options(args))
                 if step >= bench_args.warmup:
                     total, roll, rew = rec["s/step"], rec["t_sample"], timer.seconds
                     rows.append({"rollout": roll, "reward": rew, "update": total - roll - rew, "total": total,

@@ -31,6 +31,7 @@ import sys
 import time
 
 import torch
+import torch.utils.checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -93,7 +94,7 @@ def run_one(rows, T, micro_batch, chunked):
     before = status_kib("VmRSS")
     reset_peak()
     t0 = time.time()
-    out = grpo.policy_update(args, model, opt, params, prompts, ids, mask, old_logp, rewards)
+    out = grpo.policy_update(model, opt, params, prompts, ids, mask, old_logp, rewards, **grpo.update_options(args))
     seconds = time.time() - t0
     growth = (status_kib("VmHWM") - before) * 1024
     assert out["kept_rows"] == rows and not out["skipped"]
@@ -133,7 +134,6 @@ def per_token():
     from torch._subclasses.fake_tensor import FakeTensorMode
     cfg = rollout.ModelConfig(**{**{k: v for k, v in QWEN7B.items() if k != "tie_word_embeddings"},
                                  "vocab_size": 256, "num_hidden_layers": 1})
-    G = cfg.num_attention_heads // cfg.num_key_value_heads
 
     def saved_bytes(T, checkpointed):
         seen = {}
@@ -153,10 +153,11 @@ def per_token():
         freqs = torch.arange(T)[None, :, None].float() * rollout.rope_inv_freq(cfg)  # (1, T, D/2)
         emb = torch.cat((freqs, freqs), -1)
         cos, sin = emb.cos().bfloat16()[:, None], emb.sin().bfloat16()[:, None]  # (1, 1, T, D)
-        mask = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None, None].repeat(1, 1, G, 1)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                grpo.grad_checkpointing(model, checkpointed):
-            y = model.model.layers[0](x, cos, sin, mask)  # (1, T, C)
+        mask = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None, None]  # (1, 1, T, T)
+        layer = model.model.layers[0]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # what 03 runs with grad_checkpoint
+            y = (torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False) if checkpointed
+                 else layer(x, cos, sin, mask))  # (1, T, C)
         y.float().sum().backward()
         return sum(b for _, b in seen.values())
 
