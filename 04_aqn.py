@@ -1,10 +1,9 @@
 """
 Stage 04: Adaptive Quantization Noise (AQN), its schedule, and the exploration it buys.
 
-QeRL's central claim is that the rounding error of a 4-bit base model acts as parameter noise: it
-flattens the policy's softmax, raises sampling entropy, and so helps RL explore. AQN adds a controlled
-amount of *extra* noise early in training and decays it, and it does so without touching the packed
-NVFP4 weights: a Gaussian vector Z is added to each RMSNorm gain w, and since
+QeRL's claim is that a 4-bit base model's rounding error acts as parameter noise that raises sampling
+entropy and so helps RL explore. AQN adds *extra* noise early in training and decays it, without
+touching the packed NVFP4 weights: a Gaussian vector Z is added to each RMSNorm gain w, and since
 
     ((w + Z) * rmsnorm(x)) @ W.T  ==  ((1 + Z / w) * rmsnorm(x)) @ W.T
 
@@ -17,9 +16,8 @@ The noise acts only in the sampler, one draw per step: the noisy model is the be
 update runs on the clean policy. Where this differs from the paper and its official code: README,
 "Notes on the paper".
 
-Run it (prints the schedule of a 600-step run, then per dtype (fp32 and bf16) the exploration table on
-the bundled tiny model and how much of a draw reaches the projections; on a shared 2-core CPU the fp32
-half took 14 min and the bf16 half runs ~2.3x longer, hence the smaller second line):
+Run it (the schedule of a 600-step run, then per dtype (fp32, bf16) the exploration table on the bundled
+model and how much of a draw reaches the projections; on a shared 2-core CPU fp32 took 14 min, bf16 ~2.3x that):
     python 04_aqn.py
     python 04_aqn.py --prompts 16 --samples 4 --sigmas 5e-4 1e-2       # ~11 min for fp32 + bf16
     python 04_aqn.py --model path/to/hf-folder --samples 8 --sigmas 1e-2 5e-2
@@ -118,11 +116,10 @@ def aqn_norms(model):
         return list(known)
     outs, reads, hooks = [{} for _ in layers], [{} for _ in layers], []
     for i, layer in enumerate(layers):
-        for name, m in layer.named_children():
-            if isinstance(m, rollout.RMSNorm):
-                hooks.append(m.register_forward_hook(lambda m, a, out, d=outs[i], k=name: d.__setitem__(k, out)))
         for name, m in layer.named_modules():
-            if (key := name.rsplit(".", 1)[-1]) in sum(FEEDS, ()):
+            if isinstance(m, rollout.RMSNorm) and "." not in name:  # the layer's own norms, not q_norm/k_norm
+                hooks.append(m.register_forward_hook(lambda m, a, out, d=outs[i], k=name: d.__setitem__(k, out)))
+            elif (key := name.rsplit(".", 1)[-1]) in sum(FEEDS, ()):
                 hooks.append(m.register_forward_pre_hook(lambda m, a, d=reads[i], k=key: d.__setitem__(k, a[0])))
     dev = quantize.model_device(model)
     try:  # fork_rng: a LoRA dropout in training mode must not use up the run's random numbers
@@ -142,11 +139,10 @@ def aqn_norms(model):
 
 @contextlib.contextmanager
 def aqn_noise(model, sigma, generator=None):
-    """Draw Z ~ N(0, sigma^2), one fp32 [hidden] vector per pre-norm, and make every pre-norm compute
-    (w + Z) * rmsnorm(x) in fp32, rounded once (stage 03's RMSNorm.noise); on exit, even after an error,
-    the norms are noise-free again. The gains are never written: added to a bf16 gain near 1 (steps of
-    2^-8) a draw of 5e-4 would round away, and a trained gain (05's --train-norms) comes back exactly.
-    Yields {sigma, applied_std: the RMS of the Z really applied (05's sigma_applied), num_norms}."""
+    """Draw Z ~ N(0, sigma^2), one fp32 [hidden] vector per pre-norm, which stage 03's RMSNorm adds to its
+    gain in an fp32 product rounded once; on exit, even after an error, the norms are noise-free again.
+    The gains are never written (a bf16 gain near 1 would round a draw of 5e-4 away; trained gains come
+    back exactly). Yields {sigma, applied_std: the RMS of the Z really applied, num_norms}."""
     _check_sigma(sigma)
     norms = aqn_norms(model)
     info = {"sigma": float(sigma), "applied_std": 0.0, "num_norms": len(norms)}
@@ -171,13 +167,10 @@ def aqn_noise(model, sigma, generator=None):
 
 @torch.no_grad()
 def landed_noise(model, ids, sigma, generator=None, in_gain=False):
-    """How much of an AQN draw reaches the inputs of q/k/v and gate/up, where it acts.
-
-    Runs `ids` (B, T) under aqn_noise and fits per channel i, over all tokens, the gain change g_i that
-    best explains y_noisy - y_clean = g_i * rmsnorm(x)_i (least squares). Returns (g, z), both
-    (num_norms * hidden,) fp32 with z the draw: g == z means all of it arrived. in_gain=True adds Z to
-    the stored gains in their own dtype instead (the official code's way), to show what survives that.
-    """
+    """How much of an AQN draw reaches the inputs of q/k/v and gate/up: runs `ids` (B, T) under aqn_noise
+    and fits per channel i, over all tokens, the gain change g_i that best explains y_noisy - y_clean =
+    g_i * rmsnorm(x)_i (least squares). Returns (g, z), both (num_norms * hidden,) fp32, z the draw: g == z
+    means all of it arrived. in_gain=True adds Z to the gains in their own dtype instead (official code)."""
     norms = [norm for _, norm in aqn_norms(model)]
     clean = [norm.weight.detach().clone() for norm in norms]
     fit = [[0.0, 0.0] for _ in norms]  # per norm: sum(dy * n), sum(n * n), each (hidden,)
@@ -216,14 +209,11 @@ def landed_noise(model, ids, sigma, generator=None, in_gain=False):
 @torch.inference_mode()
 def measure_exploration(reference, variants, prompts, num_samples=8, max_new_tokens=32, temperature=1.0,
                         sigmas=(), seed=0, eos_token_ids=None, rounds=2):
-    """Entropy and KL-to-reference of several versions of one policy.
-
-    reference: the unquantized model (KL against it, noise-free); variants: name -> model, e.g. {"base":
-    ref, "NF4": ..., "NVFP4": ...}. For every variant, and for "base" and "NVFP4" with each of `sigmas`,
-    samples `num_samples` completions per prompt (a fresh AQN draw per round, like one per RL step).
-    Returns rows {name, sigma, entropy (nats per sampled token), kl (per-token KL(variant || reference)
-    over the sampled positions), len (mean completion tokens)}.
-    """
+    """Entropy and KL-to-reference of several versions of one policy. reference: the unquantized model
+    (KL against it, noise-free); variants: name -> model, e.g. {"base": ref, "NF4": ..., "NVFP4": ...}.
+    For every variant, and for "base" and "NVFP4" with each of `sigmas`, samples `num_samples` completions
+    per prompt (a fresh AQN draw per round, like one per RL step). Returns rows {name, sigma, entropy (nats
+    per sampled token), kl (per-token KL(variant || reference) over the sampled positions), len}."""
     plan = [(name, model, 0.0) for name, model in variants.items()]
     plan += [(name, variants[name], s) for name in ("base", "NVFP4") if name in variants for s in sigmas]
     rows = []
@@ -246,9 +236,7 @@ def measure_exploration(reference, variants, prompts, num_samples=8, max_new_tok
     return rows
 
 
-# ============================= Part 2: plumbing (checks, demo prompts, command line) =============================
-# -----------------------------------------------------------------------------
-# Checks
+# ====================== Part 2: plumbing (checks, schedule table, demo, command line) =======================
 
 
 def check_sigma_range(sigma_start, sigma_end, kind):
@@ -301,20 +289,14 @@ def _check_layers(model):
 
 
 def _check_roles(i, layer, fed):
-    """`fed`: the names of the layer-level RMSNorms whose output q/k/v and gate/up read."""
-    for group, names in zip(("q/k/v", "gate/up"), fed):
-        if len(names) != 1:
-            raise ValueError(f"AQN: in model.layers.{i}, {len(names)} layer-level RMSNorms feed {group} "
-                             f"({', '.join(sorted(names)) or 'none'}); AQN needs exactly one, as in the Qwen2/Llama "
-                             "layout (input_layernorm before q/k/v, post_attention_layernorm before gate/up)")
-    if fed[0] == fed[1]:
-        raise ValueError(f"AQN: in model.layers.{i} one norm feeds both q/k/v and gate/up; it needs one per role")
-    norm_types = (rollout.RMSNorm, torch.nn.RMSNorm, torch.nn.LayerNorm)
-    extra = sorted(n for n, m in layer.named_children() if isinstance(m, norm_types) and {n} not in fed)
-    if extra:
-        raise ValueError(f"AQN: model.layers.{i} holds layer-level norm(s) {', '.join(extra)} besides "
-                         f"{min(fed[0])} (feeds q/k/v) and {min(fed[1])} (feeds gate/up); AQN would leave them "
-                         "noise-free and so act in the wrong place: this layout (e.g. Gemma's) is not supported")
+    """`fed`: per role (q/k/v, gate/up), the names of the layer-level RMSNorms whose output it reads."""
+    extra = sorted(n for n, m in layer.named_children() if isinstance(m, rollout.RMSNorm) and {n} not in fed)
+    if [len(f) for f in fed] != [1, 1] or fed[0] == fed[1] or extra:
+        found = "; ".join(f"{role} reads {', '.join(sorted(f)) or 'no layer-level norm'}"
+                          for role, f in zip(("q/k/v", "gate/up"), fed))
+        raise ValueError(f"AQN needs one layer-level norm feeding q/k/v and another feeding gate/up, and no "
+                         f"other (Qwen2/Llama: input_layernorm, post_attention_layernorm), or its noise lands in "
+                         f"the wrong place; model.layers.{i} has: {found}; other norms: {', '.join(extra) or 'none'}")
 
 
 # -----------------------------------------------------------------------------
@@ -342,36 +324,6 @@ def demo_prompts(tokenizer, n, seed):
     return prompts
 
 
-def demo_variants(model_dir, dtype, seed):
-    """(tokenizer, {"base", "NF4", "NVFP4": model}) from a model folder, or on a random model without one."""
-    if os.path.isdir(model_dir):
-        base, tok = rollout.load_model(model_dir, quant="none", dtype=dtype, device="cpu")
-        nf4 = rollout.load_model(model_dir, quant="nf4", dtype=dtype, device="cpu")[0]
-        nvfp4 = rollout.load_model(model_dir, quant="nvfp4", dtype=dtype, device="cpu")[0]
-    else:  # no bundled model: the mechanics still run, on a random model
-        print(f"note | {model_dir} not found: measuring a small RANDOM model (the numbers mean nothing)")
-        tok = rollout.byte_tokenizer()
-        base = rollout.random_model(tok, seed).to(dtype)
-        nf4 = quantize.quantize_model(copy.deepcopy(base), fmt="nf4")
-        nvfp4 = quantize.quantize_model(copy.deepcopy(base), fmt="nvfp4")
-    return tok, {"base": base, "NF4": nf4, "NVFP4": nvfp4}
-
-
-def print_landed(model, prompts, sigmas, dname, seed):
-    """The least-squares gain change seen at the q/k/v and gate/up inputs over the prompts' tokens,
-    against the draw (1.00 = all of it arrives), with the noise in the fp32 product and in the gains."""
-    ids = torch.tensor([p[:min(map(len, prompts))] for p in prompts])  # (B, T) cut to one length
-    print(f"noise reaching the q/k/v and gate/up inputs of NVFP4 in {dname} ({ids.numel()} tokens; "
-          f"|g| / |Z| and cosine(g, Z), same draw)")
-    for sigma in sigmas:
-        cells = []
-        for in_gain in (False, True):
-            g, z = landed_noise(model, ids, sigma, torch.Generator().manual_seed(seed), in_gain)
-            cells.append(f"{float(g.norm() / z.norm()):.3f} / {float(F.cosine_similarity(g, z, 0)):.3f}")
-        print(f"  sigma {sigma:.0e} | fp32 product (this code) {cells[0]} | added to the {dname} gains "
-              f"{cells[1]}")
-
-
 def build_parser():
     parser = argparse.ArgumentParser(description="AQN schedule and exploration measurements")
     parser.add_argument("--model", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-qwen"))
@@ -397,20 +349,39 @@ def main(argv=None):
     print()
     prompts, where = None, args.model if os.path.isdir(args.model) else "a random model"
     for dname in args.dtypes:
-        t0 = time.time()
-        tok, variants = demo_variants(args.model, getattr(torch, dname), args.seed)
+        t0, dtype = time.time(), getattr(torch, dname)
+        if os.path.isdir(args.model):
+            base, tok = rollout.load_model(args.model, quant="none", dtype=dtype, device="cpu")
+            nf4 = rollout.load_model(args.model, quant="nf4", dtype=dtype, device="cpu")[0]
+            nvfp4 = rollout.load_model(args.model, quant="nvfp4", dtype=dtype, device="cpu")[0]
+        else:  # no bundled model: the mechanics still run, on a random model
+            print(f"note | {args.model} not found: measuring a small RANDOM model (the numbers mean nothing)")
+            tok = rollout.byte_tokenizer()
+            base = rollout.random_model(tok, args.seed).to(dtype)
+            nf4 = quantize.quantize_model(copy.deepcopy(base), fmt="nf4")
+            nvfp4 = quantize.quantize_model(copy.deepcopy(base), fmt="nvfp4")
         prompts = prompts or demo_prompts(tok, args.prompts, args.seed + 1)
-        rows = measure_exploration(variants["base"], variants, prompts, num_samples=args.samples,
-                                   max_new_tokens=args.max_new_tokens, sigmas=args.sigmas, seed=args.seed,
-                                   eos_token_ids=tok.eos_token_ids, rounds=args.rounds)
+        rows = measure_exploration(base, {"base": base, "NF4": nf4, "NVFP4": nvfp4}, prompts,
+                                   num_samples=args.samples, max_new_tokens=args.max_new_tokens, sigmas=args.sigmas,
+                                   seed=args.seed, eos_token_ids=tok.eos_token_ids, rounds=args.rounds)
         print(f"exploration in {dname} on {where}: {args.prompts} prompts x {args.samples} samples x "
               f"{args.rounds} noise draws, T=1")
         print(f"{'model':<8} | {'AQN sigma':>9} | {'entropy (nats/tok)':>18} | {'KL to base':>10} | {'len':>5}")
         for r in rows:
             print(f"{r['name']:<8} | {r['sigma']:>9.0e} | {r['entropy']:>9.4f} "
                   f"({r['entropy'] / rows[0]['entropy'] - 1:+6.1%}) | {r['kl']:>10.5f} | {r['len']:>5.1f}")
-        print_landed(variants["NVFP4"], prompts, sorted(set(args.sigmas) | {args.sigma_end}, reverse=True),
-                     dname, args.seed)
+        # Where the noise lands: the least-squares gain change seen at the q/k/v and gate/up inputs,
+        # over the prompts' tokens, against the draw (1.00 = all of it arrives)
+        ids = torch.tensor([p[:min(map(len, prompts))] for p in prompts])  # (B, T) cut to one length
+        print(f"noise reaching the q/k/v and gate/up inputs of NVFP4 in {dname} ({ids.numel()} tokens; "
+              f"|g| / |Z| and cosine(g, Z), same draw)")
+        for sigma in sorted(set(args.sigmas) | {args.sigma_end}, reverse=True):
+            cells = []
+            for in_gain in (False, True):
+                g, z = landed_noise(nvfp4, ids, sigma, torch.Generator().manual_seed(args.seed), in_gain)
+                cells.append(f"{float(g.norm() / z.norm()):.3f} / {float(F.cosine_similarity(g, z, 0)):.3f}")
+            print(f"  sigma {sigma:.0e} | fp32 product (this code) {cells[0]} | added to the {dname} gains "
+                  f"{cells[1]}")
         print(f"time {time.time() - t0:.1f}s")
         print()
 
