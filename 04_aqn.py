@@ -1,41 +1,23 @@
 """
 Stage 04: Adaptive Quantization Noise (AQN), its schedule, and the exploration it buys.
 
-QeRL's central claim is that the rounding error of a 4-bit base model acts as parameter noise: it
-flattens the policy's softmax, raises sampling entropy, and so helps RL explore. AQN adds a controlled
-amount of *extra* noise early in training and decays it, and it does so without touching the packed
-NVFP4 weights: a Gaussian vector Z is added to each RMSNorm gain w, and since
+QeRL's claim is that a 4-bit base model's rounding error acts as parameter noise that raises sampling
+entropy and so helps RL explore. AQN adds *extra* noise early in training and decays it, without
+touching the packed NVFP4 weights: a Gaussian vector Z is added to each RMSNorm gain w, and since
 
     ((w + Z) * rmsnorm(x)) @ W.T  ==  ((1 + Z / w) * rmsnorm(x)) @ W.T
 
 the extra noise acts as row-wise multiplicative noise (relative std sigma / |w_i| on input channel i)
-on every matrix that reads that norm's output: q/k/v after `input_layernorm`, gate/up after
-`post_attention_layernorm` (paper Eq. 9-10 and App. G). o_proj, down_proj and the final norm get none.
+on every matrix that reads that norm's output: q/k/v after the norm that feeds the attention, gate/up
+after the one that feeds the MLP (paper Eq. 9-10 and App. G). o_proj, down_proj and the final norm get none.
 
-Where the noise acts: only in the sampler. The noisy model is the behaviour policy (the paper's
-pi_old, Algorithm 1 line 9): stage 05 samples under `aqn_noise`, records the sampler's
-log-probabilities, and uses *them* as the old log-probabilities of the clipped surrogate, while the
-update itself runs on the clean (noise-free) policy. The noise is drawn once per step (Algorithm 1;
-section 3.3 says "resampled for each forward pass"). In any dtype the noisy gain multiplies the
-normalised activation in fp32 and the product is rounded once, so a bf16 model gets the noise it is
-asked for (added to a bf16 gain near 1, anything below ~2e-3 would round away).
+The noise acts only in the sampler, one draw per step: the noisy model is the behaviour policy pi_old
+(Algorithm 1 line 9), whose log-probabilities stage 05 records for the clipped surrogate, while the
+update runs on the clean policy. Where this differs from the paper and its official code: README,
+"Notes on the paper".
 
-What the importance ratio does to AQN. The ratio pi_theta / pi_old reweights every sampled token by
-how much likelier the clean policy finds it than the noisy sampler did, so (up to the clip, and, as in
-PPO, for each token given its prefix) the expected gradient is the clean policy's own: the ratio
-cancels AQN in expectation. AQN can then only help through *which* samples get drawn (more varied
-groups, fewer all-equal groups without signal), and it pays in variance (ratios away from 1, more
-clipping). The 4-bit rounding noise is different: sampler and trainer share the same quantized
-weights, so it is part of the policy itself, on-policy and never corrected. The official code takes
-pi_old from its clean trainer instead, so its ratio is 1 on the first update and nothing corrects the
-sampler's noise; and its `isinstance` check against Hugging Face norm classes may never match vLLM's
-own RMSNorm, in which case it adds no noise at all (see qerl-paper-facts, section 2.3). `aqn_noise`
-reports the noise it applied (stage 05 logs it as sigma_applied), and `landed_noise` measures how
-much of it reaches the projections.
-
-Run it (prints the schedule of a 600-step run, then per dtype (fp32 and bf16) the exploration table on
-the bundled tiny model and how much of a draw reaches the projections; on a shared 2-core CPU the fp32
-half took 14 min and the bf16 half runs ~2.3x longer, hence the smaller second line):
+Run it (the schedule of a 600-step run, then per dtype (fp32, bf16) the exploration table on the bundled
+model and how much of a draw reaches the projections; on a shared 2-core CPU fp32 took 14 min, bf16 ~2.3x that):
     python 04_aqn.py
     python 04_aqn.py --prompts 16 --samples 4 --sigmas 5e-4 1e-2       # ~11 min for fp32 + bf16
     python 04_aqn.py --model path/to/hf-folder --samples 8 --sigmas 1e-2 5e-2
@@ -47,6 +29,7 @@ import importlib
 import math
 import os
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -57,53 +40,23 @@ rollout = importlib.import_module("03_rollout")
 # -----------------------------------------------------------------------------
 # The noise schedule
 #
-# The paper splits training into K equal intervals ("stages"). Stage 0 carries quantization noise
-# only (sigma = 0); stages 1..K-1 decay from sigma_start to sigma_end. Where the sources disagree:
-#   - Eq. 8 writes sigma(k) = sigma_start * (sigma_end / sigma_start) ** ((k - 1) / (K - 1)), which
-#     with stages 1..K-1 never reaches sigma_end; the official code (noise_scheduler.py) spaces K-1
-#     values from sigma_start to sigma_end *inclusive*. We follow the code, so the last stage is
-#     exactly sigma_end (the paper's App. F also says the final stage reaches the end value).
-#   - The range: 1e-2 -> 5e-4 (Table 4, our default), 5e-2 -> 5e-4 (section 4.1), 1e-2 start
-#     (section 3.3); the code's scripts use 1e-2 -> 1e-4. All are flags in stage 05.
-#   - Stage boundaries: Algorithm 1 uses floor((step - 1) / floor(M / K)) with 1-based steps. We use
-#     0-based steps and stage = floor(step * K / M), which splits M steps as evenly as integers allow
-#     and never produces a stage K when M is not a multiple of K.
-# The linear, cosine and log kinds are the paper's scheduler ablation (Fig. 9): the paper gives only
-# curves, so their exact forms here are ours: each maps progress u = (k - 1) / (K - 2) in [0, 1] to
-# a value between sigma_start and sigma_end.
+# Training splits into K equal intervals ("stages"): stage 0 carries quantization noise only (sigma = 0),
+# stages 1..K-1 decay from sigma_start to sigma_end, the last one exactly sigma_end. The linear, cosine
+# and log kinds (the paper's scheduler ablation) map u = (k - 1) / (K - 2) in [0, 1] between the two.
 
 DECAYING_KINDS = ("exp", "linear", "cosine", "log")
 SIGMA_KINDS = DECAYING_KINDS + ("none", "feedback")
 
 
-def check_sigma_range(sigma_start, sigma_end, kind):
-    if sigma_start < 0 or sigma_end < 0:
-        raise ValueError(f"AQN sigma must be >= 0, got sigma_start={sigma_start}, sigma_end={sigma_end}")
-    if kind in DECAYING_KINDS and sigma_end > sigma_start:
-        raise ValueError(f"AQN kind '{kind}' decays: sigma_end ({sigma_end}) must be <= sigma_start "
-                         f"({sigma_start}); swap them or use kind 'feedback'")
-    if kind in ("exp", "log") and sigma_end <= 0:
-        raise ValueError(f"AQN kind '{kind}' decays geometrically and needs sigma_end > 0 (got "
-                         f"{sigma_end}); use kind 'linear' or 'cosine' to decay to zero")
-
-
 def sigma_stage(step, total_steps, num_stages):
     """Which of the `num_stages` equal intervals 0-based `step` falls in."""
-    if total_steps < 1 or num_stages < 2:
-        raise ValueError(f"AQN needs total_steps >= 1 and num_stages >= 2 (got {total_steps}, {num_stages})")
-    if not 0 <= step < total_steps:
-        raise ValueError(f"step {step} is outside [0, {total_steps})")
+    _check_stage(step, total_steps, num_stages)
     return min(step * num_stages // total_steps, num_stages - 1)
 
 
 def sigma_schedule(step, total_steps, sigma_start=1e-2, sigma_end=5e-4, num_stages=10, kind="exp"):
     """The AQN noise std for 0-based `step` of a `total_steps` run (paper Eq. 8, Algorithm 1)."""
-    if kind not in SIGMA_KINDS:
-        raise ValueError(f"unknown AQN kind '{kind}'; choose one of {', '.join(SIGMA_KINDS)}")
-    if kind == "feedback":
-        raise ValueError("AQN kind 'feedback' depends on the measured entropy: use FeedbackSigma, "
-                         "which stage 05 updates after every step")
-    check_sigma_range(sigma_start, sigma_end, kind)
+    _check_kind(kind, sigma_start, sigma_end)
     stage = sigma_stage(step, total_steps, num_stages)
     if kind == "none" or stage == 0:
         return 0.0
@@ -119,20 +72,12 @@ def sigma_schedule(step, total_steps, sigma_start=1e-2, sigma_end=5e-4, num_stag
 
 
 class FeedbackSigma:
-    """An extension, NOT the paper's method: set sigma from the measured policy entropy.
-
-    The fixed decay assumes the policy's entropy falls on a predictable timetable. This controller
-    instead nudges sigma up (multiplicatively, by `up`) while the last step's mean sampling entropy is
-    below `target_entropy`, and down (by `down`) otherwise, clamped to [sigma_min, sigma_max]. It is a
-    bounded integral controller: one number of state, so stage 05 can checkpoint it as a float.
-    """
+    """An extension, NOT the paper's method: instead of a fixed timetable, nudge sigma up (times `up`)
+    while the last step's mean sampling entropy is below `target_entropy` and down (times `down`)
+    otherwise, clamped to [sigma_min, sigma_max]. One number of state, checkpointed by stage 05."""
 
     def __init__(self, target_entropy, sigma_init=1e-2, up=1.25, down=0.8, sigma_min=0.0, sigma_max=5e-2):
-        if target_entropy < 0 or sigma_init < 0 or sigma_min < 0 or sigma_max < sigma_min:
-            raise ValueError("FeedbackSigma needs target_entropy >= 0 and 0 <= sigma_min <= sigma_max, "
-                             "sigma_init >= 0")
-        if not (up >= 1.0 and 0.0 < down <= 1.0):
-            raise ValueError(f"FeedbackSigma needs up >= 1 and 0 < down <= 1 (got up={up}, down={down})")
+        _check_feedback(target_entropy, sigma_init, up, down, sigma_min, sigma_max)
         self.target_entropy, self.up, self.down = target_entropy, up, down
         self.sigma_min, self.sigma_max = sigma_min, sigma_max
         self.sigma = min(max(sigma_init, sigma_min), sigma_max)
@@ -156,41 +101,49 @@ class FeedbackSigma:
 # -----------------------------------------------------------------------------
 # Folding the noise into the RMSNorm gains
 
+FEEDS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # the inputs AQN perturbs, per layer
+_found = weakref.WeakKeyDictionary()  # model -> its AQN norms: traced once, not at every step
 
+
+@torch.no_grad()
 def aqn_norms(model):
-    """The (name, RMSNorm) pairs AQN perturbs: both pre-norms of every decoder layer, never model.norm."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    """The (name, RMSNorm) pairs AQN perturbs, found by their role: per decoder layer, in order, the norm
+    whose output feeds q/k/v, then the one feeding gate/up; never model.norm, nor norms inside the
+    attention (Qwen3's q_norm/k_norm). A one-token forward records who reads which norm's output."""
+    layers = _check_layers(model)
+    known = _found.get(model)
+    if known and len(known) == 2 * len(layers) and all(model.get_submodule(n) is m for n, m in known):
+        return list(known)
+    outs, reads, hooks = [{} for _ in layers], [{} for _ in layers], []
+    for i, layer in enumerate(layers):
+        for name, m in layer.named_modules():
+            if isinstance(m, rollout.RMSNorm) and "." not in name:  # the layer's own norms, not q_norm/k_norm
+                hooks.append(m.register_forward_hook(lambda m, a, out, d=outs[i], k=name: d.__setitem__(k, out)))
+            elif (key := name.rsplit(".", 1)[-1]) in sum(FEEDS, ()):
+                hooks.append(m.register_forward_pre_hook(lambda m, a, d=reads[i], k=key: d.__setitem__(k, a[0])))
+    dev = quantize.model_device(model)
+    try:  # fork_rng: a LoRA dropout in training mode must not use up the run's random numbers
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            model(torch.zeros(1, 1, dtype=torch.long, device=dev))
+    finally:
+        for h in hooks:
+            h.remove()
     norms = []
-    for i, layer in enumerate(layers or []):
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            norm = getattr(layer, name, None)
-            if norm is not None and isinstance(getattr(norm, "weight", None), torch.Tensor):
-                norms.append((f"model.layers.{i}.{name}", norm))
-    if not layers or len(norms) != 2 * len(layers):
-        raise ValueError("AQN needs a decoder with model.layers[i].input_layernorm and "
-                         ".post_attention_layernorm gains (Qwen2/Llama layout); this model has "
-                         f"{len(norms)} of them over {len(layers or [])} layers")
-    return norms
+    for i, layer in enumerate(layers):
+        fed = [{n for p in group for n, out in outs[i].items() if reads[i].get(p) is out} for group in FEEDS]
+        _check_roles(i, layer, fed)
+        norms += [(f"model.layers.{i}.{n}", getattr(layer, n)) for (n,) in fed]
+    _found[model] = norms
+    return list(norms)
 
 
 @contextlib.contextmanager
 def aqn_noise(model, sigma, generator=None):
-    """Draw Z ~ N(0, sigma^2), one independent fp32 [hidden] vector per pre-norm, and make every
-    pre-norm compute (w + Z) * rmsnorm(x) in fp32, rounded once to the activation dtype (stage 03's
-    RMSNorm.noise); on exit, whatever happens inside, the norms are noise-free again.
-
-    The gains themselves are never written, so a trained gain (stage 05's --train-norms) comes back
-    exactly, in any dtype. Adding Z to a bf16 gain instead would keep almost nothing of a small draw:
-    near 1 a bf16 gain moves in steps of 2^-8 ~ 0.004, eight times sigma 5e-4. The product is rounded
-    to bf16 too, but each token's product sits at a different place between two bf16 values, so the
-    rounding dithers the noise rather than erasing it: on average over tokens it arrives in full
-    (`landed_noise` measures it).
-
-    Yields a dict with the sigma asked for and `applied_std`: the RMS of the Z really applied (the
-    draw's own spread; stage 05 logs it as sigma_applied).
-    """
-    if not (sigma >= 0 and math.isfinite(sigma)):
-        raise ValueError(f"AQN sigma must be a finite number >= 0, got {sigma}")
+    """Draw Z ~ N(0, sigma^2), one fp32 [hidden] vector per pre-norm, which stage 03's RMSNorm adds to its
+    gain in an fp32 product rounded once; on exit, even after an error, the norms are noise-free again.
+    The gains are never written (a bf16 gain near 1 would round a draw of 5e-4 away; trained gains come
+    back exactly). Yields {sigma, applied_std: the RMS of the Z really applied, num_norms}."""
+    _check_sigma(sigma)
     norms = aqn_norms(model)
     info = {"sigma": float(sigma), "applied_std": 0.0, "num_norms": len(norms)}
     if sigma == 0:
@@ -214,15 +167,10 @@ def aqn_noise(model, sigma, generator=None):
 
 @torch.no_grad()
 def landed_noise(model, ids, sigma, generator=None, in_gain=False):
-    """How much of an AQN draw reaches the inputs of q/k/v and gate/up, where it acts.
-
-    Runs `ids` (B, T) under aqn_noise; at every pre-norm a hook also computes the noise-free output
-    of the same input, and fits per channel i the gain change g_i that best explains
-    y_noisy - y_clean = g_i * rmsnorm(x)_i over all tokens (least squares). Returns (g, z), both
-    (num_norms * hidden,) fp32 with z the draw: g == z means all of the noise arrived.
-    in_gain=True instead adds Z to the stored gains in their own dtype (what this project did before,
-    and what the official code does), to show how much of a draw survives that rounding.
-    """
+    """How much of an AQN draw reaches the inputs of q/k/v and gate/up: runs `ids` (B, T) under aqn_noise
+    and fits per channel i, over all tokens, the gain change g_i that best explains y_noisy - y_clean =
+    g_i * rmsnorm(x)_i (least squares). Returns (g, z), both (num_norms * hidden,) fp32, z the draw: g == z
+    means all of it arrived. in_gain=True adds Z to the gains in their own dtype instead (official code)."""
     norms = [norm for _, norm in aqn_norms(model)]
     clean = [norm.weight.detach().clone() for norm in norms]
     fit = [[0.0, 0.0] for _ in norms]  # per norm: sum(dy * n), sum(n * n), each (hidden,)
@@ -261,15 +209,11 @@ def landed_noise(model, ids, sigma, generator=None, in_gain=False):
 @torch.inference_mode()
 def measure_exploration(reference, variants, prompts, num_samples=8, max_new_tokens=32, temperature=1.0,
                         sigmas=(), seed=0, eos_token_ids=None, rounds=2):
-    """Entropy and KL-to-reference of several versions of one policy.
-
-    reference: the unquantized model (the KL is measured against it, noise-free).
-    variants: dict name -> model, e.g. {"bf16": ref, "NF4": nf4_model, "NVFP4": nvfp4_model}.
-    For every variant, and for every variant named in ("base", "NVFP4") with each sigma in `sigmas`,
-    samples `num_samples` completions per prompt (a fresh AQN draw per round, like one per RL step)
-    and returns rows: {name, sigma, entropy (mean nats per sampled token), kl (mean per-token
-    KL(variant || reference) over the sampled positions), len (mean completion tokens)}.
-    """
+    """Entropy and KL-to-reference of several versions of one policy. reference: the unquantized model
+    (KL against it, noise-free); variants: name -> model, e.g. {"base": ref, "NF4": ..., "NVFP4": ...}.
+    For every variant, and for "base" and "NVFP4" with each of `sigmas`, samples `num_samples` completions
+    per prompt (a fresh AQN draw per round, like one per RL step). Returns rows {name, sigma, entropy (nats
+    per sampled token), kl (per-token KL(variant || reference) over the sampled positions), len}."""
     plan = [(name, model, 0.0) for name, model in variants.items()]
     plan += [(name, variants[name], s) for name in ("base", "NVFP4") if name in variants for s in sigmas]
     rows = []
@@ -291,8 +235,72 @@ def measure_exploration(reference, variants, prompts, num_samples=8, max_new_tok
                      "kl": kl_sum / max(tok, 1), "len": tok / (rounds * len(prompts) * num_samples)})
     return rows
 
+
+# ====================== Part 2: plumbing (checks, schedule table, demo, command line) =======================
+
+
+def check_sigma_range(sigma_start, sigma_end, kind):
+    if sigma_start < 0 or sigma_end < 0:
+        raise ValueError(f"AQN sigma must be >= 0, got sigma_start={sigma_start}, sigma_end={sigma_end}")
+    if kind in DECAYING_KINDS and sigma_end > sigma_start:
+        raise ValueError(f"AQN kind '{kind}' decays: sigma_end ({sigma_end}) must be <= sigma_start "
+                         f"({sigma_start}); swap them or use kind 'feedback'")
+    if kind in ("exp", "log") and sigma_end <= 0:
+        raise ValueError(f"AQN kind '{kind}' decays geometrically and needs sigma_end > 0 (got "
+                         f"{sigma_end}); use kind 'linear' or 'cosine' to decay to zero")
+
+
+def _check_kind(kind, sigma_start, sigma_end):
+    if kind not in SIGMA_KINDS:
+        raise ValueError(f"unknown AQN kind '{kind}'; choose one of {', '.join(SIGMA_KINDS)}")
+    if kind == "feedback":
+        raise ValueError("AQN kind 'feedback' depends on the measured entropy: use FeedbackSigma, "
+                         "which stage 05 updates after every step")
+    check_sigma_range(sigma_start, sigma_end, kind)
+
+
+def _check_stage(step, total_steps, num_stages):
+    if total_steps < 1 or num_stages < 2:
+        raise ValueError(f"AQN needs total_steps >= 1 and num_stages >= 2 (got {total_steps}, {num_stages})")
+    if not 0 <= step < total_steps:
+        raise ValueError(f"step {step} is outside [0, {total_steps})")
+
+
+def _check_feedback(target_entropy, sigma_init, up, down, sigma_min, sigma_max):
+    if target_entropy < 0 or sigma_init < 0 or sigma_min < 0 or sigma_max < sigma_min:
+        raise ValueError("FeedbackSigma needs target_entropy >= 0 and 0 <= sigma_min <= sigma_max, "
+                         "sigma_init >= 0")
+    if not (up >= 1.0 and 0.0 < down <= 1.0):
+        raise ValueError(f"FeedbackSigma needs up >= 1 and 0 < down <= 1 (got up={up}, down={down})")
+
+
+def _check_sigma(sigma):
+    if not (sigma >= 0 and math.isfinite(sigma)):
+        raise ValueError(f"AQN sigma must be a finite number >= 0, got {sigma}")
+
+
+def _check_layers(model):
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers:
+        raise ValueError("AQN needs a decoder with model.layers, each holding a norm that feeds q/k/v and one "
+                         "that feeds gate/up (Qwen2/Llama layout: input_layernorm, post_attention_layernorm); "
+                         f"this model ({type(model).__name__}) has no decoder layers")
+    return layers
+
+
+def _check_roles(i, layer, fed):
+    """`fed`: per role (q/k/v, gate/up), the names of the layer-level RMSNorms whose output it reads."""
+    extra = sorted(n for n, m in layer.named_children() if isinstance(m, rollout.RMSNorm) and {n} not in fed)
+    if [len(f) for f in fed] != [1, 1] or fed[0] == fed[1] or extra:
+        found = "; ".join(f"{role} reads {', '.join(sorted(f)) or 'no layer-level norm'}"
+                          for role, f in zip(("q/k/v", "gate/up"), fed))
+        raise ValueError(f"AQN needs one layer-level norm feeding q/k/v and another feeding gate/up, and no "
+                         f"other (Qwen2/Llama: input_layernorm, post_attention_layernorm), or its noise lands in "
+                         f"the wrong place; model.layers.{i} has: {found}; other norms: {', '.join(extra) or 'none'}")
+
+
 # -----------------------------------------------------------------------------
-# Demo
+# Demo: the schedule, then exploration and landed noise per dtype
 
 
 def print_schedule(total_steps, sigma_start, sigma_end, num_stages):
@@ -316,7 +324,7 @@ def demo_prompts(tokenizer, n, seed):
     return prompts
 
 
-if __name__ == "__main__":
+def build_parser():
     parser = argparse.ArgumentParser(description="AQN schedule and exploration measurements")
     parser.add_argument("--model", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-qwen"))
     parser.add_argument("--steps", type=int, default=600, help="run length for the printed schedule")
@@ -331,17 +339,17 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                         help="activation dtypes to measure in")
-    args = parser.parse_args()
+    return parser
 
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     check_sigma_range(args.sigma_start, args.sigma_end, "exp")
     print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
     print()
-
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     prompts, where = None, args.model if os.path.isdir(args.model) else "a random model"
     for dname in args.dtypes:
-        t0 = time.time()
-        dtype = dtypes[dname]
+        t0, dtype = time.time(), getattr(torch, dname)
         if os.path.isdir(args.model):
             base, tok = rollout.load_model(args.model, quant="none", dtype=dtype, device="cpu")
             nf4 = rollout.load_model(args.model, quant="nf4", dtype=dtype, device="cpu")[0]
@@ -352,18 +360,16 @@ if __name__ == "__main__":
             base = rollout.random_model(tok, args.seed).to(dtype)
             nf4 = quantize.quantize_model(copy.deepcopy(base), fmt="nf4")
             nvfp4 = quantize.quantize_model(copy.deepcopy(base), fmt="nvfp4")
-        variants = {"base": base, "NF4": nf4, "NVFP4": nvfp4}
         prompts = prompts or demo_prompts(tok, args.prompts, args.seed + 1)
-        rows = measure_exploration(base, variants, prompts, num_samples=args.samples,
-                                   max_new_tokens=args.max_new_tokens, sigmas=args.sigmas, seed=args.seed,
-                                   eos_token_ids=tok.eos_token_ids, rounds=args.rounds)
+        rows = measure_exploration(base, {"base": base, "NF4": nf4, "NVFP4": nvfp4}, prompts,
+                                   num_samples=args.samples, max_new_tokens=args.max_new_tokens, sigmas=args.sigmas,
+                                   seed=args.seed, eos_token_ids=tok.eos_token_ids, rounds=args.rounds)
         print(f"exploration in {dname} on {where}: {args.prompts} prompts x {args.samples} samples x "
               f"{args.rounds} noise draws, T=1")
         print(f"{'model':<8} | {'AQN sigma':>9} | {'entropy (nats/tok)':>18} | {'KL to base':>10} | {'len':>5}")
-        ref = rows[0]["entropy"]
         for r in rows:
-            print(f"{r['name']:<8} | {r['sigma']:>9.0e} | {r['entropy']:>9.4f} ({r['entropy'] / ref - 1:+6.1%}) | "
-                  f"{r['kl']:>10.5f} | {r['len']:>5.1f}")
+            print(f"{r['name']:<8} | {r['sigma']:>9.0e} | {r['entropy']:>9.4f} "
+                  f"({r['entropy'] / rows[0]['entropy'] - 1:+6.1%}) | {r['kl']:>10.5f} | {r['len']:>5.1f}")
         # Where the noise lands: the least-squares gain change seen at the q/k/v and gate/up inputs,
         # over the prompts' tokens, against the draw (1.00 = all of it arrives)
         ids = torch.tensor([p[:min(map(len, prompts))] for p in prompts])  # (B, T) cut to one length
@@ -378,3 +384,7 @@ if __name__ == "__main__":
                   f"{cells[1]}")
         print(f"time {time.time() - t0:.1f}s")
         print()
+
+
+if __name__ == "__main__":
+    main()

@@ -277,6 +277,64 @@ def test_bad_input():
             pass
 
 
+class SwappedLayer(rollout.DecoderLayer):
+    # the attribute names say the opposite of what each norm does: AQN must go by the role
+    def forward(self, x, cos, sin, mask, kv_cache=None):
+        x = x + self.self_attn(self.post_attention_layernorm(x), cos, sin, mask, kv_cache)  # (B, T, C)
+        return x + self.mlp(self.input_layernorm(x))
+
+
+class GemmaLikeLayer(rollout.DecoderLayer):
+    # a third norm at layer level (Gemma's post-feedforward norm): AQN's two roles do not cover it
+    def __init__(self, cfg, layer_idx):
+        super().__init__(cfg, layer_idx)
+        self.post_feedforward_layernorm = rollout.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, kv_cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)  # (B, T, C)
+        return x + self.post_feedforward_layernorm(self.mlp(self.post_attention_layernorm(x)))
+
+
+def with_layers(model, cls):
+    for i, layer in enumerate(model.model.layers):
+        new = cls(model.config, i)
+        new.load_state_dict(layer.state_dict(), strict=False)
+        model.model.layers[i] = new
+    return model
+
+
+def test_norms_are_found_by_the_role_they_play():
+    model = tiny_model()
+    layers = model.model.layers
+    got = aqn.aqn_norms(model)
+    assert [n for n, _ in got] == sorted(PRE_NORMS)  # layer 0's two, then layer 1's
+    assert all(m is want for (_, m), want in zip(got, [n for l in layers for n in (l.input_layernorm,
+                                                                                    l.post_attention_layernorm)]))
+    swapped = with_layers(tiny_model(), SwappedLayer)  # the norm feeding q_proj comes first, whatever its name
+    got = aqn.aqn_norms(swapped)
+    assert [n for n, _ in got] == [f"model.layers.{i}.{k}" for i in range(2)
+                                   for k in ("post_attention_layernorm", "input_layernorm")]
+    assert all(m is n for (_, m), n in zip(got, [n for l in swapped.model.layers
+                                                 for n in (l.post_attention_layernorm, l.input_layernorm)]))
+
+
+def test_a_layer_with_another_norm_is_an_error_and_qwen3_qk_norms_are_not():
+    model = with_layers(tiny_model(), GemmaLikeLayer)
+    with pytest.raises(ValueError, match=r"model\.layers\.0 .*other norms: post_feedforward_layernorm"):
+        with aqn.aqn_noise(model, 1e-2):
+            pass
+    cfg = rollout.ModelConfig(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              max_position_embeddings=128, qk_norm=True)
+    torch.manual_seed(0)
+    qwen3 = rollout.CausalLM(cfg).eval()
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+    clean = qwen3(ids)
+    with aqn.aqn_noise(qwen3, 1e-2, torch.Generator().manual_seed(0)) as info:
+        assert set(noises(qwen3)) == PRE_NORMS and info["num_norms"] == 4  # no noise on q_norm / k_norm
+        assert not torch.allclose(qwen3(ids), clean)
+
+
 def test_noise_acts_on_a_quantized_model_too():
     model = quantize.quantize_model(tiny_model(), fmt="nvfp4")
     ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(4))
