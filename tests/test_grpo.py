@@ -601,3 +601,57 @@ def test_truncated_safetensors_is_one_clear_line(tmp_path):
     with pytest.raises(ValueError, match=r"--resume: \S+adapter_model.safetensors: tensor \S+lora_\w.weight needs "
                                          r"bytes \d+\.\.\d+ but the file has \d+; the file is truncated or corrupt"):
         grpo.train(parse("--resume", ckpt, "--quiet"))
+
+# -----------------------------------------------------------------------------
+# The task interface and silent failures made loud
+
+
+class SumTask:
+    """A second task, written only against 05's task interface: add two numbers. Its problems carry the
+    operands (no gold string), its reward has no format bonus, and "correct" is decided here alone."""
+    def __init__(self):
+        self.calls = []
+        self.held = self.problems(99, 0, 6)
+
+    def problems(self, seed, step, n):
+        import random
+        rng = random.Random(seed * 7919 + step)
+        return [{"question": f"{a}+{b}=?", "operands": (a, b)} for a, b in
+                ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(n))]
+
+    def prompt(self, problem):
+        return rollout.chat_prompt(problem["question"])
+
+    def correct(self, problem, completion):
+        return grpo._answer(completion)[1] == sum(problem["operands"])
+
+    def reward(self, problem, completion):
+        self.calls.append(problem)
+        return 1.0 if self.correct(problem, completion) else 0.0
+
+
+def test_a_new_task_trains_through_the_interface_alone(tmp_path):
+    task = SumTask()
+    out = tmp_path / "sum"
+    summary = grpo.train(tiny_args(out, "--steps", "2", "--eval-k", "0"), task=task)
+    steps, evals = step_rows(out)
+    assert [r["step"] for r in steps] == [1, 2]
+    assert len(task.calls) == 2 * 3 * 4 and all("operands" in p for p in task.calls)  # B x G rows a step
+    assert task.calls[0] == task.problems(0, 0, 3)[0]  # the step's problems: a pure function of (seed, step)
+    for r in steps:  # rewards are this task's: 0 or 1 per row, no format bonus; acc counts its `correct`
+        assert r["reward"] == pytest.approx(r["acc"])
+    assert [e["n"] for e in evals] == [6, 6] and summary["steps_done"] == 2  # the task's held-out set
+
+
+def test_steps_without_signal_are_reported(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(grpo, "reward_fn", lambda text, gold: 0.0)  # every group's rewards are equal
+    monkeypatch.setattr(grpo.RunLog, "NO_SIGNAL_STEPS", 2)
+    args = tiny_args(tmp_path / "flat", "--steps", "3", "--eval-size", "0")
+    args.quiet = False
+    grpo.train(args)
+    out = capsys.readouterr().out
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3 and all("no signal" in line for line in steps)
+    warnings = [line for line in out.splitlines() if line.startswith("warning")]
+    assert len(warnings) == 1 and "2 steps in a row without signal" in warnings[0] and "never solves" in warnings[0]
+    assert all(r["frac_zero_std"] == 1 and r["loss"] == 0 for r in step_rows(tmp_path / "flat")[0])
