@@ -70,26 +70,29 @@ def parse_number(text):
         return None
 
 
-def _answer(completion):
-    """(text without stop tokens, the number in its last <answer>...</answer> or None)."""
+def _strip_eos(completion):  # a sampler may or may not decode the stop token
     text = completion if isinstance(completion, str) else ""
-    for eos in _EOS_STRINGS:  # a sampler may or may not decode the stop token
+    for eos in _EOS_STRINGS:
         text = text.replace(eos, "")
-    blocks = _ANSWER.findall(text)
-    return text, parse_number(blocks[-1]) if blocks else None
+    return text
+
+
+def extract_answer(completion):
+    """The number in the last <answer>...</answer> of a completion, or None."""
+    blocks = _ANSWER.findall(_strip_eos(completion))
+    return parse_number(blocks[-1]) if blocks else None
 
 
 def answer_correct(completion, gold):
     """The one definition of "solved": the last <answer> holds the gold number."""
-    pred, want = _answer(completion)[1], parse_number(str(gold))
+    pred, want = extract_answer(completion), parse_number(str(gold))
     return pred is not None and want is not None and pred == want
 
 
 def reward_fn(completion, gold):
     """1.0 if correct, plus 0.1 if the completion is exactly <think>...</think><answer>number</answer>.
     Never raises: malformed text just scores lower."""
-    text, pred = _answer(completion)
-    formatted = _FORMAT.fullmatch(text) is not None and pred is not None
+    formatted = _FORMAT.fullmatch(_strip_eos(completion)) is not None and extract_answer(completion) is not None
     return float(answer_correct(completion, gold)) + (FORMAT_REWARD if formatted else 0.0)
 
 

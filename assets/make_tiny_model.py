@@ -46,6 +46,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 rollout = importlib.import_module("03_rollout")
 grpo = importlib.import_module("05_grpo")  # the task: problems, prompts, reward, evaluation
+TASK = grpo.ArithmeticTask(eval_size=0)  # its prompt (bare, no system message) and its `correct`
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
@@ -74,7 +75,7 @@ def build_tokenizer(digits, nops):
     corpus = []
     for _ in range(200):
         p = grpo.make_problem(rng, digits, nops)
-        text = grpo.prompt_text(p["question"], False) + p["solution"]
+        text = TASK.prompt(p) + p["solution"]
         for t in SPECIALS + TAGS:
             text = text.replace(t, "\n")
         corpus.append(text)
@@ -148,7 +149,7 @@ def make_batch(problems, tok, im_end):
     and the padding, so the loss covers only what the model will have to generate."""
     rows = []
     for p in problems:
-        prompt = tok.encode(grpo.prompt_text(p["question"], False))
+        prompt = tok.encode(TASK.prompt(p))
         completion = tok.encode(p["solution"]) + [im_end]
         rows.append((prompt + completion, [-100] * len(prompt) + completion))
     T = max(len(ids) for ids, _ in rows)
@@ -203,7 +204,7 @@ def main(args):
         sched.step()
         if step % args.eval_every == 0:
             model.eval()
-            acc = grpo.evaluate(model, tok, select_set, False, args.max_new_tokens)["greedy"]
+            acc = grpo.evaluate(model, tok, TASK, select_set, args.max_new_tokens)["greedy"]
             history.append({"step": step, "seconds": round(time.time() - t0, 1), "loss": loss.item(), "greedy": acc})
             print(f"step {step} | loss {loss.item():.4f} | greedy {acc:.3f} (n {len(select_set)}) | "
                   f"{time.time() - t0:.0f}s", flush=True)
@@ -214,11 +215,11 @@ def main(args):
         print(f"note | greedy never reached {args.target} in {args.max_steps} steps; keeping the last model")
         chosen = step
     model.eval()
-    res = grpo.evaluate(model, tok, final_set, False, args.max_new_tokens, k=8, temperature=1.0, seed=grpo.EVAL_SEED)
+    res = grpo.evaluate(model, tok, TASK, final_set, args.max_new_tokens, k=8, temperature=1.0, seed=grpo.EVAL_SEED)
     # what `python 05_grpo.py` starts from: the same weights with every decoder linear in NVFP4
     q = copy.deepcopy(model)
     importlib.import_module("01_quantize").quantize_model(q, fmt="nvfp4")
-    res_q = grpo.evaluate(q, tok, final_set, False, args.max_new_tokens, k=8, temperature=1.0, seed=grpo.EVAL_SEED)
+    res_q = grpo.evaluate(q, tok, TASK, final_set, args.max_new_tokens, k=8, temperature=1.0, seed=grpo.EVAL_SEED)
     info = {"train_steps": chosen, "train_seconds": round(time.time() - t0, 1), "params": n_params,
             "eval_n": res["n"], "fp32": res, "nvfp4": res_q, "seed": args.seed, "threads": torch.get_num_threads()}
     write_folder(args.out, tok_raw, cfg, model.state_dict())

@@ -623,7 +623,7 @@ class SumTask:
         return rollout.chat_prompt(problem["question"])
 
     def correct(self, problem, completion):
-        return grpo._answer(completion)[1] == sum(problem["operands"])
+        return grpo.extract_answer(completion) == sum(problem["operands"])
 
     def reward(self, problem, completion):
         self.calls.append(problem)
