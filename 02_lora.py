@@ -231,7 +231,7 @@ def merge_lora(model):
     return model
 
 
-# ============================ Part 2: plumbing (PEFT files, demo, command line) ============================
+# ============================ Part 2: plumbing (PEFT files, demo, command line) =============================
 # -----------------------------------------------------------------------------
 # Saving and loading in PEFT's layout
 

@@ -350,7 +350,7 @@ def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, 
             "truncated": trunc_sum / n, "skipped": int(bool(upd["skipped"]))}
 
 
-# ================================= Part 2: plumbing (data, runs, processes, checkpoints, command line) ==
+# ============ Part 2: plumbing (data, evaluation, processes, checkpoints, the run, command line) ============
 # -----------------------------------------------------------------------------
 # GSM8K-style data: a JSONL file of {"question", "answer": "... #### n"} lines
 
