@@ -375,10 +375,8 @@ def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
 # Reading Hugging Face folders. A safetensors file is: 8-byte little-endian header length, a JSON header
 # {name: {dtype, shape, data_offsets}}, then the raw bytes.
 
-ST_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
-             "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
-             "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1),
-             "BOOL": (torch.bool, 1), "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1)}
+ST_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                  "F8_E4M3": 1, "F8_E5M2": 1}
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -401,13 +399,13 @@ def _read_header(path):
         header.pop("__metadata__", None)
         size = os.path.getsize(path)
         for v in header.values():
-            if v["dtype"] not in ST_DTYPES:
+            if v["dtype"] not in ST_DTYPE_BYTES:
                 raise ValueError(f"unsupported dtype {v['dtype']}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
     for k, v in header.items():  # checked before anything is written: a cut-off download fails here
         b, e = v["data_offsets"]
-        if e - b != ST_DTYPES[v["dtype"]][1] * math.prod(v["shape"]) or 8 + n + e > size:
+        if e - b != ST_DTYPE_BYTES[v["dtype"]] * math.prod(v["shape"]) or 8 + n + e > size:
             raise ValueError(f"{path}: tensor {k} needs bytes {8 + n + b}..{8 + n + e} but the file has {size}; "
                              f"the file is truncated or corrupt, download it again")
     return header, 8 + n
@@ -522,7 +520,7 @@ def _shard_tensors(model_dir, s, plan, device, log, progress):
         for k in members:
             with safe_open(os.path.join(model_dir, where[k]), framework="pt") as f:
                 ws[k] = f.get_tensor(k).to(device)
-            _check_weight(ws[k], k)
+            _check_weight(ws[k], k)  # before the group scale: an Inf would make it 0 and blame a sibling
         gs = group_global_scale(ws.values())
         for k in (k for k in members if where[k] == s):
             packed, scale, gs_k = quantize_nvfp4(ws[k], gs, name=k)
@@ -571,7 +569,7 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
 
 
 # -----------------------------------------------------------------------------------------------------
-# Demo: bits, bytes and error of both formats on weights shaped like real layers
+# Demo (bits, bytes and error of both formats on weights shaped like real layers) and command line
 
 
 def demo(seed=0):
@@ -579,31 +577,23 @@ def demo(seed=0):
     h, inter, kv = 896, 4864, 2 * 64  # Qwen2.5-0.5B: hidden 896, intermediate 4864, 2 kv heads x 64
     suites = {"4096x4096": [(4096, 4096)],
               "Qwen2.5-0.5B layer": [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)]}
-    formats = {  # name: (quantize, dequantize, bytes of codes + block scales); NVFP4 adds 4 bytes per tensor
-        "nvfp4": (quantize_nvfp4, lambda w, q: dequantize_nvfp4(*q), lambda q: q[0].numel() + q[1].numel()),
-        "nf4": (quantize_nf4, lambda w, q: dequantize_nf4(q[0], q[1], w.shape), lambda q: q[0].numel() + 4 * q[1].numel())}
     print("random N(0, 0.02^2) bf16 weights; errors relative to the bf16 weight; NF4 without double quantization")
-    print(f"{'weights':<20}| {'format':<6}| {'bits/weight':>11} | {'+bytes/tensor':>13} | {'bytes vs bf16':>13} | "
-          f"{'rel RMS err':>11} | {'max abs err':>11} | {'quantize ms':>11}")
+    print(f"{'weights':<20}| {'format':<6}| {'bits/weight':>11} | {'bytes vs bf16':>13} | {'rel RMS err':>11} | "
+          f"{'max abs err':>11} | {'quantize ms':>11}")
     for label, shapes in suites.items():
         ws = [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in shapes]  # bf16, like checkpoints
         flat = torch.cat([w.float().reshape(-1) for w in ws])                            # (numel,)
-        for fmt, (quantize, dequantize, nbytes) in formats.items():
+        for fmt, quantize in (("nvfp4", quantize_nvfp4), ("nf4", quantize_nf4)):
             t0 = time.perf_counter()
             qs = [quantize(w) for w in ws]
             ms = (time.perf_counter() - t0) * 1e3
-            body, fixed = sum(map(nbytes, qs)), (4 if fmt == "nvfp4" else 0) * len(ws)
-            d = torch.cat([dequantize(w, q).reshape(-1) for w, q in zip(ws, qs)]) - flat  # (numel,)
-            print(f"{label:<20}| {fmt:<6}| {8 * body / flat.numel():>11.4f} | {fixed // len(ws):>13d} | "
-                  f"{(body + fixed) / (2 * flat.numel()):>13.5f} | {(d.norm() / flat.norm()).item():>11.4f} | "
-                  f"{d.abs().max().item():>11.2e} | {ms:>11.1f}")
-    print("NVFP4: exactly 4.5 bits/weight (4-bit code + one 8-bit scale per 16) + 4 bytes/tensor (fp32 global scale).\n"
-          "NF4 without double quantization is also 4.5 bits (4-bit code + one fp32 absmax per 64); QLoRA's double\n"
-          "quantization of the absmax brings it to ~4.127 bits.")
-
-
-# -----------------------------------------------------------------------------------------------------
-# Command line
+            nbytes = sum(t.numel() * t.element_size() for q in qs for t in q)  # codes, scales, NVFP4's global scale
+            d = torch.cat([(dequantize_nvfp4(*q) if fmt == "nvfp4" else dequantize_nf4(*q, w.shape)).reshape(-1)
+                           for w, q in zip(ws, qs)]) - flat                                # (numel,)
+            print(f"{label:<20}| {fmt:<6}| {8 * nbytes / flat.numel():>11.4f} | {nbytes / (2 * flat.numel()):>13.5f} | "
+                  f"{(d.norm() / flat.norm()).item():>11.4f} | {d.abs().max().item():>11.2e} | {ms:>11.1f}")
+    print("NVFP4: 4-bit code + one 8-bit scale per 16 + 4 bytes/tensor (fp32 global scale). NF4 without double\n"
+          "quantization: 4-bit code + one fp32 absmax per 64; QLoRA's double quantization brings it to ~4.127 bits.")
 
 
 def main(argv=None):
