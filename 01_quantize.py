@@ -375,10 +375,8 @@ def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
 # Reading Hugging Face folders. A safetensors file is: 8-byte little-endian header length, a JSON header
 # {name: {dtype, shape, data_offsets}}, then the raw bytes.
 
-ST_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
-             "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
-             "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1),
-             "BOOL": (torch.bool, 1), "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1)}
+ST_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                  "F8_E4M3": 1, "F8_E5M2": 1}
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -401,13 +399,13 @@ def _read_header(path):
         header.pop("__metadata__", None)
         size = os.path.getsize(path)
         for v in header.values():
-            if v["dtype"] not in ST_DTYPES:
+            if v["dtype"] not in ST_DTYPE_BYTES:
                 raise ValueError(f"unsupported dtype {v['dtype']}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
     for k, v in header.items():  # checked before anything is written: a cut-off download fails here
         b, e = v["data_offsets"]
-        if e - b != ST_DTYPES[v["dtype"]][1] * math.prod(v["shape"]) or 8 + n + e > size:
+        if e - b != ST_DTYPE_BYTES[v["dtype"]] * math.prod(v["shape"]) or 8 + n + e > size:
             raise ValueError(f"{path}: tensor {k} needs bytes {8 + n + b}..{8 + n + e} but the file has {size}; "
                              f"the file is truncated or corrupt, download it again")
     return header, 8 + n
@@ -461,9 +459,8 @@ def _expected_shape(name, config):
 
 
 # -----------------------------------------------------------------------------------------------------
-# Checkpoint writer: HF folder -> compressed-tensors nvfp4-pack-quantized folder. Output sizes are known up
-# front, so each file's header is written first and each tensor at its offset once it is ready: memory
-# holds one fused group, not the model.
+# Checkpoint writer: HF folder -> compressed-tensors nvfp4-pack-quantized folder, one output shard at a time
+# (HF shards are <= ~5 GB): memory holds that shard's tensors plus the fused group being quantized.
 
 NVFP4_QUANT_CONFIG = {  # weight-only NVFP4 (W4A16): no input_activations, unlike the W4A4 example
     "config_groups": {"group_0": {
@@ -479,13 +476,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 
 def _plan_shards(model_dir, weight_map, config):
-    """-> (headers {shard: (header, data start)}, where {tensor: shard}, fused groups {gid: [weight names]}).
+    """-> (headers {shard: {tensor: info}}, where {tensor: shard}, fused groups {gid: [weight names]}).
     Every header, size and shape is checked here, before anything is written."""
     shards = sorted(set(weight_map.values()))
-    headers = {s: _read_header(os.path.join(model_dir, s)) for s in shards}
-    where = {k: s for s in shards for k in headers[s][0]}
+    headers = {s: _read_header(os.path.join(model_dir, s))[0] for s in shards}
+    where = {k: s for s in shards for k in headers[s]}
     for k, s in where.items():
-        want, got = _expected_shape(k, config), tuple(headers[s][0][k]["shape"])
+        want, got = _expected_shape(k, config), tuple(headers[s][k]["shape"])
         if want is not None and got != want:
             raise ValueError(f"{os.path.join(model_dir, s)}: tensor {k} has shape {got}, config.json implies {want}")
     missing = sorted(set(weight_map) - set(where))
@@ -493,7 +490,7 @@ def _plan_shards(model_dir, weight_map, config):
         raise ValueError(f"the index lists tensors that no shard holds, e.g. {missing[0]}")
     groups = {}
     for k in sorted(where):
-        info, parts = headers[where[k]][0][k], k.split(".")
+        info, parts = headers[where[k]][k], k.split(".")
         if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEAR_NAMES \
                 and len(info["shape"]) == 2 and info["dtype"] in ("F32", "BF16", "F16"):
             if info["shape"][1] % NVFP4_BLOCK:
@@ -503,98 +500,56 @@ def _plan_shards(model_dir, weight_map, config):
     return headers, where, groups
 
 
-def _write_safetensors(path, specs, items):
-    """Write a safetensors file holding `specs` {name: (dtype, shape)}, its tensors taken from `items`, an
-    iterator of (name, tensor or raw bytes) in any order, so only one item is in memory at a time."""
-    order = sorted(specs, key=lambda k: (-ST_DTYPES[specs[k][0]][1], k))  # largest items first: aligned,
-    header, pos = {"__metadata__": {"format": "pt"}}, 0                   # as safetensors itself does
-    for k in order:
-        n = ST_DTYPES[specs[k][0]][1] * math.prod(specs[k][1])
-        header[k] = {"dtype": specs[k][0], "shape": list(specs[k][1]), "data_offsets": [pos, pos + n]}
-        pos += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    todo = set(specs)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
-        for name, data in items:
-            if isinstance(data, torch.Tensor):
-                if ST_DTYPES[header[name]["dtype"]][0] != data.dtype:
-                    raise ValueError(f"{name}: dtype {data.dtype} does not match the planned header")
-                data = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            b, e = header[name]["data_offsets"]
-            if len(data) != e - b:                                      # a source file changed under us
-                raise ValueError(f"{name}: {len(data)} bytes, the header says {e - b}")
-            f.seek(8 + len(raw) + b)
-            f.write(data)
-            todo.discard(name)
-    if todo:
-        raise ValueError(f"tensors never written: {sorted(todo)[:3]}")
-    return pos
-
-
-def _shard_items(model_dir, s, plan, device, log, progress):
-    """Yield (name, tensor or bytes) for output shard s: its other tensors byte for byte, then its weights
-    quantized one fused group at a time (progress: [weights done, weights in all])."""
+def _shard_tensors(model_dir, s, plan, device, log, progress):
+    """Output shard s as {name: tensor}: its other tensors as they are, its weights quantized one fused
+    group at a time (progress: [weights done, weights in all])."""
     from safetensors import safe_open
-    (header, start), where, groups = plan[0][s], plan[1], plan[2]
+    (headers, where, groups), tensors = plan, {}
     quant = {k for members in groups.values() for k in members}
-    with open(os.path.join(model_dir, s), "rb") as src:
-        for k, info in header.items():
+    with safe_open(os.path.join(model_dir, s), framework="pt") as f:
+        for k, info in headers[s].items():
             if k not in quant:
-                src.seek(start + info["data_offsets"][0])
-                yield k, src.read(info["data_offsets"][1] - info["data_offsets"][0])
+                tensors[k] = f.get_tensor(k)
                 log(f"copy   {k} | dtype {info['dtype']} | shape {'x'.join(map(str, info['shape']))}")
     for members in groups.values():
         # The group's global scale needs every member's amax: read the group together (a member
-        # stored in another shard is read again there). Memory holds one group, never the model.
+        # stored in another shard is read again there).
         if not any(where[k] == s for k in members):
             continue
         ws = {}
         for k in members:
             with safe_open(os.path.join(model_dir, where[k]), framework="pt") as f:
                 ws[k] = f.get_tensor(k).to(device)
-            _check_weight(ws[k], k)
+            _check_weight(ws[k], k)  # before the group scale: an Inf would make it 0 and blame a sibling
         gs = group_global_scale(ws.values())
         for k in (k for k in members if where[k] == s):
             packed, scale, gs_k = quantize_nvfp4(ws[k], gs, name=k)
-            yield from ((k + "_packed", packed), (k + "_scale", scale), (k + "_global_scale", gs_k))
+            tensors.update({k + "_packed": packed.cpu(), k + "_scale": scale.cpu(), k + "_global_scale": gs_k.cpu()})
             w32 = ws[k].float()
             err = (dequantize_nvfp4(packed, scale, gs_k) - w32).norm() / w32.norm().clamp(min=1e-30)
             progress[0] += 1
             log(f"nvfp4  [{progress[0]}/{progress[1]}] {k} | shape {'x'.join(map(str, w32.shape))} | gs "
                 f"{gs.item():.4g} | rel_rms_err {err.item():.4f} | bytes {ws[k].numel() * ws[k].element_size()} "
                 f"-> {packed.numel() + scale.numel() + 4}")
-
-
-def _shard_specs(header, quant):
-    """The tensors of an output shard, {name: (dtype, shape)}: each quantized weight becomes three."""
-    specs = {}
-    for k, info in header.items():
-        if k in quant:
-            o, i = info["shape"]
-            specs.update({k + "_packed": ("U8", (o, i // 2)), k + "_scale": ("F8_E4M3", (o, i // NVFP4_BLOCK)),
-                          k + "_global_scale": ("F32", (1,))})
-        else:
-            specs[k] = (info["dtype"], info["shape"])
-    return specs
+    return tensors
 
 
 def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=None, log=print):
     """Write the compressed-tensors NVFP4 version of the HF folder model_dir to out_dir. Everything goes
     to a hidden temporary folder renamed into place at the end (atomic_write): nothing half-written."""
+    from safetensors.torch import save_file
     config, weight_map, has_index, device = _check_checkpoint_args(model_dir, out_dir, fmt, force, device)
     plan = headers, where, groups = _plan_shards(model_dir, weight_map, config)
-    quant = {k for members in groups.values() for k in members}
-    t0, progress, new_map, sizes = time.time(), [0, len(quant)], {}, []
+    n_quant = sum(map(len, groups.values()))
+    t0, progress, new_map, sizes = time.time(), [0, n_quant], {}, []
 
     def write(tmp):
         os.makedirs(tmp)
-        for s, (header, _) in headers.items():
-            specs = _shard_specs(header, quant)
-            sizes.append(_write_safetensors(os.path.join(tmp, s), specs,
-                                            _shard_items(model_dir, s, plan, device, log, progress)))
-            new_map.update(dict.fromkeys(specs, s))
+        for s in headers:
+            tensors = _shard_tensors(model_dir, s, plan, device, log, progress)
+            save_file(tensors, os.path.join(tmp, s), metadata={"format": "pt"})
+            sizes.append(sum(t.numel() * t.element_size() for t in tensors.values()))
+            new_map.update(dict.fromkeys(tensors, s))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(dict(config, quantization_config=NVFP4_QUANT_CONFIG), f, indent=2)
         if has_index:
@@ -606,15 +561,15 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
                 shutil.copy2(os.path.join(model_dir, name), os.path.join(tmp, name))
 
     out_dir = atomic_write(out_dir, write)
-    bytes_in = sum(v["data_offsets"][1] - v["data_offsets"][0] for h, _ in headers.values() for v in h.values())
+    bytes_in = sum(v["data_offsets"][1] - v["data_offsets"][0] for h in headers.values() for v in h.values())
     bytes_out = sum(sizes)
-    log(f"done | tensors {len(where)} | quantized {len(quant)} | bytes {bytes_in / 1e6:.1f} MB -> "
+    log(f"done | tensors {len(where)} | quantized {n_quant} | bytes {bytes_in / 1e6:.1f} MB -> "
         f"{bytes_out / 1e6:.1f} MB ({bytes_out / max(bytes_in, 1):.3f}x) | time {time.time() - t0:.1f}s | out {out_dir}")
-    return {"bytes_in": bytes_in, "bytes_out": bytes_out, "quantized": len(quant), "tensors": len(where)}
+    return {"bytes_in": bytes_in, "bytes_out": bytes_out, "quantized": n_quant, "tensors": len(where)}
 
 
 # -----------------------------------------------------------------------------------------------------
-# Demo: bits, bytes and error of both formats on weights shaped like real layers
+# Demo (bits, bytes and error of both formats on weights shaped like real layers) and command line
 
 
 def demo(seed=0):
@@ -622,31 +577,23 @@ def demo(seed=0):
     h, inter, kv = 896, 4864, 2 * 64  # Qwen2.5-0.5B: hidden 896, intermediate 4864, 2 kv heads x 64
     suites = {"4096x4096": [(4096, 4096)],
               "Qwen2.5-0.5B layer": [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)]}
-    formats = {  # name: (quantize, dequantize, bytes of codes + block scales); NVFP4 adds 4 bytes per tensor
-        "nvfp4": (quantize_nvfp4, lambda w, q: dequantize_nvfp4(*q), lambda q: q[0].numel() + q[1].numel()),
-        "nf4": (quantize_nf4, lambda w, q: dequantize_nf4(q[0], q[1], w.shape), lambda q: q[0].numel() + 4 * q[1].numel())}
     print("random N(0, 0.02^2) bf16 weights; errors relative to the bf16 weight; NF4 without double quantization")
-    print(f"{'weights':<20}| {'format':<6}| {'bits/weight':>11} | {'+bytes/tensor':>13} | {'bytes vs bf16':>13} | "
-          f"{'rel RMS err':>11} | {'max abs err':>11} | {'quantize ms':>11}")
+    print(f"{'weights':<20}| {'format':<6}| {'bits/weight':>11} | {'bytes vs bf16':>13} | {'rel RMS err':>11} | "
+          f"{'max abs err':>11} | {'quantize ms':>11}")
     for label, shapes in suites.items():
         ws = [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in shapes]  # bf16, like checkpoints
         flat = torch.cat([w.float().reshape(-1) for w in ws])                            # (numel,)
-        for fmt, (quantize, dequantize, nbytes) in formats.items():
+        for fmt, quantize in (("nvfp4", quantize_nvfp4), ("nf4", quantize_nf4)):
             t0 = time.perf_counter()
             qs = [quantize(w) for w in ws]
             ms = (time.perf_counter() - t0) * 1e3
-            body, fixed = sum(map(nbytes, qs)), (4 if fmt == "nvfp4" else 0) * len(ws)
-            d = torch.cat([dequantize(w, q).reshape(-1) for w, q in zip(ws, qs)]) - flat  # (numel,)
-            print(f"{label:<20}| {fmt:<6}| {8 * body / flat.numel():>11.4f} | {fixed // len(ws):>13d} | "
-                  f"{(body + fixed) / (2 * flat.numel()):>13.5f} | {(d.norm() / flat.norm()).item():>11.4f} | "
-                  f"{d.abs().max().item():>11.2e} | {ms:>11.1f}")
-    print("NVFP4: exactly 4.5 bits/weight (4-bit code + one 8-bit scale per 16) + 4 bytes/tensor (fp32 global scale).\n"
-          "NF4 without double quantization is also 4.5 bits (4-bit code + one fp32 absmax per 64); QLoRA's double\n"
-          "quantization of the absmax brings it to ~4.127 bits.")
-
-
-# -----------------------------------------------------------------------------------------------------
-# Command line
+            nbytes = sum(t.numel() * t.element_size() for q in qs for t in q)  # codes, scales, NVFP4's global scale
+            d = torch.cat([(dequantize_nvfp4(*q) if fmt == "nvfp4" else dequantize_nf4(*q, w.shape)).reshape(-1)
+                           for w, q in zip(ws, qs)]) - flat                                # (numel,)
+            print(f"{label:<20}| {fmt:<6}| {8 * nbytes / flat.numel():>11.4f} | {nbytes / (2 * flat.numel()):>13.5f} | "
+                  f"{(d.norm() / flat.norm()).item():>11.4f} | {d.abs().max().item():>11.2e} | {ms:>11.1f}")
+    print("NVFP4: 4-bit code + one 8-bit scale per 16 + 4 bytes/tensor (fp32 global scale). NF4 without double\n"
+          "quantization: 4-bit code + one fp32 absmax per 64; QLoRA's double quantization brings it to ~4.127 bits.")
 
 
 def main(argv=None):
