@@ -336,6 +336,18 @@ def atomic_write(path, write):
     return path
 
 
+def write_text(path, text):
+    """`text` into the file `path`, through atomic_write."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    return atomic_write(path, write)
+
+
+def write_json(path, obj):
+    return write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
 def _check_weight(w, name, global_scale=None):
     if w.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
@@ -550,12 +562,10 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
             save_file(tensors, os.path.join(tmp, s), metadata={"format": "pt"})
             sizes.append(sum(t.numel() * t.element_size() for t in tensors.values()))
             new_map.update(dict.fromkeys(tensors, s))
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(dict(config, quantization_config=NVFP4_QUANT_CONFIG), f, indent=2)
+        write_json(os.path.join(tmp, "config.json"), dict(config, quantization_config=NVFP4_QUANT_CONFIG))
         if has_index:
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(new_map.items()))},
-                          f, indent=2)
+            write_json(os.path.join(tmp, "model.safetensors.index.json"),
+                       {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(new_map.items()))})
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(model_dir, name)):
                 shutil.copy2(os.path.join(model_dir, name), os.path.join(tmp, name))

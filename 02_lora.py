@@ -41,8 +41,7 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base, r, alpha, dropout=0.0, use_rslora=False, generator=None):
         super().__init__()
-        if r <= 0:
-            raise ValueError(f"LoRA rank r must be a positive integer, got r={r}")
+        _check_rank(r)
         self.base = base.requires_grad_(False)
         self.r, self.alpha, self.use_rslora = int(r), alpha, use_rslora
         # rsLoRA (Kalajdzievski 2023): alpha/sqrt(r) keeps the update size stable as r grows.
@@ -98,30 +97,10 @@ def _lora_layers(model):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
-def count_parameters(model):
-    """(trainable, frozen). Quantized modules count as their logical in*out weights (+ bias), not
-    as the packed bytes they are stored in, so the numbers compare with a bf16 model's."""
-    trainable, frozen, seen = 0, 0, set()
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            if id(p) not in seen:  # tied weights (embeddings / lm_head) count once
-                seen.add(id(p))
-                if p.requires_grad:
-                    trainable += p.numel()
-                else:
-                    frozen += p.numel()
-        if hasattr(m, "dequantized_weight"):  # NVFP4Linear / NF4Linear: weights live in buffers
-            bias = getattr(m, "bias", None)
-            bias_count = bias.numel() if bias is not None and not isinstance(bias, nn.Parameter) else 0
-            frozen += m.in_features * m.out_features + bias_count  # (a Parameter bias is counted above)
-    return trainable, frozen
-
-
 def add_lora(model, r=32, alpha=64, targets=DEFAULT_TARGETS, dropout=0.0, use_rslora=False, generator=None):
     """Wrap every Linear-like module whose name ends in one of `targets` with a LoRALinear,
     freeze every other parameter, print the trainable/frozen counts. Returns the model."""
-    if not isinstance(r, int) or r <= 0:
-        raise ValueError(f"LoRA rank r must be a positive integer, got r={r!r}")
+    _check_rank(r)
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     if _lora_layers(model):
         raise ValueError("model already has LoRA adapters: call add_lora once (or merge_lora first)")
@@ -160,19 +139,14 @@ def lora_disabled(model):
 @contextmanager
 @torch.no_grad()
 def lora_merged(model, dtype=None):
-    """Inside this block every LoRA layer runs as one F.linear with W = base + scaling * B A, cached in
-    `dtype` (default: the model's first parameter's, its activation dtype), dequantized once for a 4-bit
-    base: the same function up to rounding, and much cheaper when the same weights serve many small
-    forwards (sampling). Costs a float copy of each weight."""
-    layers = [m for _, m in _lora_layers(model)]
+    """Inside this block every enabled LoRA layer runs as one F.linear of W + scaling * B A, computed once
+    in `dtype` (default: the model's first parameter's): the same function up to rounding, and much
+    cheaper when fixed weights serve many small forwards (sampling). Costs a float copy of each weight."""
+    layers = [m for _, m in _lora_layers(model) if not m.disabled]
     dtype = dtype or next(model.parameters(), torch.empty(0)).dtype
     for m in layers:
-        base = m.base
-        w = base.dequantized_weight(torch.float32) if hasattr(base, "dequantized_weight") else base.weight.float()
-        if not m.disabled:
-            w = w + (m.lora_B.float() @ m.lora_A.float()) * m.scaling  # (out, in)
-        bias = getattr(base, "bias", None)
-        m.merged = (w.to(dtype), None if bias is None else bias.to(dtype))
+        bias = getattr(m.base, "bias", None)
+        m.merged = (_merged_weight(m).to(dtype), None if bias is None else bias.to(dtype))
     try:
         yield model
     finally:
@@ -187,14 +161,19 @@ def lora_parameters(model):
 
 def lora_state_dict(model):
     """{"<module path>.lora_A": tensor, "<module path>.lora_B": tensor} (detached, shared storage)."""
-    out = {}
-    for name, m in _lora_layers(model):
-        out[name + ".lora_A"], out[name + ".lora_B"] = m.lora_A.detach(), m.lora_B.detach()
-    return out
+    return {f"{name}.{part}": getattr(m, part).detach()
+            for name, m in _lora_layers(model) for part in ("lora_A", "lora_B")}
 
 
 # -----------------------------------------------------------------------------
 # Merging
+
+
+def _merged_weight(m):
+    """W + scaling * B A of one LoRA layer in fp32 (W dequantized for a 4-bit base)."""
+    base = m.base
+    w = base.dequantized_weight(torch.float32) if hasattr(base, "dequantized_weight") else base.weight.float()
+    return w + (m.lora_B.float() @ m.lora_A.float()) * m.scaling  # (out, in)
 
 
 @torch.no_grad()
@@ -203,13 +182,11 @@ def merge_lora(model):
     dequantized, merged and re-quantized with its own class, and the error this adds is printed."""
     errors = []
     for name, m in _lora_layers(model):
-        base = m.base
-        delta = (m.lora_B.float() @ m.lora_A.float()) * m.scaling  # (out, in)
+        base, exact = m.base, _merged_weight(m)  # (out, in) fp32
         if isinstance(base, nn.Linear):
-            base.weight.copy_((base.weight.float() + delta).to(base.weight.dtype))  # one rounding
+            base.weight.copy_(exact.to(base.weight.dtype))  # one rounding
             merged = base
         elif hasattr(base, "dequantized_weight") and hasattr(type(base), "from_linear"):
-            exact = base.dequantized_weight(torch.float32) + delta  # (out, in)
             bias = getattr(base, "bias", None)
             tmp = nn.Linear(base.in_features, base.out_features, bias=False, device=exact.device)
             tmp.weight.copy_(exact)
@@ -236,19 +213,36 @@ def merge_lora(model):
 # Saving and loading in PEFT's layout
 
 
-def _write_json(path, obj):
-    with open(path, "w") as f:
-        f.write(json.dumps(obj, indent=2) + "\n")
+def _check_rank(r):
+    if not isinstance(r, int) or r <= 0:
+        raise ValueError(f"LoRA rank r must be a positive integer, got r={r!r}")
+
+
+def count_parameters(model):
+    """(trainable, frozen). Quantized modules count as their logical in*out weights (+ bias), not
+    as the packed bytes they are stored in, so the numbers compare with a bf16 model's."""
+    trainable, frozen, seen = 0, 0, set()
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if id(p) not in seen:  # tied weights (embeddings / lm_head) count once
+                seen.add(id(p))
+                if p.requires_grad:
+                    trainable += p.numel()
+                else:
+                    frozen += p.numel()
+        if hasattr(m, "dequantized_weight"):  # NVFP4Linear / NF4Linear: weights live in buffers
+            bias = getattr(m, "bias", None)
+            bias_count = bias.numel() if bias is not None and not isinstance(bias, nn.Parameter) else 0
+            frozen += m.in_features * m.out_features + bias_count  # (a Parameter bias is counted above)
+    return trainable, frozen
 
 
 def _saved_modules(model, names):
     """{"<module path>.<param>": Parameter} of every module whose leaf name is in `names` (PEFT's
     modules_to_save: trained in full next to the adapters, e.g. the RMSNorm gains)."""
-    out = {}
-    for path, m in model.named_modules():
-        if path and path.rsplit(".", 1)[-1] in names and not isinstance(m, LoRALinear):
-            out.update({f"{path}.{k}": p for k, p in m.named_parameters(recurse=False)})
-    return out
+    return {f"{path}.{k}": p for path, m in model.named_modules()
+            if path and path.rsplit(".", 1)[-1] in names and not isinstance(m, LoRALinear)
+            for k, p in m.named_parameters(recurse=False)}
 
 
 def save_adapter(model, dir, base_model_name_or_path="", modules_to_save=None):
@@ -263,10 +257,8 @@ def save_adapter(model, dir, base_model_name_or_path="", modules_to_save=None):
     if len(hyper) != 1:  # PEFT would need rank_pattern/alpha_pattern for this; we never do it
         raise ValueError(f"save_adapter: LoRA layers disagree on (r, alpha, dropout, rslora): {sorted(hyper)}")
     (r, alpha, dropout, use_rslora), = hyper
-    tensors = {}
-    for name, m in layers:  # PEFT names the adapters' inner nn.Linear ".weight"
-        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().float().cpu().contiguous()
-        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().float().cpu().contiguous()
+    tensors = {f"{PEFT_PREFIX}{name}.{part}.weight": getattr(m, part).detach().float().cpu().contiguous()
+               for name, m in layers for part in ("lora_A", "lora_B")}  # PEFT's inner nn.Linear is ".weight"
     modules_to_save = sorted(modules_to_save) if modules_to_save else None
     if modules_to_save:
         full = _saved_modules(model, modules_to_save)
@@ -283,10 +275,9 @@ def save_adapter(model, dir, base_model_name_or_path="", modules_to_save=None):
         "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": modules_to_save, "init_lora_weights": True,
         "layers_to_transform": None, "layers_pattern": None, "revision": None, "use_dora": False,
     }
-    os.makedirs(dir, exist_ok=True)
     quantize.atomic_write(os.path.join(dir, WEIGHTS_NAME), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     # The config goes last: a folder with a config always has its weights.
-    quantize.atomic_write(os.path.join(dir, CONFIG_NAME), lambda p: _write_json(p, config))
+    quantize.write_json(os.path.join(dir, CONFIG_NAME), config)
     return dir
 
 

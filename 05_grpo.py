@@ -713,7 +713,7 @@ class RunLog:
         if rank == 0:
             os.makedirs(args.out, exist_ok=True)
             truncate_metrics(self.metrics, start)  # a crash may have logged past the checkpoint
-            write_json(os.path.join(args.out, "args.json"), vars(args))
+            quantize.write_json(os.path.join(args.out, "args.json"), clean(vars(args)))
         dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
         print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
               f"device {quantize.model_device(model)} | dtype {dtype} | steps {args.steps} | B {args.batch} | "
@@ -760,7 +760,7 @@ class RunLog:
             print(f"summary | steps {done} | greedy {first_eval['greedy']:.3f} -> {last_eval['greedy']:.3f} "
                   f"({100 * s['greedy_gain']:+.1f} points) | wall {s['wall_s']:.0f}s | out {self.args.out}")
         if self.rank == 0:
-            write_json(os.path.join(self.args.out, "summary.json"), s)
+            quantize.write_json(os.path.join(self.args.out, "summary.json"), clean(s))
         return s
 
 # -----------------------------------------------------------------------------
@@ -772,7 +772,7 @@ def truncate_metrics(path, step):
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         keep = [r for r in rows if r.get("step", r.get("eval", {}).get("step", 0)) <= step]
-        quantize.atomic_write(path, lambda tmp: open(tmp, "w").write("".join(json.dumps(r) + "\n" for r in keep)))
+        quantize.write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def clean(obj):
@@ -787,10 +787,6 @@ def clean(obj):
 def log_jsonl(path, rec):
     with open(path, "a") as f:
         f.write(json.dumps(clean(rec)) + "\n")
-
-
-def write_json(path, obj):
-    quantize.atomic_write(path, lambda tmp: open(tmp, "w").write(json.dumps(clean(obj), indent=2) + "\n"))
 
 
 def fmt(x):
