@@ -1,5 +1,4 @@
-"""
-Stage 04: Adaptive Quantization Noise (AQN), its schedule, and the exploration it buys.
+"""Stage 04: Adaptive Quantization Noise (AQN), its schedule, and the exploration it buys.
 
 QeRL's claim is that a 4-bit base model's rounding error acts as parameter noise that raises sampling
 entropy and so helps RL explore. AQN adds *extra* noise early in training and decays it, without
@@ -13,8 +12,7 @@ after the one that feeds the MLP (paper Eq. 9-10 and App. G). o_proj, down_proj 
 
 The noise acts only in the sampler, one draw per step: the noisy model is the behaviour policy pi_old
 (Algorithm 1 line 9), whose log-probabilities stage 05 records for the clipped surrogate, while the
-update runs on the clean policy. Where this differs from the paper and its official code: README,
-"Notes on the paper".
+update runs on the clean policy. Paper, official code and this project differ: README, "Notes on the paper".
 
 Run it (the schedule of a 600-step run, then per dtype (fp32, bf16) the exploration table on the bundled
 model; on a shared 2-core CPU fp32 took 14 min, bf16 ~2.3x that):
@@ -106,18 +104,15 @@ _found = weakref.WeakKeyDictionary()  # model -> its AQN norms: traced once, not
 
 
 def aqn_norms(model):
-    """The (name, RMSNorm) pairs AQN perturbs, found by their role: per decoder layer, in order, the norm
-    whose output feeds q/k/v, then the one feeding gate/up; never model.norm, nor norms inside the
-    attention (Qwen3's q_norm/k_norm)."""
+    """The (name, RMSNorm) pairs AQN perturbs, by role: per decoder layer, the norm whose output feeds q/k/v,
+    then the one feeding gate/up; never model.norm, nor Qwen3's q_norm/k_norm inside the attention."""
     layers = _check_layers(model)
     known = _found.get(model)
-    if known and len(known) == 2 * len(layers) and all(model.get_submodule(n) is m for n, m in known):
-        return list(known)
-    norms = []
-    for i, (layer, readers) in enumerate(zip(layers, _norm_readers(model, layers))):
-        norms += [(f"model.layers.{i}.{n}", getattr(layer, n)) for n in _check_roles(i, readers)]
-    _found[model] = norms
-    return list(norms)
+    if not (known and len(known) == 2 * len(layers) and all(model.get_submodule(n) is m for n, m in known)):
+        readers = _norm_readers(model, layers)  # traced in a one-token forward
+        known = _found[model] = [(f"model.layers.{i}.{n}", getattr(layer, n))
+                                 for i, layer in enumerate(layers) for n in _check_roles(i, readers[i])]
+    return list(known)
 
 
 @contextlib.contextmanager
@@ -129,16 +124,14 @@ def aqn_noise(model, sigma, generator=None):
     _check_sigma(sigma)
     norms = aqn_norms(model)
     info = {"sigma": float(sigma), "applied_std": 0.0, "num_norms": len(norms)}
-    if sigma == 0:
-        yield info  # stage 0: quantization noise only; the model is untouched
-        return
-    gen_device = generator.device if generator is not None else torch.device("cpu")
+    gen_dev = generator.device if generator is not None else torch.device("cpu")
     try:
-        for _, norm in norms:
-            w = norm.weight  # (hidden,)
-            z = torch.randn(w.shape, generator=generator, device=gen_device, dtype=torch.float32) * sigma
-            norm.noise = z.to(w.device)  # (hidden,) fp32
-        info["applied_std"] = float(torch.cat([norm.noise for _, norm in norms]).double().pow(2).mean().sqrt())
+        if sigma > 0:  # at 0 (stage 0) only the quantization noise acts: no draw, the model untouched
+            for _, norm in norms:
+                w = norm.weight  # (hidden,)
+                z = torch.randn(w.shape, generator=generator, device=gen_dev, dtype=torch.float32) * sigma
+                norm.noise = z.to(w.device)  # (hidden,) fp32
+            info["applied_std"] = float(torch.cat([n.noise for _, n in norms]).double().square().mean().sqrt())
         yield info
     finally:
         for _, norm in norms:
@@ -227,8 +220,7 @@ def _check_layers(model):
 
 
 def _check_roles(i, readers):
-    """`readers`: model.layers.{i}'s own norms -> the projections that read their output. Returns the one
-    read by exactly q/k/v, then the one read by exactly gate/up."""
+    """Of model.layers.{i}'s own norms (`readers`: each -> its readers), the one read by q/k/v, then gate/up."""
     roles = [next((n for n, r in readers.items() if r == set(group)), None) for group in FEEDS]
     extra = sorted(n for n in readers if n not in roles)
     if None in roles or extra:
@@ -241,8 +233,7 @@ def _check_roles(i, readers):
 
 @torch.no_grad()
 def _norm_readers(model, layers):
-    """Per decoder layer, {name of each of its own RMSNorms: the q/k/v/gate/up projections whose input is
-    that norm's output}, seen by hooks in a one-token forward (q_norm/k_norm sit inside the attention)."""
+    """Per layer, {each of its own RMSNorms: the q/k/v/gate/up projections that read its output}, by hooks."""
     norms = [{n: m for n, m in layer.named_children() if isinstance(m, rollout.RMSNorm)} for layer in layers]
     outs, reads, hooks = [{} for _ in layers], [{} for _ in layers], []
     for i, layer in enumerate(layers):
@@ -262,21 +253,9 @@ def _norm_readers(model, layers):
             for own, out, read in zip(norms, outs, reads)]
 
 
-# -----------------------------------------------------------------------------
-# Demo: the schedule, then exploration per dtype
-
-def print_schedule(total_steps, sigma_start, sigma_end, num_stages):
-    print(f"AQN schedule for a {total_steps}-step run ({num_stages} stages, {sigma_start:g} -> {sigma_end:g})")
-    print(f"{'stage':>5} | {'steps':>11} | " + " | ".join(f"{k:>9}" for k in DECAYING_KINDS))
-    for stage in range(num_stages):
-        first = next(s for s in range(total_steps) if sigma_stage(s, total_steps, num_stages) == stage)
-        last = max(s for s in range(total_steps) if sigma_stage(s, total_steps, num_stages) == stage)
-        sig = [sigma_schedule(first, total_steps, sigma_start, sigma_end, num_stages, k) for k in DECAYING_KINDS]
-        print(f"{stage:>5} | {first:>4} - {last:<4} | " + " | ".join(f"{s:>9.3e}" for s in sig))
-
-
-def demo_models(model_dir, dtype, seed):
-    """The tokenizer and {base, NF4, NVFP4} of the model folder in `dtype`, or of a small random model."""
+def demo_models(model_dir, dtype, seed, num_prompts):
+    """The tokenizer, {base, NF4, NVFP4} of the model folder in `dtype` (or of a small random model), and
+    `num_prompts` problems in the bundled model's format (`a op b op c`; stage 05 owns the full task)."""
     if os.path.isdir(model_dir):
         base, tok = rollout.load_model(model_dir, quant="none", dtype=dtype, device="cpu")
         nf4 = rollout.load_model(model_dir, quant="nf4", dtype=dtype, device="cpu")[0]
@@ -287,18 +266,12 @@ def demo_models(model_dir, dtype, seed):
         base = rollout.random_model(tok, seed).to(dtype)
         nf4 = quantize.quantize_model(copy.deepcopy(base), fmt="nf4")
         nvfp4 = quantize.quantize_model(copy.deepcopy(base), fmt="nvfp4")
-    return tok, {"base": base, "NF4": nf4, "NVFP4": nvfp4}
-
-
-def demo_prompts(tokenizer, n, seed):
-    """Problems in the bundled model's format (`a op b op c`); stage 05 owns the full task."""
-    gen = torch.Generator().manual_seed(seed)
-    prompts = []
-    for _ in range(n):
+    gen, prompts = torch.Generator().manual_seed(seed + 1), []
+    for _ in range(num_prompts):
         a, b, c = (int(torch.randint(0, 1000, (1,), generator=gen)) for _ in range(3))
         o1, o2 = ("+-"[int(torch.randint(0, 2, (1,), generator=gen))] for _ in range(2))
-        prompts.append(tokenizer.encode(rollout.chat_prompt(f"{a}{o1}{b}{o2}{c}=?")))
-    return prompts
+        prompts.append(tok.encode(rollout.chat_prompt(f"{a}{o1}{b}{o2}{c}=?")))
+    return tok, {"base": base, "NF4": nf4, "NVFP4": nvfp4}, prompts
 
 
 def build_parser():
@@ -321,14 +294,20 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    check_sigma_range(args.sigma_start, args.sigma_end, "exp")
-    print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
+    total, s0, s1, K = args.steps, args.sigma_start, args.sigma_end, args.num_stages
+    check_sigma_range(s0, s1, "exp")
+    print(f"AQN schedule for a {total}-step run ({K} stages, {s0:g} -> {s1:g})")
+    print(f"{'stage':>5} | {'steps':>11} | " + " | ".join(f"{k:>9}" for k in DECAYING_KINDS))
+    for stage in range(K):
+        first = next(s for s in range(total) if sigma_stage(s, total, K) == stage)
+        last = max(s for s in range(total) if sigma_stage(s, total, K) == stage)
+        sig = [sigma_schedule(first, total, s0, s1, K, k) for k in DECAYING_KINDS]
+        print(f"{stage:>5} | {first:>4} - {last:<4} | " + " | ".join(f"{s:>9.3e}" for s in sig))
     print()
-    prompts, where = None, args.model if os.path.isdir(args.model) else "a random model"
+    where = args.model if os.path.isdir(args.model) else "a random model"
     for dname in args.dtypes:
         t0 = time.time()
-        tok, variants = demo_models(args.model, getattr(torch, dname), args.seed)
-        prompts = prompts or demo_prompts(tok, args.prompts, args.seed + 1)
+        tok, variants, prompts = demo_models(args.model, getattr(torch, dname), args.seed, args.prompts)
         rows = measure_exploration(variants["base"], variants, prompts, num_samples=args.samples,
                                    max_new_tokens=args.max_new_tokens, sigmas=args.sigmas, seed=args.seed,
                                    eos_token_ids=tok.eos_token_ids, rounds=args.rounds)
