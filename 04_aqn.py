@@ -14,9 +14,8 @@ The noise acts only in the sampler, one draw per step: the noisy model is the be
 (Algorithm 1 line 9), whose log-probabilities stage 05 records for the clipped surrogate, while the
 update runs on the clean policy. Paper, official code and this project differ: README, "Notes on the paper".
 
-Run it (the schedule of a 600-step run, then per dtype (fp32, bf16) the exploration table on the bundled
-model; on a shared 2-core CPU fp32 took 14 min, bf16 ~2.3x that):
-    python 04_aqn.py
+Run it (the schedule of a 600-step run, then per dtype the exploration table on the bundled model):
+    python 04_aqn.py                # fp32 then bf16: fp32 took 14 min on a shared 2-core CPU, bf16 ~2.3x that
     python 04_aqn.py --prompts 16 --samples 4 --sigmas 5e-4 1e-2       # ~11 min for fp32 + bf16
     python 04_aqn.py --model path/to/hf-folder --samples 8 --sigmas 1e-2 5e-2
 """
@@ -131,7 +130,7 @@ def aqn_noise(model, sigma, generator=None):
                 w = norm.weight  # (hidden,)
                 z = torch.randn(w.shape, generator=generator, device=gen_dev, dtype=torch.float32) * sigma
                 norm.noise = z.to(w.device)  # (hidden,) fp32
-            info["applied_std"] = float(torch.cat([n.noise for _, n in norms]).double().square().mean().sqrt())
+            info["applied_std"] = float(torch.cat([n.noise for _, n in norms]).double().pow(2).mean().sqrt())
         yield info
     finally:
         for _, norm in norms:
@@ -213,14 +212,13 @@ def _check_sigma(sigma):
 def _check_layers(model):
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers:
-        raise ValueError("AQN needs a decoder with model.layers, each holding a norm that feeds q/k/v and one "
-                         "that feeds gate/up (Qwen2/Llama layout: input_layernorm, post_attention_layernorm); "
-                         f"this model ({type(model).__name__}) has no decoder layers")
+        raise ValueError(f"{type(model).__name__} has no model.layers: AQN needs a Qwen2/Llama-like decoder, "
+                         "with input_layernorm feeding q/k/v and post_attention_layernorm feeding gate/up")
     return layers
 
 
 def _check_roles(i, readers):
-    """Of model.layers.{i}'s own norms (`readers`: each -> its readers), the one read by q/k/v, then gate/up."""
+    """Of layer i's own norms (`readers`: each -> who reads it), the one read by q/k/v, then by gate/up."""
     roles = [next((n for n, r in readers.items() if r == set(group)), None) for group in FEEDS]
     extra = sorted(n for n in readers if n not in roles)
     if None in roles or extra:
@@ -254,8 +252,7 @@ def _norm_readers(model, layers):
 
 
 def demo_models(model_dir, dtype, seed, num_prompts):
-    """The tokenizer, {base, NF4, NVFP4} of the model folder in `dtype` (or of a small random model), and
-    `num_prompts` problems in the bundled model's format (`a op b op c`; stage 05 owns the full task)."""
+    """The tokenizer, {base, NF4, NVFP4} in `dtype` (random without the folder), `num_prompts` problems."""
     if os.path.isdir(model_dir):
         base, tok = rollout.load_model(model_dir, quant="none", dtype=dtype, device="cpu")
         nf4 = rollout.load_model(model_dir, quant="nf4", dtype=dtype, device="cpu")[0]
@@ -266,7 +263,7 @@ def demo_models(model_dir, dtype, seed, num_prompts):
         base = rollout.random_model(tok, seed).to(dtype)
         nf4 = quantize.quantize_model(copy.deepcopy(base), fmt="nf4")
         nvfp4 = quantize.quantize_model(copy.deepcopy(base), fmt="nvfp4")
-    gen, prompts = torch.Generator().manual_seed(seed + 1), []
+    gen, prompts = torch.Generator().manual_seed(seed + 1), []  # `a op b op c`; 05 owns the task
     for _ in range(num_prompts):
         a, b, c = (int(torch.randint(0, 1000, (1,), generator=gen)) for _ in range(3))
         o1, o2 = ("+-"[int(torch.randint(0, 2, (1,), generator=gen))] for _ in range(2))
@@ -295,14 +292,12 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     total, s0, s1, K = args.steps, args.sigma_start, args.sigma_end, args.num_stages
-    check_sigma_range(s0, s1, "exp")
     print(f"AQN schedule for a {total}-step run ({K} stages, {s0:g} -> {s1:g})")
     print(f"{'stage':>5} | {'steps':>11} | " + " | ".join(f"{k:>9}" for k in DECAYING_KINDS))
     for stage in range(K):
-        first = next(s for s in range(total) if sigma_stage(s, total, K) == stage)
-        last = max(s for s in range(total) if sigma_stage(s, total, K) == stage)
-        sig = [sigma_schedule(first, total, s0, s1, K, k) for k in DECAYING_KINDS]
-        print(f"{stage:>5} | {first:>4} - {last:<4} | " + " | ".join(f"{s:>9.3e}" for s in sig))
+        steps = [s for s in range(total) if sigma_stage(s, total, K) == stage]
+        sig = [sigma_schedule(steps[0], total, s0, s1, K, k) for k in DECAYING_KINDS]
+        print(f"{stage:>5} | {steps[0]:>4} - {steps[-1]:<4} | " + " | ".join(f"{s:>9.3e}" for s in sig))
     print()
     where = args.model if os.path.isdir(args.model) else "a random model"
     for dname in args.dtypes:
