@@ -9,7 +9,7 @@ tokens, the gain change g_i that best explains y_noisy - y_clean = g_i * rmsnorm
 every pre-norm (the input of q/k/v and gate/up), by least squares. It prints |g| / |Z| and cosine(g, Z):
 1.000 / 1.000 means all of the draw arrived. The README's table is the default run.
 
-    python bench/bench_aqn_landing.py                                  # fp32 and bf16, 16 prompts (< 1 min)
+    python bench/bench_aqn_landing.py                                  # fp32 and bf16, 16 prompts (~15 s)
     python bench/bench_aqn_landing.py --dtypes bfloat16 --sigmas 5e-4 --prompts 4
     python bench/bench_aqn_landing.py --model path/to/hf-folder
 """
@@ -76,8 +76,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     for dname in args.dtypes:
         t0 = time.time()
-        tok, variants = aqn.demo_models(args.model, getattr(torch, dname), args.seed)
-        prompts = aqn.demo_prompts(tok, args.prompts, args.seed + 1)  # the same problems as 04's demo
+        _, variants, prompts = aqn.demo_models(args.model, getattr(torch, dname), args.seed, args.prompts)
         ids = torch.tensor([p[:min(map(len, prompts))] for p in prompts])  # (B, T) cut to one length
         print(f"noise reaching the q/k/v and gate/up inputs of NVFP4 in {dname} ({ids.numel()} tokens; "
               f"|g| / |Z| and cosine(g, Z), same draw)")
