@@ -1,5 +1,4 @@
-"""
-Stage 04: Adaptive Quantization Noise (AQN), its schedule, and the exploration it buys.
+"""Stage 04: Adaptive Quantization Noise (AQN), its schedule, and the exploration it buys.
 
 QeRL's claim is that a 4-bit base model's rounding error acts as parameter noise that raises sampling
 entropy and so helps RL explore. AQN adds *extra* noise early in training and decays it, without
@@ -13,12 +12,10 @@ after the one that feeds the MLP (paper Eq. 9-10 and App. G). o_proj, down_proj 
 
 The noise acts only in the sampler, one draw per step: the noisy model is the behaviour policy pi_old
 (Algorithm 1 line 9), whose log-probabilities stage 05 records for the clipped surrogate, while the
-update runs on the clean policy. Where this differs from the paper and its official code: README,
-"Notes on the paper".
+update runs on the clean policy. Paper, official code and this project differ: README, "Notes on the paper".
 
-Run it (the schedule of a 600-step run, then per dtype (fp32, bf16) the exploration table on the bundled
-model and how much of a draw reaches the projections; on a shared 2-core CPU fp32 took 14 min, bf16 ~2.3x that):
-    python 04_aqn.py
+Run it (the schedule of a 600-step run, then per dtype the exploration table on the bundled model):
+    python 04_aqn.py                # fp32 then bf16: fp32 took 14 min on a shared 2-core CPU, bf16 ~2.3x that
     python 04_aqn.py --prompts 16 --samples 4 --sigmas 5e-4 1e-2       # ~11 min for fp32 + bf16
     python 04_aqn.py --model path/to/hf-folder --samples 8 --sigmas 1e-2 5e-2
 """
@@ -56,7 +53,7 @@ def sigma_stage(step, total_steps, num_stages):
 
 def sigma_schedule(step, total_steps, sigma_start=1e-2, sigma_end=5e-4, num_stages=10, kind="exp"):
     """The AQN noise std for 0-based `step` of a `total_steps` run (paper Eq. 8, Algorithm 1)."""
-    _check_kind(kind, sigma_start, sigma_end)
+    check_sigma_range(sigma_start, sigma_end, kind)
     stage = sigma_stage(step, total_steps, num_stages)
     if kind == "none" or stage == 0:
         return 0.0
@@ -105,36 +102,16 @@ FEEDS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # the inputs
 _found = weakref.WeakKeyDictionary()  # model -> its AQN norms: traced once, not at every step
 
 
-@torch.no_grad()
 def aqn_norms(model):
-    """The (name, RMSNorm) pairs AQN perturbs, found by their role: per decoder layer, in order, the norm
-    whose output feeds q/k/v, then the one feeding gate/up; never model.norm, nor norms inside the
-    attention (Qwen3's q_norm/k_norm). A one-token forward records who reads which norm's output."""
+    """The (name, RMSNorm) pairs AQN perturbs, by role: per decoder layer, the norm whose output feeds q/k/v,
+    then the one feeding gate/up; never model.norm, nor Qwen3's q_norm/k_norm inside the attention."""
     layers = _check_layers(model)
     known = _found.get(model)
-    if known and len(known) == 2 * len(layers) and all(model.get_submodule(n) is m for n, m in known):
-        return list(known)
-    outs, reads, hooks = [{} for _ in layers], [{} for _ in layers], []
-    for i, layer in enumerate(layers):
-        for name, m in layer.named_modules():
-            if isinstance(m, rollout.RMSNorm) and "." not in name:  # the layer's own norms, not q_norm/k_norm
-                hooks.append(m.register_forward_hook(lambda m, a, out, d=outs[i], k=name: d.__setitem__(k, out)))
-            elif (key := name.rsplit(".", 1)[-1]) in sum(FEEDS, ()):
-                hooks.append(m.register_forward_pre_hook(lambda m, a, d=reads[i], k=key: d.__setitem__(k, a[0])))
-    dev = quantize.model_device(model)
-    try:  # fork_rng: a LoRA dropout in training mode must not use up the run's random numbers
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            model(torch.zeros(1, 1, dtype=torch.long, device=dev))
-    finally:
-        for h in hooks:
-            h.remove()
-    norms = []
-    for i, layer in enumerate(layers):
-        fed = [{n for p in group for n, out in outs[i].items() if reads[i].get(p) is out} for group in FEEDS]
-        _check_roles(i, layer, fed)
-        norms += [(f"model.layers.{i}.{n}", getattr(layer, n)) for (n,) in fed]
-    _found[model] = norms
-    return list(norms)
+    if not (known and len(known) == 2 * len(layers) and all(model.get_submodule(n) is m for n, m in known)):
+        readers = _norm_readers(model, layers)  # traced in a one-token forward
+        known = _found[model] = [(f"model.layers.{i}.{n}", getattr(layer, n))
+                                 for i, layer in enumerate(layers) for n in _check_roles(i, readers[i])]
+    return list(known)
 
 
 @contextlib.contextmanager
@@ -146,65 +123,22 @@ def aqn_noise(model, sigma, generator=None):
     _check_sigma(sigma)
     norms = aqn_norms(model)
     info = {"sigma": float(sigma), "applied_std": 0.0, "num_norms": len(norms)}
-    if sigma == 0:
-        yield info  # stage 0: quantization noise only; the model is untouched
-        return
-    gen_device = generator.device if generator is not None else torch.device("cpu")
+    gen_dev = generator.device if generator is not None else torch.device("cpu")
     try:
-        sq_sum, count = 0.0, 0
-        for _, norm in norms:
-            w = norm.weight  # (hidden,)
-            z = torch.randn(w.shape, generator=generator, device=gen_device, dtype=torch.float32) * sigma
-            norm.noise = z.to(w.device)  # (hidden,) fp32
-            sq_sum += float((z * z).sum())
-            count += z.numel()
-        info["applied_std"] = math.sqrt(sq_sum / max(count, 1))
+        if sigma > 0:  # at 0 (stage 0) only the quantization noise acts: no draw, the model untouched
+            for _, norm in norms:
+                w = norm.weight  # (hidden,)
+                z = torch.randn(w.shape, generator=generator, device=gen_dev, dtype=torch.float32) * sigma
+                norm.noise = z.to(w.device)  # (hidden,) fp32
+            info["applied_std"] = float(torch.cat([n.noise for _, n in norms]).double().pow(2).mean().sqrt())
         yield info
     finally:
         for _, norm in norms:
             norm.noise = None
 
 
-@torch.no_grad()
-def landed_noise(model, ids, sigma, generator=None, in_gain=False):
-    """How much of an AQN draw reaches the inputs of q/k/v and gate/up: runs `ids` (B, T) under aqn_noise
-    and fits per channel i, over all tokens, the gain change g_i that best explains y_noisy - y_clean =
-    g_i * rmsnorm(x)_i (least squares). Returns (g, z), both (num_norms * hidden,) fp32, z the draw: g == z
-    means all of it arrived. in_gain=True adds Z to the gains in their own dtype instead (official code)."""
-    norms = [norm for _, norm in aqn_norms(model)]
-    clean = [norm.weight.detach().clone() for norm in norms]
-    fit = [[0.0, 0.0] for _ in norms]  # per norm: sum(dy * n), sum(n * n), each (hidden,)
-
-    def hook(i):
-        def f(module, inp, out):
-            x = inp[0].float()
-            n = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps)).to(inp[0].dtype)  # (B, T, C)
-            dy = (out.float() - (clean[i] * n).float()).reshape(-1, n.shape[-1])  # (B*T, C)
-            n = n.float().reshape(-1, n.shape[-1])  # (B*T, C)
-            fit[i] = [fit[i][0] + (dy * n).sum(0), fit[i][1] + (n * n).sum(0)]
-        return f
-
-    with aqn_noise(model, sigma, generator):
-        zs = [norm.noise.clone() if norm.noise is not None else torch.zeros_like(w, dtype=torch.float32)
-              for norm, w in zip(norms, clean)]
-        if in_gain:
-            for norm, z in zip(norms, zs):
-                norm.noise = None
-                norm.weight.add_(z.to(norm.weight.dtype))
-        handles = [norm.register_forward_hook(hook(i)) for i, norm in enumerate(norms)]
-        try:
-            model(ids)
-        finally:
-            for h in handles:
-                h.remove()
-            for norm, w in zip(norms, clean):
-                norm.weight.copy_(w)
-    g = torch.cat([(num / den.clamp_min(1e-30)).cpu() for num, den in fit])
-    return g, torch.cat([z.cpu() for z in zs])
-
 # -----------------------------------------------------------------------------
 # Measuring exploration: entropy of the sampling distribution and KL to the unquantized base
-
 
 @torch.inference_mode()
 def measure_exploration(reference, variants, prompts, num_samples=8, max_new_tokens=32, temperature=1.0,
@@ -238,8 +172,13 @@ def measure_exploration(reference, variants, prompts, num_samples=8, max_new_tok
 
 # ====================== Part 2: plumbing (checks, schedule table, demo, command line) =======================
 
-
 def check_sigma_range(sigma_start, sigma_end, kind):
+    """The settings of a sigma_schedule: a known timetable kind, sigmas >= 0, and a decay that decays."""
+    if kind not in SIGMA_KINDS:
+        raise ValueError(f"unknown AQN kind '{kind}'; choose one of {', '.join(SIGMA_KINDS)}")
+    if kind == "feedback":
+        raise ValueError("AQN kind 'feedback' depends on the measured entropy: use FeedbackSigma, "
+                         "which stage 05 updates after every step")
     if sigma_start < 0 or sigma_end < 0:
         raise ValueError(f"AQN sigma must be >= 0, got sigma_start={sigma_start}, sigma_end={sigma_end}")
     if kind in DECAYING_KINDS and sigma_end > sigma_start:
@@ -248,15 +187,6 @@ def check_sigma_range(sigma_start, sigma_end, kind):
     if kind in ("exp", "log") and sigma_end <= 0:
         raise ValueError(f"AQN kind '{kind}' decays geometrically and needs sigma_end > 0 (got "
                          f"{sigma_end}); use kind 'linear' or 'cosine' to decay to zero")
-
-
-def _check_kind(kind, sigma_start, sigma_end):
-    if kind not in SIGMA_KINDS:
-        raise ValueError(f"unknown AQN kind '{kind}'; choose one of {', '.join(SIGMA_KINDS)}")
-    if kind == "feedback":
-        raise ValueError("AQN kind 'feedback' depends on the measured entropy: use FeedbackSigma, "
-                         "which stage 05 updates after every step")
-    check_sigma_range(sigma_start, sigma_end, kind)
 
 
 def _check_stage(step, total_steps, num_stages):
@@ -282,46 +212,63 @@ def _check_sigma(sigma):
 def _check_layers(model):
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers:
-        raise ValueError("AQN needs a decoder with model.layers, each holding a norm that feeds q/k/v and one "
-                         "that feeds gate/up (Qwen2/Llama layout: input_layernorm, post_attention_layernorm); "
-                         f"this model ({type(model).__name__}) has no decoder layers")
+        raise ValueError(f"{type(model).__name__} has no model.layers: AQN needs a Qwen2/Llama-like decoder, "
+                         "with input_layernorm feeding q/k/v and post_attention_layernorm feeding gate/up")
     return layers
 
 
-def _check_roles(i, layer, fed):
-    """`fed`: per role (q/k/v, gate/up), the names of the layer-level RMSNorms whose output it reads."""
-    extra = sorted(n for n, m in layer.named_children() if isinstance(m, rollout.RMSNorm) and {n} not in fed)
-    if [len(f) for f in fed] != [1, 1] or fed[0] == fed[1] or extra:
-        found = "; ".join(f"{role} reads {', '.join(sorted(f)) or 'no layer-level norm'}"
-                          for role, f in zip(("q/k/v", "gate/up"), fed))
+def _check_roles(i, readers):
+    """Of layer i's own norms (`readers`: each -> who reads it), the one read by q/k/v, then by gate/up."""
+    roles = [next((n for n, r in readers.items() if r == set(group)), None) for group in FEEDS]
+    extra = sorted(n for n in readers if n not in roles)
+    if None in roles or extra:
+        found = "; ".join(f"{n} feeds {', '.join(sorted(r)) or 'no projection'}" for n, r in readers.items())
         raise ValueError(f"AQN needs one layer-level norm feeding q/k/v and another feeding gate/up, and no "
                          f"other (Qwen2/Llama: input_layernorm, post_attention_layernorm), or its noise lands in "
                          f"the wrong place; model.layers.{i} has: {found}; other norms: {', '.join(extra) or 'none'}")
+    return roles
 
 
-# -----------------------------------------------------------------------------
-# Demo: the schedule, then exploration and landed noise per dtype
+@torch.no_grad()
+def _norm_readers(model, layers):
+    """Per layer, {each of its own RMSNorms: the q/k/v/gate/up projections that read its output}, by hooks."""
+    norms = [{n: m for n, m in layer.named_children() if isinstance(m, rollout.RMSNorm)} for layer in layers]
+    outs, reads, hooks = [{} for _ in layers], [{} for _ in layers], []
+    for i, layer in enumerate(layers):
+        for name, m in norms[i].items():
+            hooks.append(m.register_forward_hook(lambda m, a, out, d=outs[i], k=name: d.__setitem__(k, out)))
+        for name, m in layer.named_modules():
+            if (key := name.rsplit(".", 1)[-1]) in sum(FEEDS, ()):
+                hooks.append(m.register_forward_pre_hook(lambda m, a, d=reads[i], k=key: d.__setitem__(k, a[0])))
+    dev = quantize.model_device(model)
+    try:  # fork_rng: a LoRA dropout in training mode must not use up the run's random numbers
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            model(torch.zeros(1, 1, dtype=torch.long, device=dev))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [{n: {p for p, x in read.items() if x is out.get(n)} for n in own}
+            for own, out, read in zip(norms, outs, reads)]
 
 
-def print_schedule(total_steps, sigma_start, sigma_end, num_stages):
-    print(f"AQN schedule for a {total_steps}-step run ({num_stages} stages, {sigma_start:g} -> {sigma_end:g})")
-    print(f"{'stage':>5} | {'steps':>11} | " + " | ".join(f"{k:>9}" for k in DECAYING_KINDS))
-    for stage in range(num_stages):
-        first = next(s for s in range(total_steps) if sigma_stage(s, total_steps, num_stages) == stage)
-        last = max(s for s in range(total_steps) if sigma_stage(s, total_steps, num_stages) == stage)
-        sig = [sigma_schedule(first, total_steps, sigma_start, sigma_end, num_stages, k) for k in DECAYING_KINDS]
-        print(f"{stage:>5} | {first:>4} - {last:<4} | " + " | ".join(f"{s:>9.3e}" for s in sig))
-
-
-def demo_prompts(tokenizer, n, seed):
-    """Problems in the bundled model's format (`a op b op c`); stage 05 owns the full task."""
-    gen = torch.Generator().manual_seed(seed)
-    prompts = []
-    for _ in range(n):
+def demo_models(model_dir, dtype, seed, num_prompts):
+    """The tokenizer, {base, NF4, NVFP4} in `dtype` (random without the folder), `num_prompts` problems."""
+    if os.path.isdir(model_dir):
+        base, tok = rollout.load_model(model_dir, quant="none", dtype=dtype, device="cpu")
+        nf4 = rollout.load_model(model_dir, quant="nf4", dtype=dtype, device="cpu")[0]
+        nvfp4 = rollout.load_model(model_dir, quant="nvfp4", dtype=dtype, device="cpu")[0]
+    else:  # no bundled model: the mechanics still run, on a random model
+        print(f"note | {model_dir} not found: measuring a small RANDOM model (the numbers mean nothing)")
+        tok = rollout.byte_tokenizer()
+        base = rollout.random_model(tok, seed).to(dtype)
+        nf4 = quantize.quantize_model(copy.deepcopy(base), fmt="nf4")
+        nvfp4 = quantize.quantize_model(copy.deepcopy(base), fmt="nvfp4")
+    gen, prompts = torch.Generator().manual_seed(seed + 1), []  # `a op b op c`; 05 owns the task
+    for _ in range(num_prompts):
         a, b, c = (int(torch.randint(0, 1000, (1,), generator=gen)) for _ in range(3))
         o1, o2 = ("+-"[int(torch.randint(0, 2, (1,), generator=gen))] for _ in range(2))
-        prompts.append(tokenizer.encode(rollout.chat_prompt(f"{a}{o1}{b}{o2}{c}=?")))
-    return prompts
+        prompts.append(tok.encode(rollout.chat_prompt(f"{a}{o1}{b}{o2}{c}=?")))
+    return tok, {"base": base, "NF4": nf4, "NVFP4": nvfp4}, prompts
 
 
 def build_parser():
@@ -344,44 +291,27 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    check_sigma_range(args.sigma_start, args.sigma_end, "exp")
-    print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
+    total, s0, s1, K = args.steps, args.sigma_start, args.sigma_end, args.num_stages
+    print(f"AQN schedule for a {total}-step run ({K} stages, {s0:g} -> {s1:g})")
+    print(f"{'stage':>5} | {'steps':>11} | " + " | ".join(f"{k:>9}" for k in DECAYING_KINDS))
+    for stage in range(K):
+        steps = [s for s in range(total) if sigma_stage(s, total, K) == stage]
+        sig = [sigma_schedule(steps[0], total, s0, s1, K, k) for k in DECAYING_KINDS]
+        print(f"{stage:>5} | {steps[0]:>4} - {steps[-1]:<4} | " + " | ".join(f"{s:>9.3e}" for s in sig))
     print()
-    prompts, where = None, args.model if os.path.isdir(args.model) else "a random model"
+    where = args.model if os.path.isdir(args.model) else "a random model"
     for dname in args.dtypes:
-        t0, dtype = time.time(), getattr(torch, dname)
-        if os.path.isdir(args.model):
-            base, tok = rollout.load_model(args.model, quant="none", dtype=dtype, device="cpu")
-            nf4 = rollout.load_model(args.model, quant="nf4", dtype=dtype, device="cpu")[0]
-            nvfp4 = rollout.load_model(args.model, quant="nvfp4", dtype=dtype, device="cpu")[0]
-        else:  # no bundled model: the mechanics still run, on a random model
-            print(f"note | {args.model} not found: measuring a small RANDOM model (the numbers mean nothing)")
-            tok = rollout.byte_tokenizer()
-            base = rollout.random_model(tok, args.seed).to(dtype)
-            nf4 = quantize.quantize_model(copy.deepcopy(base), fmt="nf4")
-            nvfp4 = quantize.quantize_model(copy.deepcopy(base), fmt="nvfp4")
-        prompts = prompts or demo_prompts(tok, args.prompts, args.seed + 1)
-        rows = measure_exploration(base, {"base": base, "NF4": nf4, "NVFP4": nvfp4}, prompts,
-                                   num_samples=args.samples, max_new_tokens=args.max_new_tokens, sigmas=args.sigmas,
-                                   seed=args.seed, eos_token_ids=tok.eos_token_ids, rounds=args.rounds)
+        t0 = time.time()
+        tok, variants, prompts = demo_models(args.model, getattr(torch, dname), args.seed, args.prompts)
+        rows = measure_exploration(variants["base"], variants, prompts, num_samples=args.samples,
+                                   max_new_tokens=args.max_new_tokens, sigmas=args.sigmas, seed=args.seed,
+                                   eos_token_ids=tok.eos_token_ids, rounds=args.rounds)
         print(f"exploration in {dname} on {where}: {args.prompts} prompts x {args.samples} samples x "
               f"{args.rounds} noise draws, T=1")
         print(f"{'model':<8} | {'AQN sigma':>9} | {'entropy (nats/tok)':>18} | {'KL to base':>10} | {'len':>5}")
         for r in rows:
             print(f"{r['name']:<8} | {r['sigma']:>9.0e} | {r['entropy']:>9.4f} "
                   f"({r['entropy'] / rows[0]['entropy'] - 1:+6.1%}) | {r['kl']:>10.5f} | {r['len']:>5.1f}")
-        # Where the noise lands: the least-squares gain change seen at the q/k/v and gate/up inputs,
-        # over the prompts' tokens, against the draw (1.00 = all of it arrives)
-        ids = torch.tensor([p[:min(map(len, prompts))] for p in prompts])  # (B, T) cut to one length
-        print(f"noise reaching the q/k/v and gate/up inputs of NVFP4 in {dname} ({ids.numel()} tokens; "
-              f"|g| / |Z| and cosine(g, Z), same draw)")
-        for sigma in sorted(set(args.sigmas) | {args.sigma_end}, reverse=True):
-            cells = []
-            for in_gain in (False, True):
-                g, z = landed_noise(nvfp4, ids, sigma, torch.Generator().manual_seed(args.seed), in_gain)
-                cells.append(f"{float(g.norm() / z.norm()):.3f} / {float(F.cosine_similarity(g, z, 0)):.3f}")
-            print(f"  sigma {sigma:.0e} | fp32 product (this code) {cells[0]} | added to the {dname} gains "
-                  f"{cells[1]}")
         print(f"time {time.time() - t0:.1f}s")
         print()
 
