@@ -294,7 +294,7 @@ def main(argv=None):
     total, s0, s1, K = args.steps, args.sigma_start, args.sigma_end, args.num_stages
     print(f"AQN schedule for a {total}-step run ({K} stages, {s0:g} -> {s1:g})")
     print(f"{'stage':>5} | {'steps':>11} | " + " | ".join(f"{k:>9}" for k in DECAYING_KINDS))
-    for stage in range(K):
+    for stage in sorted({sigma_stage(s, total, K) for s in range(total)}):  # stages that have steps
         steps = [s for s in range(total) if sigma_stage(s, total, K) == stage]
         sig = [sigma_schedule(steps[0], total, s0, s1, K, k) for k in DECAYING_KINDS]
         print(f"{stage:>5} | {steps[0]:>4} - {steps[-1]:<4} | " + " | ".join(f"{s:>9.3e}" for s in sig))
