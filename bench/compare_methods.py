@@ -25,6 +25,37 @@ Run it (from the repository root; 15 runs of 300 steps took 45 min on 2 cores wi
     python bench/compare_methods.py -- --lr 5e-4                     # arguments after -- go to 05_grpo.py
 A second copy started later with the same arguments (e.g. once the machine has a free core) trains
 the runs the first has not taken yet; rerun with --from-results at the end to report all of them.
+
+Issue #16's studies (--study): where, if anywhere, does noise help exploration? Each is one command
+with the same machinery, 3 seeds x 300 steps, evaluated on 1000 held-out problems (500 move by +-3
+points between seeds), writing runs/, results.json, table.md, curves.png and invocations.jsonl (each
+command and its wall time) to bench/results/<study>/. Wall times: the script's estimate for 2 cores
+at --parallel 2, printed when it starts.
+    python bench/compare_methods.py --study noise      # 18 runs, ~60 min
+    python bench/compare_methods.py --study scheduler  # 15 runs, ~53 min
+    python bench/compare_methods.py --study hard       # 12 runs, ~40 min (after the noise study)
+    python bench/compare_methods.py --study noise --steps 4 --seeds 0 --eval-size 20 --eval-every 2 --out /tmp/noise
+  noise      NVFP4 + LoRA with AQN sigma_start 0 (no AQN), 1e-2, 3e-2, 1e-1 and sigma_end = sigma_start / 20;
+             then, as a second phase, the fp32 base without AQN and at the best nonzero NVFP4 level (the
+             control). That level is known once every NVFP4 run is done: the same command goes on to the
+             second phase ("phase 2 | ..."), or, if --max-wall stopped it before, its next call does.
+             --noise-level SIGMA picks the level by hand. Zero is never "best": the control asks what
+             noise does, so the best nonzero level is used even when no noise wins.
+  scheduler  QeRL (NVFP4 + LoRA + AQN 1e-2 -> 5e-4) with the exp (the paper's), linear, cosine and log
+             schedules and 04's entropy-feedback controller. The controller holds 05's --target-entropy
+             (0.15 nats); sampling entropy falls below it as training sharpens the policy (0.13 -> 0.07 in
+             bench/results), so it mostly raises sigma toward its 5e-2 ceiling. `-- --target-entropy X`
+             changes the target (the other kinds ignore it).
+  hard       LoRA, NVFP4 + LoRA, QeRL and QeRL at the noise study's best level, from assets/tiny-qwen-early:
+             the bundled model's own pretraining stopped at 7% instead of 25% (NVFP4 on 1000 held-out
+             problems: 6.8% greedy, 17.0% pass@8). The best level comes from bench/results/noise/results.json
+             (the noise folder next to --out) or --noise-level; a best level of 1e-2 is QeRL itself.
+The methods, phases and questions are data (STUDIES); --methods restricts a study to some of its
+methods. Every question is a - b of two methods: the table gives the difference of means of final
+greedy accuracy (the verdict: helps / hurts / within noise, the latter under two standard errors of the
+difference), of pass@8 and of first-fifth entropy. --max-wall SECONDS starts no run after that long
+(running ones finish) and the same command resumes; Ctrl-C or `kill` stops the runs it started, keeping
+the finished ones. Study runs keep a compact metrics.jsonl (what the table and the curves read).
 """
 import argparse
 import hashlib
