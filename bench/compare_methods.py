@@ -114,7 +114,8 @@ def noise_flags(quant, sigma, kind="exp"):
     """05 flags for `quant` with AQN from `sigma` down to sigma / 20 (sigma 0: no AQN)."""
     if sigma == 0:
         return ["--quant", quant, "--no-aqn"]
-    return ["--quant", quant, "--aqn", "--aqn-kind", kind, "--sigma-start", f"{sigma:g}", "--sigma-end", f"{sigma / 20:g}"]
+    return ["--quant", quant, "--aqn", "--aqn-kind", kind, "--sigma-start", f"{sigma:g}",
+            "--sigma-end", f"{sigma / 20:g}"]
 
 
 def noise_methods(prefix, quant, label, colours):
@@ -122,7 +123,8 @@ def noise_methods(prefix, quant, label, colours):
                                          noise_flags(quant, s), c) for s, c in zip(NOISE_LEVELS, colours)}
 
 
-SCHEDULES = {"exp": "tab:red", "linear": "tab:blue", "cosine": "tab:green", "log": "tab:orange", "feedback": "tab:purple"}
+SCHEDULES = {"exp": "tab:red", "linear": "tab:blue", "cosine": "tab:green", "log": "tab:orange",
+             "feedback": "tab:purple"}
 # The hard setting: the bundled model's own pretraining stopped earlier (same command and seed, --target
 # 0.07: see assets/README.md), on the task it was pretrained on. NVFP4 starts at 6.8% greedy, 17.0% pass@8.
 HARD_MODEL = os.path.join(ROOT, "assets", "tiny-qwen-early")
@@ -675,7 +677,7 @@ def render_study_table(summary, records, args, answers, best):
     lines = [f"# Study '{args.study}': {study['title']}", "",
              f"{records[0]['steps']} GRPO steps per run. " + table_intro(records, args, k, records[0]["eval_n"]), "",
              f"| method | seeds | start greedy | start pass@{k} | entropy, first fifth | steps to +{th} (reached) | "
-             f"final greedy | final pass@{k} | entropy, last fifth | s/step |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"final greedy | final pass@{k} | entropy, last fifth | s/step |", "|---" * 10 + "|"]
     for m, s in summary.items():
         lines.append(f"| {s['label']} | {s['runs']} | {pct(s['start_greedy'])} | {pct(s['start_pass_k'])} | "
                      f"{ms(s['entropy_first_fifth'], '.4f')} | {ms(s['steps_to_threshold'], '.0f')} "
@@ -830,6 +832,8 @@ def resolve(args, part, best):
         if best is None:
             return None
         key = key.format(best=level_key(best))
+        if key not in args.table:  # a hand-edited results.json: no such level in the sweep
+            return None
         return same.get(tuple(args.table[key][1]), key)
     if part == "after_best":
         return [m for m in (fill(k) for k in study["after_best"]) if m and m in args.methods]
@@ -880,8 +884,9 @@ def run_study(args):
     where = ("this sweep's NVFP4 runs" if study["best_from"] == "self" else
              os.path.join(short(os.path.dirname(args.out)), "noise", "results.json"))
     if best is None:
-        print(f"phase 2 | not started: it needs the best noise level, not known yet ({'--max-wall stopped phase 1' if args.stopped else 'from ' + where}); "
-              f"rerun this command once it is, or pass --noise-level")
+        why = "--max-wall stopped phase 1" if args.stopped else "from " + where
+        print(f"phase 2 | not started: it needs the best noise level, not known yet ({why}); rerun this command "
+              f"once it is, or pass --noise-level")
         return jobs
     second = [m for m in resolve(args, "after_best", best) if m not in study["first"]]
     print(f"phase 2 | best noise level {best:g} -> {best / 20:g} "
@@ -958,14 +963,15 @@ def parse_args(argv):
     study = STUDIES.get(args.study)
     args.table = study["methods"] if study else METHODS
     args.methods = args.methods or list(args.table)
-    args.eval_size = args.eval_size or (1000 if study else 500)
+    args.eval_size = args.eval_size if args.eval_size is not None else 1000 if study else 500
     args.out = os.path.abspath(args.out or (os.path.join(DEFAULT_OUT, args.study) if study else DEFAULT_OUT))
     args.train_args = (study["train_args"] if study else []) + train_args
     unknown = [m for m in args.methods if m not in args.table]
     if unknown:
         raise ValueError(f"--methods: unknown {', '.join(unknown)} (this {'study' if study else 'comparison'} has "
                          f"{', '.join(args.table)})")
-    if args.noise_level is not None and (not study or not study["after_best"] or args.noise_level not in NOISE_LEVELS[1:]):
+    if args.noise_level is not None and (not study or not study["after_best"]
+                                         or args.noise_level not in NOISE_LEVELS[1:]):
         raise ValueError(f"--noise-level goes with --study noise or hard and is one of "
                          f"{', '.join(f'{s:g}' for s in NOISE_LEVELS[1:])} (got {args.noise_level:g})")
     for flag in train_args:
