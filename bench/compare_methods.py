@@ -25,6 +25,37 @@ Run it (from the repository root; 15 runs of 300 steps took 45 min on 2 cores wi
     python bench/compare_methods.py -- --lr 5e-4                     # arguments after -- go to 05_grpo.py
 A second copy started later with the same arguments (e.g. once the machine has a free core) trains
 the runs the first has not taken yet; rerun with --from-results at the end to report all of them.
+
+Issue #16's studies (--study): where, if anywhere, does noise help exploration? Each is one command
+with the same machinery, 3 seeds x 300 steps, evaluated on 1000 held-out problems (500 move by +-3
+points between seeds), writing runs/, results.json, table.md, curves.png and invocations.jsonl (each
+command and its wall time) to bench/results/<study>/. Wall times: the script's estimate for 2 cores
+at --parallel 2, printed when it starts.
+    python bench/compare_methods.py --study noise      # 18 runs, ~60 min
+    python bench/compare_methods.py --study scheduler  # 15 runs, ~53 min
+    python bench/compare_methods.py --study hard       # 12 runs, ~40 min (after the noise study)
+    python bench/compare_methods.py --study noise --steps 4 --seeds 0 --eval-size 20 --eval-every 2 --out /tmp/noise
+  noise      NVFP4 + LoRA with AQN sigma_start 0 (no AQN), 1e-2, 3e-2, 1e-1 and sigma_end = sigma_start / 20;
+             then, as a second phase, the fp32 base without AQN and at the best nonzero NVFP4 level (the
+             control). That level is known once every NVFP4 run is done: the same command goes on to the
+             second phase ("phase 2 | ..."), or, if --max-wall stopped it before, its next call does.
+             --noise-level SIGMA picks the level by hand. Zero is never "best": the control asks what
+             noise does, so the best nonzero level is used even when no noise wins.
+  scheduler  QeRL (NVFP4 + LoRA + AQN 1e-2 -> 5e-4) with the exp (the paper's), linear, cosine and log
+             schedules and 04's entropy-feedback controller. The controller holds 05's --target-entropy
+             (0.15 nats); sampling entropy falls below it as training sharpens the policy (0.13 -> 0.07 in
+             bench/results), so it mostly raises sigma toward its 5e-2 ceiling. `-- --target-entropy X`
+             changes the target (the other kinds ignore it).
+  hard       LoRA, NVFP4 + LoRA, QeRL and QeRL at the noise study's best level, from assets/tiny-qwen-early:
+             the bundled model's own pretraining stopped at 7% instead of 25% (NVFP4 on 1000 held-out
+             problems: 6.8% greedy, 17.0% pass@8). The best level comes from bench/results/noise/results.json
+             (the noise folder next to --out) or --noise-level; a best level of 1e-2 is QeRL itself.
+The methods, phases and questions are data (STUDIES); --methods restricts a study to some of its
+methods. Every question is a - b of two methods: the table gives the difference of means of final
+greedy accuracy (the verdict: helps / hurts / within noise, the latter under two standard errors of the
+difference), of pass@8 and of first-fifth entropy. --max-wall SECONDS starts no run after that long
+(running ones finish) and the same command resumes; Ctrl-C or `kill` stops the runs it started, keeping
+the finished ones. Study runs keep a compact metrics.jsonl (what the table and the curves read).
 """
 import argparse
 import hashlib
@@ -34,6 +65,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,6 +93,74 @@ CONTROL_PAIRS = [("lora-aqn", "lora"), ("qerl", "lora-aqn")]
 OWNED_FLAGS = ("--out", "--seed", "--steps", "--quant", "--aqn", "--no-aqn", "--time-budget", "--eval-size",
                "--eval-every", "--eval-k", "--save-every", "--resume", "--stop-at")
 RUN_DIR = re.compile(r"^(?P<method>[a-z0-9-]+)-s(?P<seed>\d+)$")
+
+# ---------------------------------------------------------------------------------------------------
+# The studies of issue #16 (--study): where, if anywhere, does noise help exploration? Each study is
+# data: its methods (same shape as METHODS), the runs of its first phase, the runs that need the best
+# noise level (known only once the NVFP4 sweep is done: "{best}" in a key), the 05 flags every run
+# shares, and its questions as (a, b, question): a verdict on a - b per question.
+
+NOISE_LEVELS = (0.0, 1e-2, 3e-2, 1e-1)  # sigma_start; sigma_end = sigma_start / 20, as in the default 1e-2 -> 5e-4
+NVFP4_COLOURS, FP32_COLOURS = ("tab:green", "tab:olive", "tab:orange", "tab:red"), \
+    ("tab:blue", "tab:cyan", "tab:purple", "tab:pink")
+
+
+def level_key(sigma):
+    """A noise level as a run-name fragment: 0 -> "0", 0.03 -> "3e-2"."""
+    return "0" if sigma == 0 else f"{sigma:.0e}".replace("e-0", "e-").replace("e+0", "e")
+
+
+def noise_flags(quant, sigma, kind="exp"):
+    """05 flags for `quant` with AQN from `sigma` down to sigma / 20 (sigma 0: no AQN)."""
+    if sigma == 0:
+        return ["--quant", quant, "--no-aqn"]
+    return ["--quant", quant, "--aqn", "--aqn-kind", kind, "--sigma-start", f"{sigma:g}",
+            "--sigma-end", f"{sigma / 20:g}"]
+
+
+def noise_methods(prefix, quant, label, colours):
+    return {f"{prefix}-{level_key(s)}": (f"{label}, AQN {s:g} -> {s / 20:g}" if s else f"{label}, no AQN",
+                                         noise_flags(quant, s), c) for s, c in zip(NOISE_LEVELS, colours)}
+
+
+SCHEDULES = {"exp": "tab:red", "linear": "tab:blue", "cosine": "tab:green", "log": "tab:orange",
+             "feedback": "tab:purple"}
+# The hard setting: the bundled model's own pretraining stopped earlier (same command and seed, --target
+# 0.07: see assets/README.md), on the task it was pretrained on. NVFP4 starts at 6.8% greedy, 17.0% pass@8.
+HARD_MODEL = os.path.join(ROOT, "assets", "tiny-qwen-early")
+STUDIES = {
+    "noise": {
+        "title": "Noise level sweep (NVFP4 + LoRA, sigma_end = sigma_start / 20), then the fp32 control",
+        "methods": {**noise_methods("nvfp4", "nvfp4", "NVFP4 + LoRA", NVFP4_COLOURS),
+                    **noise_methods("fp32", "none", "fp32 + LoRA", FP32_COLOURS)},
+        "first": [f"nvfp4-{level_key(s)}" for s in NOISE_LEVELS],
+        "after_best": ["fp32-0", "fp32-{best}"], "best_from": "self", "train_args": [],
+        "questions": [(f"nvfp4-{level_key(s)}", "nvfp4-0", f"does AQN {s:g} help on the NVFP4 base?")
+                      for s in NOISE_LEVELS[1:]] + [
+            ("fp32-{best}", "fp32-0", "does the best level help on the fp32 base (the control)?"),
+            ("nvfp4-{best}", "fp32-{best}", "with that noise, does the NVFP4 base beat the fp32 one?"),
+            ("nvfp4-0", "fp32-0", "without noise, does the NVFP4 base beat the fp32 one?")]},
+    "scheduler": {
+        "title": "AQN scheduler ablation (NVFP4 + LoRA, 1e-2 -> 5e-4; feedback: 05's --target-entropy)",
+        "methods": {f"sched-{k}": (f"QeRL, {k} schedule" if k != "feedback" else "QeRL, entropy feedback",
+                                   ["--quant", "nvfp4", "--aqn", "--aqn-kind", k], c) for k, c in SCHEDULES.items()},
+        "first": [f"sched-{k}" for k in SCHEDULES], "after_best": [], "best_from": None, "train_args": [],
+        "questions": [(f"sched-{k}", "sched-exp", f"is the {k} schedule better than exp (the paper's)?")
+                      for k in list(SCHEDULES)[1:]]},
+    "hard": {
+        "title": "A harder start (the tiny model stopped earlier in pretraining: ~7% greedy, ~17% pass@8)",
+        # qerl spelled out as the sweep spells its levels: a best level of 1e-2 is then recognised as qerl
+        "methods": {"lora": METHODS["lora"], "nvfp4-lora": METHODS["nvfp4-lora"],
+                    "qerl": (METHODS["qerl"][0], noise_flags("nvfp4", 1e-2), METHODS["qerl"][2]),
+                    **{f"qerl-{level_key(s)}": (f"QeRL, AQN {s:g} -> {s / 20:g} (best noise level)",
+                                                noise_flags("nvfp4", s), "tab:brown") for s in NOISE_LEVELS[1:]}},
+        "first": ["lora", "nvfp4-lora", "qerl"], "after_best": ["qerl-{best}"], "best_from": "noise",
+        "train_args": ["--model", HARD_MODEL],
+        "questions": [("nvfp4-lora", "lora", "does the NVFP4 base help from a hard start?"),
+                      ("qerl", "nvfp4-lora", "does AQN 1e-2 help from a hard start?"),
+                      ("qerl-{best}", "nvfp4-lora", "does the noise study's best level help from a hard start?"),
+                      ("qerl", "lora", "QeRL vs LoRA from a hard start")]},
+}
 
 # ---------------------------------------------------------------------------------------------------
 # Running: one subprocess per (method, seed), at most --parallel at a time
@@ -120,13 +220,15 @@ def live_claims(runs_root):
 
 
 def model_dir(args):
-    """The model folder the runs load: --model after --, or the bundled tiny model."""
+    """The model folder the runs load: the last --model of the study's flags and those after -- (as
+    05's argparse reads them), or the bundled tiny model."""
+    found = os.path.join(ROOT, "assets", "tiny-qwen")
     for i, a in enumerate(args.train_args):
         if a.startswith("--model="):
-            return a.split("=", 1)[1]
-        if a == "--model" and i + 1 < len(args.train_args):
-            return args.train_args[i + 1]
-    return os.path.join(ROOT, "assets", "tiny-qwen")
+            found = a.split("=", 1)[1]
+        elif a == "--model" and i + 1 < len(args.train_args):
+            found = args.train_args[i + 1]
+    return found
 
 
 def run_command(args, method, seed, run_dir, code_dir=ROOT):
@@ -135,7 +237,7 @@ def run_command(args, method, seed, run_dir, code_dir=ROOT):
     return ([sys.executable, os.path.join(code_dir, "05_grpo.py"), "--out", run_dir, "--seed", str(seed), "--steps", str(args.steps),
              "--time-budget", "0",  # a fixed number of steps, never cut short by the clock
              "--eval-size", str(args.eval_size), "--eval-every", str(args.eval_every), "--eval-k", str(args.eval_k),
-             "--save-every", "0", "--quiet"] + model + METHODS[method][1] + args.train_args)
+             "--save-every", "0", "--quiet"] + model + args.table[method][1] + args.train_args)
 
 
 def short(path):
@@ -177,11 +279,12 @@ def claim(runs_root, name):
     return False
 
 
-def run_all(args):
-    """Train every (method, seed) not already done. Returns the (method, seed) list in order."""
+def run_all(args, methods=None):
+    """Train every (method, seed) not already done (methods: default --methods). Returns the (method,
+    seed) list in order; sets args.stopped when --max-wall left runs unstarted."""
     runs_root = os.path.join(args.out, "runs")
     # seed-major order: if the runs are stopped early, every method has the same number of seeds
-    jobs = [(m, s) for s in args.seeds for m in args.methods]
+    jobs = [(m, s) for s in args.seeds for m in (methods or args.methods)]
     todo = []
     for m, s in jobs:
         run_dir = os.path.join(runs_root, f"{m}-s{s}")
@@ -193,6 +296,9 @@ def run_all(args):
                PYTHONUNBUFFERED="1")
     print(f"plan | {len(todo)} run(s) to train, {len(jobs) - len(todo)} reused | {args.steps} steps each | "
           f"parallel {args.parallel} x {args.threads} thread(s) | out {runs_root}")
+    if todo:
+        print(f"estimate | {estimate_wall(args, len(todo)) / 60:.0f} min of wall time for these runs on a 2-core CPU "
+              f"(see estimate_wall; more if other jobs share the cores)")
     if args.dry_run:
         for m, s, d in todo:
             print(shlex.join(short(c) for c in run_command(args, m, s, d)))
@@ -205,7 +311,7 @@ def run_all(args):
     if todo:
         m, s, d = todo[0]
         print("command | " + shlex.join(short(c) for c in run_command(args, m, s, d, code_dir)))
-    t0, running, finished, durations = time.time(), [], 0, []
+    t0, running, finished, durations = args.started, [], 0, []  # --max-wall counts from this script's start
     pending = list(todo)
     try:
         while pending or running:
@@ -213,8 +319,9 @@ def run_all(args):
             while pending and len(running) < args.parallel:
                 expected = statistics.mean(durations) if durations else 0.0
                 if args.max_wall and time.time() - t0 + expected > args.max_wall:
-                    print(f"stop | --max-wall {args.max_wall:.0f}s reached: {len(pending)} run(s) not started")
-                    pending = []
+                    print(f"stop | --max-wall {args.max_wall:.0f}s reached: {len(pending)} run(s) not started "
+                          f"(the same command resumes them)")
+                    pending, args.stopped = [], True
                     break
                 m, s, run_dir = pending.pop(0)
                 if (not args.force and is_done(run_dir, args.steps)) or not claim(runs_root, f"{m}-s{s}"):
@@ -241,8 +348,10 @@ def run_all(args):
                     for d in os.listdir(run_dir):
                         if d.startswith("checkpoint-"):
                             shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
-                print(finish_line(finished, len(todo), m, s, run_dir, proc.returncode, args.threshold,
-                                  time.time() - t0), flush=True)
+                if args.study and proc.returncode == 0:
+                    compact_metrics(run_dir)
+                print(finish_line(finished, len(todo), m, s, run_dir, proc.returncode, args, time.time() - t0),
+                      flush=True)
     except KeyboardInterrupt:
         for proc, *_ in running:  # only the processes this script started
             proc.terminate()
@@ -255,10 +364,10 @@ def run_all(args):
     return jobs
 
 
-def finish_line(i, n, method, seed, run_dir, rc, threshold, elapsed):
-    head = f"run {i}/{n} | {method}-s{seed}"
+def finish_line(i, n, method, seed, run_dir, rc, args, elapsed):
+    head, threshold = f"run {i}/{n} | {method}-s{seed}", args.threshold
     try:
-        r = load_run(run_dir, method, seed, threshold)
+        r = load_run(run_dir, method, seed, threshold, args.table)
     except (OSError, ValueError) as e:
         return f"{head} | FAILED (exit {rc}): {e} | see {os.path.join(run_dir, 'train.log')}"
     stt = r["steps_to_threshold"]
@@ -266,6 +375,36 @@ def finish_line(i, n, method, seed, run_dir, rc, threshold, elapsed):
             f"pass@{r['k']} {fmt(r['final_pass_k'], '.3f')} | steps to +{threshold:g} {stt if stt else '-'} | "
             f"entropy {r['entropy_first_fifth']:.3f} -> {r['entropy_last_fifth']:.3f} | "
             f"wall {r['wall_s']:.0f}s | elapsed {elapsed / 60:.1f} min")
+
+
+# Seconds on this 2-core CPU with two 1-thread runs at a time (bench/results/: 15 runs of 300 steps took
+# 45 min; their mean s/step 0.97, 0.66 solo), and for the evaluations (stage 05's logs of those runs:
+# ~2 s per greedy pass over 500 problems, ~20 s per pass@8 over 500). Rough: other jobs slow it down.
+S_PER_STEP = {1: 0.66, 2: 0.95}
+S_PER_GREEDY_PROBLEM, S_PER_SAMPLE, S_LOAD = 0.004, 0.005, 10.0
+
+
+def estimate_wall(args, n_runs):
+    """Expected wall time of n_runs runs at --parallel (beyond 2 runs at a time, 2 cores go no faster)."""
+    lanes = min(args.parallel, 2)
+    evals = args.steps // args.eval_every
+    per_run = (S_LOAD + args.steps * S_PER_STEP[lanes] + evals * args.eval_size * S_PER_GREEDY_PROBLEM
+               + 2 * args.eval_size * args.eval_k * S_PER_SAMPLE)
+    return math.ceil(n_runs / lanes) * per_run
+
+
+STEP_KEYS = ("step", "reward", "acc", "entropy", "sigma", "sigma_applied", "len", "clip", "grad_norm", "s/step")
+
+
+def compact_metrics(run_dir):
+    """Keep what the report and the curves read (and a few diagnostics): the evaluations whole, of each
+    step record STEP_KEYS at 4 significant digits. A 300-step run's metrics.jsonl: ~140 KB -> ~35 KB."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    lines = [json.dumps(r if "eval" in r else {k: (float(f"{r[k]:.4g}") if isinstance(r[k], float) else r[k])
+                                               for k in STEP_KEYS if k in r}) for r in recs]
+    write_text(path, "\n".join(lines) + "\n")
 
 # ---------------------------------------------------------------------------------------------------
 # Reading one run folder
@@ -289,18 +428,43 @@ def fifth_mean(values, last):
     return statistics.mean(part) if part else float("nan")
 
 
-def load_run(run_dir, method, seed, threshold):
+def flag_values(flags):
+    """{dest: value} of a 05 flag list: "--no-aqn" -> aqn False, "--aqn" -> aqn True, "--aqn-kind log" -> "log"."""
+    out, i = {}, 0
+    while i < len(flags):
+        name, has_value = flags[i][2:].replace("-", "_"), i + 1 < len(flags) and not flags[i + 1].startswith("--")
+        if has_value:
+            out[name] = flags[i + 1]
+        elif name.startswith("no_"):
+            out[name[3:]] = False
+        else:
+            out[name] = True
+        i += 2 if has_value else 1
+    return out
+
+
+def same_value(got, want):
+    if isinstance(want, bool):
+        return bool(got) == want
+    try:
+        return math.isclose(float(got), float(want), rel_tol=1e-6)
+    except (TypeError, ValueError):
+        return str(got) == want
+
+
+def load_run(run_dir, method, seed, threshold, table=METHODS):
     """One run's record for results.json. Raises ValueError for an unfinished or foreign run."""
     path = os.path.join(run_dir, "summary.json")
     if not os.path.isfile(path):
-        raise ValueError(f"no summary.json in {run_dir} (the run did not finish)")
+        raise ValueError(f"no summary.json in {run_dir} (the run did not finish)" if os.path.isdir(run_dir) else
+                         "not trained yet")
     with open(path) as f:
         summary = json.load(f)
     a = summary.get("args", {})
-    want_quant, want_aqn = METHODS[method][1][1], METHODS[method][1][2] == "--aqn"
-    if a.get("quant") != want_quant or bool(a.get("aqn")) != want_aqn:
-        raise ValueError(f"{run_dir} was trained with --quant {a.get('quant')} aqn {a.get('aqn')}, not as "
-                         f"{method!r}: delete or rename the folder")
+    wrong = [k for k, v in flag_values(table[method][1]).items() if not same_value(a.get(k), v)]
+    if wrong:
+        raise ValueError(f"{run_dir} was trained with " + ", ".join(f"{k} {a.get(k)}" for k in wrong) +
+                         f", not as {method!r}: delete or rename the folder")
     steps, evals = read_metrics(run_dir)
     first, final = summary.get("first_eval"), summary.get("final_eval")
     if not first or not final or not steps:
@@ -311,7 +475,7 @@ def load_run(run_dir, method, seed, threshold):
     k = final.get("k")
     entropy = [r["entropy"] for r in steps]
     reward = [r["reward"] for r in steps]
-    return {"method": method, "label": METHODS[method][0], "seed": seed, "dir": os.path.relpath(run_dir, ROOT),
+    return {"method": method, "label": table[method][0], "seed": seed, "dir": os.path.relpath(run_dir, ROOT),
             "steps": summary["steps_done"], "planned_steps": a.get("steps"), "stopped_by": summary.get("stopped_by"),
             "quant": a.get("quant"), "aqn": a.get("aqn"), "eval_every": a.get("eval_every"),
             "start_greedy": first["greedy"], "final_greedy": final["greedy"],
@@ -350,15 +514,16 @@ def collect(args, jobs=None):
         jobs = []
         for d in os.listdir(runs_root):
             m = RUN_DIR.match(d)
-            if m and m["method"] in METHODS:
+            if m and m["method"] in args.table:
                 jobs.append((m["method"], int(m["seed"])))
-        jobs.sort(key=lambda j: (list(METHODS).index(j[0]), j[1]))  # the table's order, not the alphabet's
+        jobs.sort(key=lambda j: (list(args.table).index(j[0]), j[1]))  # the table's order, not the alphabet's
         if not jobs:
             raise FileNotFoundError(f"--from-results: no <method>-s<seed> run folders in {runs_root}")
     records = []
     for method, seed in jobs:
         try:
-            records.append(load_run(os.path.join(runs_root, f"{method}-s{seed}"), method, seed, args.threshold))
+            records.append(load_run(os.path.join(runs_root, f"{method}-s{seed}"), method, seed, args.threshold,
+                                    args.table))
         except (OSError, ValueError) as e:
             print(f"missing | {method}-s{seed} | {e}")
     for key, what in (("code_md5", "stage files"), ("model_md5", "model weights")):
@@ -390,11 +555,12 @@ def summarize(records, methods):
         if not rs:
             continue
         stt = [r["steps_to_threshold"] for r in rs]
-        out[m] = {"label": METHODS[m][0], "runs": len(rs), "seeds": [r["seed"] for r in rs],
+        out[m] = {"label": rs[0]["label"], "runs": len(rs), "seeds": [r["seed"] for r in rs],
                   "start_greedy": mean_std([r["start_greedy"] for r in rs]),
                   "final_greedy": mean_std([r["final_greedy"] for r in rs]),
                   "gain_points": mean_std([r["gain_points"] for r in rs]),
                   "final_pass_k": mean_std([r["final_pass_k"] for r in rs]),
+                  "start_pass_k": mean_std([r["start_pass_k"] for r in rs]),
                   "steps_to_threshold": mean_std([s for s in stt if s is not None]),
                   "reached": sum(s is not None for s in stt),
                   "entropy_first_fifth": mean_std([r["entropy_first_fifth"] for r in rs]),
@@ -404,15 +570,22 @@ def summarize(records, methods):
     return out
 
 
+def difference(summary, a, b, key="final_greedy", scale=100):
+    """Mean of a minus mean of b (x scale: points), the standard error of that difference, and whether
+    it is noise: under two standard errors, or fewer than 2 seeds on a side (no spread to judge by)."""
+    (ma, sa, na), (mb, sb, nb) = summary[a][key], summary[b][key]
+    if min(na, nb) == 0:
+        return float("nan"), float("nan"), True
+    diff, se = scale * (ma - mb), scale * math.sqrt(sa ** 2 / na + sb ** 2 / nb)
+    return diff, se, abs(diff) <= 2 * se or min(na, nb) < 2
+
+
 def compare(summary, a, b):
     """Does mean final greedy accuracy of a >= b hold? With 3 seeds this is a rough reading: a gap
     under two standard errors of the difference is called noise."""
     if a not in summary or b not in summary:
         return None
-    (ma, sa, na), (mb, sb, nb) = summary[a]["final_greedy"], summary[b]["final_greedy"]
-    diff = 100 * (ma - mb)
-    se = 100 * math.sqrt(sa ** 2 / na + sb ** 2 / nb)
-    noise = abs(diff) < 2 * se or min(na, nb) < 2
+    diff, se, noise = difference(summary, a, b)
     verdict = ("holds" if diff >= 0 else "reversed") + (" (within noise)" if noise else "")
     return {"pair": f"{a} >= {b}", "diff_points": diff, "se_points": se, "verdict": verdict}
 
@@ -438,12 +611,7 @@ def render_table(summary, records, args, checks):
     steps = records[0]["steps"] if records else 0
     n_eval = records[0]["eval_n"] if records else 0
     lines = [f"# Method comparison: {steps} GRPO steps per run, bundled tiny model, synthetic arithmetic", "",
-             f"Mean ± std over seeds (sample std). Accuracies in % on {n_eval} held-out problems (greedy; "
-             f"pass@{k} at temperature 1). Steps to +{args.threshold:g}: first evaluation (every "
-             f"{records[0].get('eval_every', args.eval_every) if records else args.eval_every} steps) at least "
-             f"{args.threshold:g} points above the start, mean over the seeds that got there. Entropy: mean "
-             f"per-token sampling entropy (nats) over the first and last fifth of the steps. Versions (md5): "
-             f"stage files {versions(records, 'code_md5')}, model weights {versions(records, 'model_md5')}.", "",
+             table_intro(records, args, k, n_eval), "",
              f"| method | seeds | start greedy | final greedy | gain (points) | final pass@{k} | "
              f"steps to +{args.threshold:g} (reached) | entropy first → last fifth | s/step |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -464,13 +632,70 @@ def render_table(summary, records, args, checks):
     for c in checks:
         if c:
             lines.append(f"- {c['pair']}: {c['diff_points']:+.1f} ± {c['se_points']:.1f} -> {c['verdict']}")
-    lines += ["", "Per run (seed: final greedy %, steps to threshold):", ""]
+    return "\n".join(lines + per_run_lines(summary, records)) + "\n"
+
+
+def table_intro(records, args, k, n_eval):
+    return (f"Mean ± std over seeds (sample std). Accuracies in % on {n_eval} held-out problems (greedy; "
+            f"pass@{k} at temperature 1). Steps to +{args.threshold:g}: first evaluation (every "
+            f"{records[0].get('eval_every', args.eval_every) if records else args.eval_every} steps) at least "
+            f"{args.threshold:g} points above the start, mean over the seeds that got there. Entropy: mean "
+            f"per-token sampling entropy (nats) over the first and last fifth of the steps. Versions (md5): "
+            f"stage files {versions(records, 'code_md5')}, model weights {versions(records, 'model_md5')}.")
+
+
+def per_run_lines(summary, records):
+    lines = ["", "Per run (seed: final greedy %, steps to threshold):", ""]
     for m in summary:
         rs = sorted((r for r in records if r["method"] == m), key=lambda r: r["seed"])
         cells = ", ".join(f"s{r['seed']}: {100 * r['final_greedy']:.1f} / {r['steps_to_threshold'] or '-'}"
                           for r in rs)
         lines.append(f"- {m}: {cells}")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def ms(x, spec):
+    """A (mean, std, n) triple as "mean ± std" ("-" without values)."""
+    m, s, n = x
+    return "-" if n == 0 else f"{format(m, spec)} ± {format(s, spec)}" if n > 1 else format(m, spec)
+
+
+def answer(summary, a, b, question):
+    """One verdict line of a study: a - b on final greedy (the verdict), pass@k and first-fifth entropy."""
+    if a not in summary or b not in summary:
+        return None
+    out = {"question": question, "a": a, "b": b}
+    for key, scale in (("final_greedy", 100), ("final_pass_k", 100), ("entropy_first_fifth", 1)):
+        diff, se, noise = difference(summary, a, b, key, scale)
+        out[key] = {"diff": diff, "se": se, "verdict": "within noise" if noise else "helps" if diff > 0 else "hurts"}
+    return out
+
+
+def render_study_table(summary, records, args, answers, best):
+    study, k = STUDIES[args.study], next(iter(summary.values()))["k"]
+    th = f"{args.threshold:g}"
+    lines = [f"# Study '{args.study}': {study['title']}", "",
+             f"{records[0]['steps']} GRPO steps per run. " + table_intro(records, args, k, records[0]["eval_n"]), "",
+             f"| method | seeds | start greedy | start pass@{k} | entropy, first fifth | steps to +{th} (reached) | "
+             f"final greedy | final pass@{k} | entropy, last fifth | s/step |", "|---" * 10 + "|"]
+    for m, s in summary.items():
+        lines.append(f"| {s['label']} | {s['runs']} | {pct(s['start_greedy'])} | {pct(s['start_pass_k'])} | "
+                     f"{ms(s['entropy_first_fifth'], '.4f')} | {ms(s['steps_to_threshold'], '.0f')} "
+                     f"({s['reached']}/{s['runs']}) | {pct(s['final_greedy'])} | {pct(s['final_pass_k'])} | "
+                     f"{ms(s['entropy_last_fifth'], '.4f')} | {s['s_per_step'][0]:.2f} |")
+    if study["after_best"]:
+        lines += ["", f"Best nonzero NVFP4 noise level (mean final greedy of the noise sweep): "
+                  + (f"{best:g} -> {best / 20:g}." if best is not None else "not known yet (the sweep is unfinished).")]
+    lines += ["", "Questions: a - b, the difference of means ± its standard error (points; entropy in nats). "
+              "The verdict is on final greedy accuracy: 'within noise' under two standard errors.", ""]
+    for q in answers:
+        g, p, e = q["final_greedy"], q["final_pass_k"], q["entropy_first_fifth"]
+        lines.append(f"- {q['question']} ({q['a']} - {q['b']}): final greedy {g['diff']:+.1f} ± {g['se']:.1f} -> "
+                     f"**{g['verdict']}** | final pass@{k} {p['diff']:+.1f} ± {p['se']:.1f} ({p['verdict']}) | "
+                     f"first-fifth entropy {e['diff']:+.4f} ± {e['se']:.4f}")
+    if not answers:
+        lines.append("- (no question has both of its methods run yet)")
+    return "\n".join(lines + per_run_lines(summary, records)) + "\n"
 
 # ---------------------------------------------------------------------------------------------------
 # The plot (optional): reward, held-out greedy accuracy and entropy vs step, min-max band over seeds
@@ -493,7 +718,7 @@ def band(curves):
     return ([statistics.mean(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols])
 
 
-def render_plot(records, summary, out_dir, path):
+def render_plot(records, summary, out_dir, path, table=METHODS):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -506,7 +731,7 @@ def render_plot(records, summary, out_dir, path):
     window = max(1, steps_total // 20)
     for m in summary:
         rs = [r for r in records if r["method"] == m]
-        colour, label = METHODS[m][2], f"{METHODS[m][0]} (n={len(rs)})"
+        colour, label = table[m][2], f"{table[m][0]} (n={len(rs)})"
         per_run = [read_metrics(os.path.join(ROOT, r["dir"]))[0] for r in rs]
         n = min(len(p) for p in per_run)
         x = [rec["step"] for rec in per_run[0][:n]]
@@ -562,24 +787,139 @@ def clean(obj):
 def report(args, records):
     if not records:
         raise ValueError(f"no finished runs to report in {os.path.join(args.out, 'runs')}")
-    order = [m for m in METHODS if any(r["method"] == m for r in records)]
+    order = [m for m in args.table if any(r["method"] == m for r in records)]
     summary = summarize(records, order)
-    checks = [compare(summary, a, b) for a, b in PAPER_PAIRS + CONTROL_PAIRS]
+    checks = [compare(summary, a, b) for a, b in PAPER_PAIRS + CONTROL_PAIRS] if not args.study else []
     first_args = os.path.join(ROOT, records[0]["dir"], "args.json")
     train_args = json.load(open(first_args)) if os.path.isfile(first_args) else {}
-    for key in ("out", "seed", "quant", "aqn", "model"):
+    varied = {k for m in order for k in flag_values(args.table[m][1])}  # what the methods set differs per run
+    for key in {"out", "seed", "quant", "aqn", "model"} | varied:
         train_args.pop(key, None)
     results = {"threshold_points": args.threshold, "steps": records[0]["steps"],
                "shared_05_args": train_args, "methods": summary, "ordering_checks": [c for c in checks if c],
                "runs": records}
+    if args.study:
+        best = study_best(args, summary)
+        answers = [q for q in (answer(summary, a, b, text) for a, b, text in resolve(args, "questions", best)) if q]
+        results = {"study": args.study, "best_noise_level": best, "questions": answers,
+                   "invocations": read_invocations(args.out), **results}
+        table = render_study_table(summary, records, args, answers, best) + invocation_lines(args.out)
+    else:
+        table = render_table(summary, records, args, checks)
     os.makedirs(args.out, exist_ok=True)
     write_text(os.path.join(args.out, "results.json"), json.dumps(clean(results), indent=1) + "\n")
-    table = render_table(summary, records, args, checks)
     write_text(os.path.join(args.out, "table.md"), table)
     print(table)
-    plot = render_plot(records, summary, args.out, os.path.join(args.out, "curves.png"))
+    plot = render_plot(records, summary, args.out, os.path.join(args.out, "curves.png"), args.table)
     print(f"wrote | {os.path.join(args.out, 'results.json')} | {os.path.join(args.out, 'table.md')}"
           + (f" | {plot}" if plot else ""))
+
+# ---------------------------------------------------------------------------------------------------
+# Studies: two phases (the runs that need the noise sweep's best level come second), the invocation log
+
+
+def resolve(args, part, best):
+    """A study's "after_best" method keys or its "questions", "{best}" filled in with the best level's key
+    (left out while best is None). A filled-in method that trains exactly like one of the first phase
+    (the hard study's qerl-1e-2 is its qerl) is replaced by that one; a question comparing a method
+    with itself is dropped."""
+    study = STUDIES[args.study]
+    same = {tuple(args.table[m][1]): m for m in study["first"]}
+
+    def fill(key):
+        if "{best}" not in key:
+            return key
+        if best is None:
+            return None
+        key = key.format(best=level_key(best))
+        if key not in args.table:  # a hand-edited results.json: no such level in the sweep
+            return None
+        return same.get(tuple(args.table[key][1]), key)
+    if part == "after_best":
+        return [m for m in (fill(k) for k in study["after_best"]) if m and m in args.methods]
+    out = []
+    for a, b, text in study["questions"]:
+        a, b = fill(a), fill(b)
+        if a and b and a != b:
+            out.append((a, b, text.replace("the best level", f"the best level ({best:g})") if best else text))
+    return out
+
+
+def best_noise_level(summary):
+    """The nonzero NVFP4 level with the highest mean final greedy accuracy. Zero is left out on purpose:
+    the questions that use it ask what a level of noise does (on fp32, from a hard start)."""
+    scored = [(summary[k]["final_greedy"][0], s) for s in NOISE_LEVELS[1:] if (k := f"nvfp4-{level_key(s)}") in summary]
+    return max(scored)[1] if scored else None
+
+
+def study_best(args, summary=None):
+    """The noise level the second phase uses: --noise-level, else the noise study's sweep once every
+    level has every requested seed (from this study's runs, or for the hard study from the results.json
+    of the noise study next to --out); None while unknown."""
+    study = STUDIES[args.study]
+    if args.noise_level is not None or not study["after_best"]:
+        return args.noise_level
+    if study["best_from"] == "noise":
+        path = os.path.join(os.path.dirname(args.out), "noise", "results.json")
+        try:
+            with open(path) as f:
+                return json.load(f).get("best_noise_level")
+        except (OSError, ValueError):
+            return None
+    runs_root = os.path.join(args.out, "runs")
+    if not all(is_done(os.path.join(runs_root, f"{m}-s{s}"), args.steps) for m in study["first"] for s in args.seeds):
+        return None
+    if summary is None:
+        summary = summarize(collect(args, [(m, s) for s in args.seeds for m in study["first"]]), study["first"])
+    return best_noise_level(summary)
+
+
+def run_study(args):
+    """Phase 1, then (when the best noise level is known) phase 2; returns every (method, seed) to report."""
+    study = STUDIES[args.study]
+    jobs = run_all(args, [m for m in study["first"] if m in args.methods])
+    if not study["after_best"]:
+        return jobs
+    best = None if args.stopped else study_best(args)
+    where = ("this sweep's NVFP4 runs" if study["best_from"] == "self" else
+             os.path.join(short(os.path.dirname(args.out)), "noise", "results.json"))
+    if best is None:
+        why = "--max-wall stopped phase 1" if args.stopped else "from " + where
+        print(f"phase 2 | not started: it needs the best noise level, not known yet ({why}); rerun this command "
+              f"once it is, or pass --noise-level")
+        return jobs
+    second = [m for m in resolve(args, "after_best", best) if m not in study["first"]]
+    print(f"phase 2 | best noise level {best:g} -> {best / 20:g} "
+          f"({'--noise-level' if args.noise_level is not None else where}) | runs {', '.join(second) or 'none new'}")
+    return jobs + run_all(args, second) if second else jobs
+
+
+def log_invocation(args, n_jobs):
+    """One line per invocation in <out>/invocations.jsonl: the command and its wall time (a study is
+    often run in pieces: --max-wall, then the same command again)."""
+    os.makedirs(args.out, exist_ok=True)
+    rec = {"command": shlex.join(["python", short(os.path.abspath(sys.argv[0]))] + sys.argv[1:]),
+           "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(args.started)),
+           "wall_s": round(time.time() - args.started), "runs": n_jobs or "interrupted"}
+    with open(os.path.join(args.out, "invocations.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def read_invocations(out):
+    try:
+        with open(os.path.join(out, "invocations.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def invocation_lines(out):
+    inv = read_invocations(out)
+    if not inv:
+        return ""
+    total = sum(i["wall_s"] for i in inv) / 60
+    return "\n".join(["", f"Commands ({total:.0f} min of wall time in all):", ""] +
+                     [f"- `{i['command']}` ({i['started']}, {i['wall_s'] / 60:.0f} min)" for i in inv]) + "\n"
 
 # ---------------------------------------------------------------------------------------------------
 # CLI
@@ -588,16 +928,22 @@ def report(args, records):
 def build_parser():
     p = argparse.ArgumentParser(description="Train LoRA / QLoRA / NVFP4-LoRA / QeRL / LoRA+AQN with identical "
                                 "budgets and compare them (arguments after -- go to 05_grpo.py)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--study", choices=list(STUDIES), help="one of issue #16's studies instead of the paper's "
+                   "comparison: its own methods, 1000 held-out problems, results under bench/results/<study>/")
+    p.add_argument("--methods", nargs="+", help="a subset of the methods (default: all of the comparison's, or "
+                   "of the study's)")
+    p.add_argument("--noise-level", type=float, help="--study noise/hard: the sigma_start of the second phase "
+                   "instead of the noise sweep's best")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=300, help="GRPO steps per run (the identical budget)")
     p.add_argument("--parallel", type=int, default=2, help="runs at a time")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    p.add_argument("--eval-size", type=int, default=500, help="held-out problems (05's default)")
+    p.add_argument("--eval-size", type=int, help="held-out problems (default: 500, 05's; 1000 for a --study)")
     p.add_argument("--eval-every", type=int, default=50, help="greedy evaluation every N steps")
     p.add_argument("--eval-k", type=int, default=8, help="pass@k at the start and the end")
     p.add_argument("--threshold", type=float, default=10.0, help="points above the start for steps-to-threshold")
-    p.add_argument("--out", default=DEFAULT_OUT, help="results folder (runs go to <out>/runs/<method>-s<seed>)")
+    p.add_argument("--out", help=f"results folder (runs go to <out>/runs/<method>-s<seed>; default "
+                   f"{short(DEFAULT_OUT)}, or {short(DEFAULT_OUT)}/<study>)")
     p.add_argument("--from-results", action="store_true", help="only re-render results/table/plot from run folders")
     p.add_argument("--force", action="store_true", help="retrain runs that are already done")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final adapter checkpoint")
@@ -613,8 +959,21 @@ def parse_args(argv):
         i = argv.index("--")
         argv, train_args = argv[:i], argv[i + 1:]
     args = build_parser().parse_args(argv)
-    args.train_args = train_args
-    args.out = os.path.abspath(args.out)
+    args.started, args.stopped = time.time(), False
+    study = STUDIES.get(args.study)
+    args.table = study["methods"] if study else METHODS
+    args.methods = args.methods or list(args.table)
+    args.eval_size = args.eval_size if args.eval_size is not None else 1000 if study else 500
+    args.out = os.path.abspath(args.out or (os.path.join(DEFAULT_OUT, args.study) if study else DEFAULT_OUT))
+    args.train_args = (study["train_args"] if study else []) + train_args
+    unknown = [m for m in args.methods if m not in args.table]
+    if unknown:
+        raise ValueError(f"--methods: unknown {', '.join(unknown)} (this {'study' if study else 'comparison'} has "
+                         f"{', '.join(args.table)})")
+    if args.noise_level is not None and (not study or not study["after_best"]
+                                         or args.noise_level not in NOISE_LEVELS[1:]):
+        raise ValueError(f"--noise-level goes with --study noise or hard and is one of "
+                         f"{', '.join(f'{s:g}' for s in NOISE_LEVELS[1:])} (got {args.noise_level:g})")
     for flag in train_args:
         if flag.split("=")[0] in OWNED_FLAGS:
             raise ValueError(f"{flag} after -- would change one run's budget or identity; use this script's own "
@@ -634,14 +993,38 @@ def parse_args(argv):
     return args
 
 
+def interrupted(signum, frame):
+    raise KeyboardInterrupt  # `kill PID` stops the runs this script started, as Ctrl-C does
+
+
 def main(argv):
+    signal.signal(signal.SIGTERM, interrupted)
     args = parse_args(argv)
     if args.from_results:
         report(args, collect(args))
         return
     if not os.path.isfile(GRPO):
         raise FileNotFoundError(f"{GRPO} not found (run this from a checkout of the repository)")
-    jobs = run_all(args)
+    if not os.path.isfile(os.path.join(model_dir(args), "config.json")):
+        raise FileNotFoundError(f"no model folder {short(model_dir(args))}" + (
+            f": build it with `python assets/make_tiny_model.py --target 0.07 --out {short(HARD_MODEL)}` (about "
+            f"8 minutes on one core; assets/README.md)" if model_dir(args) == HARD_MODEL else ""))
+    if not args.study:
+        jobs = run_all(args)
+        if not args.dry_run:
+            report(args, collect(args, jobs))
+        return
+    study = STUDIES[args.study]
+    n_runs = len(args.seeds) * (len(study["first"]) + len(study["after_best"]))
+    print(f"study | {args.study} | {study['title']} | out {short(args.out)} | {n_runs} runs in all "
+          f"({len(study['after_best']) * len(args.seeds)} after the noise level is known) | all of them would take "
+          f"about {estimate_wall(args, n_runs) / 60:.0f} min on this 2-core CPU at --parallel {min(args.parallel, 2)}")
+    jobs = []
+    try:
+        jobs = run_study(args)
+    finally:  # an interrupted invocation's wall time counts too
+        if not args.dry_run:
+            log_invocation(args, len(jobs))
     if not args.dry_run:
         report(args, collect(args, jobs))
 
