@@ -688,15 +688,6 @@ def _open_safetensors(file):
                          "download or write it again") from None
 
 
-        bad = [(k, v["data_offsets"][1]) for k, v in header.items()
-               if k != "__metadata__" and 8 + n + v["data_offsets"][1] > size]
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
-        return "its header is unreadable"
-    if bad:
-        return f"tensor {bad[0][0]} needs {8 + n + bad[0][1]} bytes but the file has {size}"
-    return None
-
-
 def _put(model, name, t, file="the checkpoint"):
     """Replace the meta tensor `name` by `t` (a Parameter stays a Parameter)."""
     mod_name, _, attr = name.rpartition(".")
