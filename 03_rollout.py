@@ -123,40 +123,27 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """Preallocated keys/values: k[i], v[i] are (B, H_kv, S_max, D) for layer i. The first `pos` slots
-    are filled. Left padding puts every row's next token in the same slot, so one counter is enough."""
+    """Preallocated keys/values: k[i], v[i] are (B, H_kv, S_max, D) for layer i. Left padding puts every
+    row's next token in the same slot, so one counter is enough: the first `pos` slots are filled. With
+    `slot` set (a (1,) device tensor, see StaticDecoder) a token goes there and attention reads all slots."""
 
     def __init__(self, cfg, batch, max_len, device, dtype):
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.pos, self.max_len = 0, max_len
+        self.pos, self.max_len, self.slot = 0, max_len, None
 
     def update(self, layer, k, v):
+        if self.slot is not None:  # static shapes: k (B, H_kv, 1, D) into slot `slot`
+            self.k[layer].index_copy_(2, self.slot, k)
+            self.v[layer].index_copy_(2, self.slot, v)
+            return self.k[layer], self.v[layer]  # (B, H_kv, S_max, D)
         T = k.shape[2]
         if self.pos + T > self.max_len:
             raise ValueError(f"KV cache full: {self.pos} + {T} tokens > {self.max_len} slots")
         self.k[layer][:, :, self.pos:self.pos + T] = k  # in-place write, no reallocation per step
         self.v[layer][:, :, self.pos:self.pos + T] = v
         return self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]  # (B, H_kv, S, D)
-
-
-class StaticKVCache(KVCache):
-    """The same storage for a decode step whose shapes never change (torch.compile, CUDA graphs): after the
-    prefill, each step writes its token at `slot`, a (1,) device tensor, and attention reads all slots."""
-
-    def __init__(self, cfg, batch, max_len, device, dtype):
-        super().__init__(cfg, batch, max_len, device, dtype)
-        self.slot = None  # None during the prefill
-        for t in self.k + self.v:  # CUDA graphs may then read and write them in place, without copies
-            torch._dynamo.mark_static_address(t)
-
-    def update(self, layer, k, v):
-        if self.slot is None:
-            return super().update(layer, k, v)
-        self.k[layer].index_copy_(2, self.slot, k)  # k (B, H_kv, 1, D) into slot `slot`
-        self.v[layer].index_copy_(2, self.slot, v)
-        return self.k[layer], self.v[layer]  # (B, H_kv, S_max, D)
 
 
 class Attention(nn.Module):
@@ -357,7 +344,7 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     B, N = len(rows), max_new_tokens
     out_ids = torch.full((B, N), pad_id, dtype=torch.long, device=dev)  # (B, N)
     out_mask, out_lp, out_ent = (torch.zeros(B, N, device=dev) for _ in range(3))  # (B, N)
-    ids, key_ok, positions, P = left_pad(rows, out_ids)  # key_ok (B, P+N): prompt tokens and every new slot
+    ids, key_ok, P = left_pad(rows, out_ids)  # key_ok (B, P+N): prompt tokens and every new slot
     lens = torch.tensor([len(r) for r in rows], device=dev)  # (B,)
     if compile:
         dec = static_decoder(model, B, P + N)
@@ -368,19 +355,18 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     t0 = time.perf_counter()
-    h = model.hidden_states(ids[:, :P], positions[:, :P], key_ok[:, :P], cache)  # (B, P, C)
+    h = model.hidden_states(ids[:, :P], attention_mask=key_ok[:, :P], kv_cache=cache)  # (B, P, C)
     logits = model.lm_head(h[:, -1]).float()  # (B, V): only the last position is needed
     tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)  # (B,) each
     sync()
     t1 = time.perf_counter()
-    compile_s, run = 0.0, 0
+    compile_s = 0.0
     for t in range(N):
         live = ~done
         out_ids[:, t] = torch.where(live, tok, pad_id)
         out_mask[:, t], out_lp[:, t], out_ent[:, t] = live.float(), lp * live, ent * live
         done = done | (live & torch.isin(tok, eos))  # the EOS token itself stays in the completion
-        run = t + 1
-        if t == N - 1 or (run % DONE_CHECK_EVERY == 0 and bool(done.all())):
+        if t == N - 1 or ((t + 1) % DONE_CHECK_EVERY == 0 and bool(done.all())):
             break
         # Finished rows keep being fed (pad tokens): their outputs are ignored, and dropping rows would
         # mean compacting the cache. Next token of row b sits at RoPE position lens[b] + t.
@@ -394,16 +380,26 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
         else:
             logits = model(out_ids[:, t:t + 1], (lens + t)[:, None], key_ok[:, :P + t + 1], cache)[:, -1]  # (B, V)
             tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)
-    steps = int(out_mask[:, :run].any(0).sum())  # rows only ever stop, so the live columns are a prefix
+    steps = int(out_mask[:, :t + 1].any(0).sum())  # rows only ever stop, so the live columns are a prefix
     sync()
     t2 = time.perf_counter()
+    ids, mask = out_ids[:, :steps], out_mask[:, :steps]
+    texts = None if tokenizer is None else [tokenizer.decode(row[m > 0].tolist()) for row, m in zip(ids, mask)]
+    return Rollout(rows, ids, mask, out_lp[:, :steps], out_ent[:, :steps], texts, dict(
+        prefill_tokens=int(lens.sum()), prefill_s=t1 - t0, decode_tokens=int(mask.sum()), decode_steps=steps,
+        decode_steps_run=t + 1, decode_s=t2 - t1 - compile_s, compile_s=compile_s))
 
-    r = Rollout(rows, out_ids[:, :steps], out_mask[:, :steps], out_lp[:, :steps], out_ent[:, :steps])
-    if tokenizer is not None:
-        r.texts = [tokenizer.decode(row[m > 0].tolist()) for row, m in zip(r.completion_ids, r.completion_mask)]
-    r.stats = dict(prefill_tokens=int(lens.sum()), prefill_s=t1 - t0, decode_tokens=int(r.completion_mask.sum()),
-                   decode_s=t2 - t1 - compile_s, decode_steps=steps, decode_steps_run=run, compile_s=compile_s)
-    return r
+
+def left_pad(prompt_ids, completion_ids):
+    """Prompt rows left-padded to one length P, then the completions (B, T) -> ids, key_ok (real slots),
+    each (B, P+T), and P."""
+    P = max(len(p) for p in prompt_ids)
+    ids = F.pad(completion_ids, (P, 0))  # (B, P+T)
+    key_ok = torch.ones_like(ids, dtype=torch.bool)  # (B, P+T)
+    for i, p in enumerate(prompt_ids):
+        ids[i, P - len(p):P] = torch.tensor(list(p), device=ids.device)
+        key_ok[i, :P - len(p)] = False
+    return ids, key_ok, P
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -413,52 +409,44 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
 # graph every step. Here the cache keeps all S_max slots, the token is written at a slot held in a device
 # tensor and a full-length mask hides unwritten slots; nothing reads back to the host (CUDA-graphable).
 
-def decode_step(model, cache, tok, pos, key_ok):
-    """One new token per row: tok, pos (B, 1) are the tokens and their RoPE positions, key_ok (B, S_max)
-    the real slots, cache.slot (1,) the slot being written. Returns fp32 logits (B, V)."""
-    S = key_ok.shape[1]
+def decode_step(model, cache, tok, pos, key_ok, temperature, top_k, top_p, generator):
+    """One new token per row: tok, pos (B, 1) are the tokens and their RoPE positions, key_ok (B, S_max) the
+    real slots, cache.slot (1,) the slot being written -> sample_next's (token, logprob, entropy), each (B,).
+    Compiled together, the sampler's softmax, entropy and argmax fuse with the model's last kernels."""
     x = model.model.embed_tokens(tok)  # (B, 1, C)
     cos, sin = model.rope(pos, x.dtype)  # (B, 1, 1, D)
-    k_slot = torch.arange(S, device=key_ok.device)  # (S,)
+    k_slot = torch.arange(key_ok.shape[1], device=key_ok.device)  # (S,)
     mask = (key_ok & (k_slot <= cache.slot))[:, None, None, :]  # (B, 1, 1, S): real slots written so far
     for layer in model.model.layers:
         x = layer(x, cos, sin, mask, cache)  # (B, 1, C)
-    return model.lm_head(model.model.norm(x)[:, -1]).float()  # (B, V)
-
-
-def decode_and_sample(model, cache, tok, pos, key_ok, temperature, top_k, top_p, generator):
-    """decode_step, then sample_next on its logits: compiled together, the sampler's softmax, entropy and
-    argmax fuse with the model's last kernels. (torch.multinomial with a generator stays outside the graph.)"""
-    logits = decode_step(model, cache, tok, pos, key_ok)  # (B, V)
-    return sample_next(logits, temperature, top_k, top_p, generator)
+    logits = model.lm_head(model.model.norm(x)[:, -1]).float()  # (B, V)
+    return sample_next(logits, temperature, top_k, top_p, generator)  # a generator breaks the graph here
 
 
 _compiled_steps = {}  # mode -> one torch.compile wrapper, which keeps one compiled graph per shape
 
 
 class StaticDecoder:
-    """A compiled decode step with its static cache and inputs, for one (batch, cache length) bucket.
-    Built once per model and bucket (see `static_decoder`) and reused by every later generate() call."""
+    """decode_step compiled, with its cache and inputs at fixed addresses, for one (batch, cache length)
+    bucket. Built once per model and bucket (see `static_decoder`) and reused by every later generate()."""
 
     def __init__(self, model, batch, max_len):
-        # CUDA graphs on CUDA; on a CPU, inductor fuses the small ops into a few C++ loops.
-        mode = "reduce-overhead" if quantize.model_device(model).type == "cuda" else None
+        dev = quantize.model_device(model)
+        mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs; on a CPU inductor's C++ loops
         if mode not in _compiled_steps:
-            _compiled_steps[mode] = torch.compile(decode_and_sample, mode=mode, dynamic=False)
+            _compiled_steps[mode] = torch.compile(decode_step, mode=mode, dynamic=False)
             # One graph per (batch, cache length, sampling settings); dynamo's default allows only 8.
             c = torch._dynamo.config
             limit = "recompile_limit" if hasattr(c, "recompile_limit") else "cache_size_limit"  # older torch
             setattr(c, limit, max(getattr(c, limit), 64))
-        self.fn, self.model = _compiled_steps[mode], model
-        self.compiled = set()  # the sampling settings traced so far (each is its own graph)
-        dev, cfg = quantize.model_device(model), model.config
-        self.cache = StaticKVCache(cfg, batch, max_len, dev, model.model.embed_tokens.weight.dtype)
+        self.fn, self.model, self.compiled = _compiled_steps[mode], model, set()  # compiled: settings traced
+        self.cache = KVCache(model.config, batch, max_len, dev, model.model.embed_tokens.weight.dtype)
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1)
         self.key_ok = torch.zeros(batch, max_len, dtype=torch.bool, device=dev)  # (B, S_max)
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
-        for t in (self.tok, self.pos, self.key_ok, self.slot):
-            torch._dynamo.mark_static_address(t)
+        for t in (self.tok, self.pos, self.key_ok, self.slot, *self.cache.k, *self.cache.v):
+            torch._dynamo.mark_static_address(t)  # CUDA graphs then read and write them in place, no copies
 
     def start(self, key_ok, P, lens):
         """New batch: key_ok (B, S) real slots, P padded prompt length, lens (B,) -> the prefill's cache."""
@@ -475,8 +463,7 @@ class StaticDecoder:
         self.cache.slot = self.slot
         if self.slot.is_cuda:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-        out = self.fn(self.model, self.cache, self.tok, self.pos, self.key_ok, temperature, top_k, top_p,
-                      generator)
+        out = self.fn(self.model, self.cache, self.tok, self.pos, self.key_ok, temperature, top_k, top_p, generator)
         self.slot += 1
         self.pos += 1
         return out
@@ -496,33 +483,14 @@ def static_decoder(model, batch, length):
 # ---------------------------------------------------------------------------------------------------
 # Log-probs with gradients, for the policy update
 
-def left_pad(prompt_ids, completion_ids):
-    """(prompt + completion) rows, left-padded to one length -> ids, key_ok (real slots), RoPE positions,
-    each (B, P+T), and P, the padded prompt length (the state at P-1+t predicts completion token t)."""
-    B, T = completion_ids.shape
-    dev = completion_ids.device
-    P = max(len(p) for p in prompt_ids)
-    ids = torch.zeros(B, P + T, dtype=torch.long, device=dev)  # (B, P+T)
-    key_ok = torch.zeros(B, P + T, dtype=torch.bool, device=dev)  # (B, P+T)
-    for i, p in enumerate(prompt_ids):
-        ids[i, P - len(p):P] = torch.tensor(list(p), device=dev)
-        key_ok[i, P - len(p):] = True
-    ids[:, P:] = completion_ids
-    positions = (key_ok.long().cumsum(-1) - 1).clamp(min=0)  # (B, P+T)
-    return ids, key_ok, positions, P
-
-
 def completion_hidden(model, prompt_ids, completion_ids):
     """Final-norm hidden states (B, T, C) at the positions that predict each completion token."""
-    T = completion_ids.shape[1]
-    ids, key_ok, positions, P = left_pad(prompt_ids, completion_ids.to(quantize.model_device(model)))
-    h = model.hidden_states(ids, positions, key_ok)  # (B, P+T, C)
-    return h[:, P - 1:P + T - 1]  # (B, T, C): the state at P-1+t predicts completion token t
+    ids, key_ok, P = left_pad(prompt_ids, completion_ids.to(quantize.model_device(model)))
+    return model.hidden_states(ids, attention_mask=key_ok)[:, P - 1:-1]  # (B, T, C): P-1+t predicts token t
 
 
 def completion_logits(model, prompt_ids, completion_ids):
-    """fp32 logits (B, T, V) of the distributions that produced each completion token."""
-    # Running lm_head on just these T positions keeps (B, T, V) the only vocabulary-sized tensor.
+    """fp32 logits (B, T, V) of the distributions that produced each completion token (lm_head on these T only)."""
     return model.lm_head(completion_hidden(model, prompt_ids, completion_ids)).float()  # (B, T, V)
 
 
