@@ -9,7 +9,7 @@ log-prob and entropy; the same decode step with static shapes for torch.compile 
 model filled one tensor at a time, quantized layer by layer with quant="nvfp4"), the tokenizer, the CLI.
 
 Run it:
-    python 03_rollout.py                                 # assets/tiny-qwen, or a random model
+    python 03_rollout.py                                 # the bundled assets/tiny-qwen
     python 03_rollout.py --model DIR --prompt "What is 12+7?" --num-samples 4 --temperature 0.8
     python 03_rollout.py --model DIR --quant nvfp4       # quantize on the way in (stage 01)
     python 03_rollout.py --compile                       # decode steps through torch.compile
@@ -542,16 +542,10 @@ def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temper
     sel = m.reshape(-1).nonzero().squeeze(1)  # (n,) flat indices of the completion tokens
     h_sel, ids_sel = h.reshape(B * T, -1)[sel], completion_ids.reshape(-1)[sel]  # (n, C), (n,)
     step = max(1, LOGITS_CHUNK_BYTES // (4 * model.config.vocab_size))  # tokens per chunk
-    grad = torch.is_grad_enabled() and h_sel.requires_grad
-    lps, ents = [], []
-    for i in range(0, len(sel), step):
-        h_i, ids_i = h_sel[i:i + step], ids_sel[i:i + step]  # (chunk, C), (chunk,)
-        lp, ent = (_ChunkLogprobs.apply(h_i, ids_i, model.lm_head, temperature) if grad
-                   else _token_logprobs(model.lm_head, h_i, ids_i, temperature))
-        lps.append(lp)  # (chunk,)
-        ents.append(ent)
+    chunks = [_ChunkLogprobs.apply(h_sel[i:i + step], ids_sel[i:i + step], model.lm_head, temperature)
+              for i in range(0, len(sel), step)]  # (log-prob, entropy) pairs, (chunk,) each
     zero = h.sum(-1).float().reshape(-1) * 0  # (B*T,) zeros that keep the graph even with no token selected
-    lp, ent = (zero.index_put((sel,), torch.cat(v)) if v else zero for v in (lps, ents))  # (B*T,) each
+    lp, ent = (zero.index_put((sel,), torch.cat([c[j] for c in chunks])) if chunks else zero for j in (0, 1))
     return lp.view(B, T) * m, ent.view(B, T) * m  # (B, T) each
 
 
@@ -566,7 +560,10 @@ def load_model(path, quant="none", dtype=None, device=None):
     loads as NVFP4 whatever `quant` says. dtype: bf16 on CUDA, fp32 on CPU; device: stage 01's autodetect.
     Built on the meta device and filled one tensor at a time, so the peak is about the model's own size."""
     path = Path(path)
-    raw, files = _check_model_folder(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path / 'config.json'} not found: point --model at a Hugging Face model folder")
+    raw, weight_map, _ = quantize.find_weight_files(str(path))
+    files = {name: path / f for name, f in weight_map.items()}  # tensor name -> safetensors file
     cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
     quant, prequantized = _load_format(path, raw, quant)
     tokenizer = load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
@@ -574,8 +571,10 @@ def load_model(path, quant="none", dtype=None, device=None):
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    if prequantized:
-        _nvfp4_shells(model, files)
+    for name, mod in list(model.named_modules()):  # stored as NVFP4: an empty NVFP4Linear, filled like the rest
+        if prequantized and isinstance(mod, nn.Linear) and name + ".weight_packed" in files:
+            quantize.replace_module(model, name, quantize.NVFP4Linear(
+                mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta"))
     expected = [n for n in model.state_dict() if not (cfg.tie_word_embeddings and n == "lm_head.weight")]
     missing = [n for n in expected if n not in files]
     if missing:
@@ -588,14 +587,6 @@ def load_model(path, quant="none", dtype=None, device=None):
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval(), tokenizer
-
-
-def _check_model_folder(path):
-    """-> (config.json as a dict, {tensor name: safetensors file path})."""
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path / 'config.json'} not found: point --model at a Hugging Face model folder")
-    raw, weight_map, _ = quantize.find_weight_files(str(path))
-    return raw, {name: path / f for name, f in weight_map.items()}
 
 
 def _load_format(path, raw, quant):
@@ -612,15 +603,6 @@ def _load_format(path, raw, quant):
     return "none", True  # its Linear layers arrive quantized
 
 
-def _nvfp4_shells(model, files):
-    """Swap each Linear that the checkpoint stores as NVFP4 (it has `<name>.weight_packed`) for an empty
-    NVFP4Linear on the meta device; its buffers are then filled like any other tensor."""
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, nn.Linear) and name + ".weight_packed" in files:
-            quantize.replace_module(model, name, quantize.NVFP4Linear(
-                mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta"))
-
-
 def _fill(model, names, files, quant, device, dtype):
     """Read `names` from their files into the meta model: non-layer tensors, then layer 0, 1, ...; with
     quant != "none", layer i is quantized (and its full-precision weights dropped) once it is complete."""
@@ -631,7 +613,11 @@ def _fill(model, names, files, quant, device, dtype):
     order = sorted(names, key=layer_of)
     for j, n in enumerate(order):
         if files[n] not in handles:
-            handles[files[n]] = _open_safetensors(files[n])
+            try:
+                handles[files[n]] = safe_open(files[n], "pt", device="cpu")  # memory-mapped, reads lazily
+            except Exception as e:  # safetensors raises its own SafetensorError (not an OSError/ValueError)
+                raise ValueError(quantize.safetensors_problem(files[n]) or f"{files[n]}: {e}; the file is truncated "
+                                 "or corrupt, download or write it again") from None
         try:
             t = handles[files[n]].get_tensor(n)
         except Exception as e:
@@ -645,15 +631,6 @@ def _fill(model, names, files, quant, device, dtype):
         i = layer_of(n)
         if quant != "none" and i >= 0 and (j + 1 == len(order) or layer_of(order[j + 1]) != i):
             quantize.quantize_model(model.model.layers[i], fmt=quant, skip=())  # layer i complete: shrink it
-
-
-def _open_safetensors(file):
-    """safe_open, with a truncated or corrupt file reported in one line naming the file and the tensor."""
-    try:
-        return safe_open(file, "pt", device="cpu")  # memory-mapped, reads lazily
-    except Exception as e:  # safetensors raises its own SafetensorError (not an OSError/ValueError)
-        raise ValueError(quantize.safetensors_problem(file) or f"{file}: {e}; the file is truncated or corrupt, "
-                         "download or write it again") from None
 
 
 def _put(model, name, t, file="the checkpoint"):
@@ -792,7 +769,8 @@ def _check_generate(cfg, prompts, num_samples, max_new_tokens, temperature, top_
 
 def build_parser():
     ap = argparse.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
-    ap.add_argument("--model", default=None, help="HF model folder (default: assets/tiny-qwen, else a random model)")
+    ap.add_argument("--model", default=str(Path(__file__).parent / "assets" / "tiny-qwen"),
+                    help="HF model folder (default: the bundled assets/tiny-qwen)")
     ap.add_argument("--prompt", default="What is 12 + 7? Answer with a number.", help="user message (ChatML-wrapped)")
     ap.add_argument("--system", default=None, help="system message (default: none)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -810,21 +788,11 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    model_dir = args.model or ("assets/tiny-qwen" if Path("assets/tiny-qwen/config.json").exists() else None)
     device = torch.device(args.device or quantize.autodetect_device())
     t0 = time.perf_counter()
-    if model_dir is not None:
-        model, tok = load_model(model_dir, quant=args.quant, device=device)
-    else:
-        print("note | assets/tiny-qwen not found: sampling from a RANDOM 2-layer model with a byte tokenizer "
-              "(expect gibberish; pass --model DIR for a real one)")
-        tok = byte_tokenizer()
-        model = random_model(tok, args.seed)
-        if args.quant != "none":
-            quantize.quantize_model(model, fmt=args.quant)
-        model = model.to(device)
+    model, tok = load_model(args.model, quant=args.quant, device=device)
     cfg = model.config
-    print(f"model | {model_dir or 'random'} | type {cfg.model_type} | layers {cfg.num_hidden_layers} "
+    print(f"model | {args.model} | type {cfg.model_type} | layers {cfg.num_hidden_layers} "
           f"| hidden {cfg.hidden_size} | quant {args.quant} | device {device} "
           f"| dtype {model.model.embed_tokens.weight.dtype} | load_s {time.perf_counter() - t0:.1f}")
 
