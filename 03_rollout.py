@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
+from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 quantize = importlib.import_module("01_quantize")
 
@@ -36,7 +37,7 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
 
 
 # ---------------------------------------------------------------------------------------------------
-# Config: the fields of config.json the three families use
+# The model: config.json's fields, RMSNorm, RoPE, attention with a KV cache, SwiGLU MLP, the decoder
 
 @dataclass
 class ModelConfig:
@@ -72,10 +73,6 @@ class ModelConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=True if mt == "qwen2" else bias, o_bias=False if mt == "qwen2" else bias,
             mlp_bias=d.get("mlp_bias", False), qk_norm=(mt == "qwen3"))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Model pieces: RMSNorm, RoPE, attention with an optional KV cache, SwiGLU MLP
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -207,10 +204,6 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)  # (B, T, C)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-
-# ---------------------------------------------------------------------------------------------------
-# The model: embeddings, the layers under one causal mask, the final norm, lm_head
-
 class CausalLM(nn.Module):
     # Activation checkpointing (stage 05 sets it for the policy update): each layer keeps only its input
     # for backward and reruns its forward then, one layer's activations at a time for a second forward.
@@ -226,9 +219,6 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # inv_freq is a plain cached attribute, not a buffer: model.to(bf16) would round a buffer, and
-        # bf16 RoPE frequencies visibly garble positions past a few hundred tokens.
-        self._inv_freq = {}
 
     def hidden_states(self, input_ids, positions=None, attention_mask=None, kv_cache=None):
         """Final-norm hidden states (B, T, C). attention_mask covers every key slot: (B, past + T)."""
@@ -259,11 +249,9 @@ class CausalLM(nn.Module):
         return self.model.norm(x)  # (B, T, C)
 
     def rope(self, positions, dtype):
-        """cos, sin (B, 1, T, D) for RoPE positions (B, T)."""
-        dev_key = str(positions.device)
-        if dev_key not in self._inv_freq:
-            self._inv_freq[dev_key] = rope_inv_freq(self.config, positions.device)
-        freqs = positions[..., None].float() * self._inv_freq[dev_key]  # (B, T, D/2), fp32 like HF
+        """cos, sin (B, 1, T, D) for RoPE positions (B, T). inv_freq is recomputed, not a buffer: model.to(bf16)
+        would round a buffer, and bf16 RoPE frequencies visibly garble positions past a few hundred tokens."""
+        freqs = positions[..., None].float() * rope_inv_freq(self.config, positions.device)  # (B, T, D/2), fp32
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (B, 1, T, D)
 
@@ -321,9 +309,8 @@ class Rollout:
     stats: dict = field(default_factory=dict)  # prefill/decode token counts and seconds
 
 
-# Left padding puts every row's next token in the same cache slot: one cache, one position counter, one code
-# path for any mix of prompts. "Are all rows done?" is asked only every DONE_CHECK_EVERY tokens: reading a GPU
-# value on the host waits for every queued kernel (finished rows decode masked pad tokens meanwhile).
+# "Are all rows done?" is asked only every DONE_CHECK_EVERY tokens: reading a GPU value on the host waits
+# for every queued kernel (finished rows decode masked pad tokens meanwhile).
 DONE_CHECK_EVERY = 8
 
 
@@ -403,11 +390,8 @@ def left_pad(prompt_ids, completion_ids):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The same decode step with static shapes, for torch.compile and CUDA graphs
-#
-# The eager loop grows the cache view and the mask by one key per token, so a compiler would see a new
-# graph every step. Here the cache keeps all S_max slots, the token is written at a slot held in a device
-# tensor and a full-length mask hides unwritten slots; nothing reads back to the host (CUDA-graphable).
+# The same decode step with static shapes, for torch.compile and CUDA graphs: the eager loop's growing
+# cache view and mask would give a compiler a new graph every step (README, stage 03, has the recipe).
 
 def decode_step(model, cache, tok, pos, key_ok, temperature, top_k, top_p, generator):
     """One new token per row: tok, pos (B, 1) are the tokens and their RoPE positions, key_ok (B, S_max) the
@@ -671,7 +655,6 @@ class Tokenizer:
 
 
 def load_tokenizer(path, config=None):
-    from tokenizers import Tokenizer as HFTokenizer
     path = Path(path)
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path / 'tokenizer.json'} not found: the model folder needs a tokenizer.json "
@@ -699,7 +682,6 @@ def chat_prompt(user, system=None):
 
 def byte_tokenizer():
     """A byte-level tokenizer built in memory (256 byte tokens + 3 ChatML specials) for random models."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 printable stand-ins for bytes
     tok = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -722,7 +704,7 @@ def random_model(tok, seed=0, device="cpu"):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Checks: one clear line for each kind of bad input
+# Checks (one clear line for each kind of bad input) and the command line
 
 def _check_config(d, where):
     mt = d.get("model_type")
@@ -762,10 +744,6 @@ def _check_generate(cfg, prompts, num_samples, max_new_tokens, temperature, top_
                              f"model's context of {cfg.max_position_embeddings} (shorten it or lower max_new_tokens)")
         if max(p) >= cfg.vocab_size or min(p) < 0:
             raise ValueError(f"prompt {i} has a token id outside [0, {cfg.vocab_size})")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Command line
 
 def build_parser():
     ap = argparse.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
