@@ -74,6 +74,7 @@ class ModelConfig:
             attention_bias=True if mt == "qwen2" else bias, o_bias=False if mt == "qwen2" else bias,
             mlp_bias=d.get("mlp_bias", False), qk_norm=(mt == "qwen3"))
 
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -88,9 +89,7 @@ class RMSNorm(nn.Module):
         h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         if self.noise is None:  # .to(): a no-op unless the gain is an fp32 master copy (05 --train-norms)
             return (self.weight * h).to(x.dtype)
-        # Noisy gain w + Z and its product in fp32, rounded once: in bf16 a gain near 1 moves in steps
-        # of 2^-8, so adding Z to the stored gain would round most of it away. With Z = 0 this is
-        # bit-identical to the line above (a product of two bf16/fp16 values is exact in fp32).
+        # w + Z and the product in fp32, rounded once: Z added to a bf16 gain would mostly round away (README, 04).
         return ((self.weight.float() + self.noise) * h.float()).to(x.dtype)
 
 
@@ -204,6 +203,7 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)  # (B, T, C)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+
 class CausalLM(nn.Module):
     # Activation checkpointing (stage 05 sets it for the policy update): each layer keeps only its input
     # for backward and reruns its forward then, one layer's activations at a time for a second forward.
@@ -291,10 +291,8 @@ def sample_next(logits, temperature, top_k, top_p, generator):
         tok = logits.argmax(-1)
     else:
         logp = filter_logits(logits / temperature, top_k, top_p).log_softmax(-1)  # (B, V)
-        probs = logp.exp()
-        if generator is not None and generator.device != probs.device:
-            probs = probs.to(generator.device)  # e.g. a CPU generator driving a CUDA model
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)  # (B,)
+        dev = generator.device if generator is not None else logp.device  # a CPU generator may drive CUDA
+        tok = torch.multinomial(logp.exp().to(dev), 1, generator=generator).squeeze(-1).to(logits.device)  # (B,)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1), entropy_from_logp(logp)
 
 
@@ -338,7 +336,7 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
         cache, setting = dec.start(key_ok, P, lens), (temperature, top_k, top_p, generator is None)
     else:
         cache = KVCache(model.config, B, P + N, dev, model.model.embed_tokens.weight.dtype)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,)
+    live = torch.ones(B, dtype=torch.bool, device=dev)  # (B,) rows that have not sampled an EOS yet
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     t0 = time.perf_counter()
@@ -349,11 +347,10 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     t1 = time.perf_counter()
     compile_s = 0.0
     for t in range(N):
-        live = ~done
         out_ids[:, t] = torch.where(live, tok, pad_id)
         out_mask[:, t], out_lp[:, t], out_ent[:, t] = live.float(), lp * live, ent * live
-        done = done | (live & torch.isin(tok, eos))  # the EOS token itself stays in the completion
-        if t == N - 1 or ((t + 1) % DONE_CHECK_EVERY == 0 and bool(done.all())):
+        live = live & ~torch.isin(tok, eos)  # the EOS token itself stays in the completion
+        if t == N - 1 or ((t + 1) % DONE_CHECK_EVERY == 0 and not bool(live.any())):
             break
         # Finished rows keep being fed (pad tokens): their outputs are ignored, and dropping rows would
         # mean compacting the cache. Next token of row b sits at RoPE position lens[b] + t.
@@ -660,13 +657,11 @@ def load_tokenizer(path, config=None):
         raise FileNotFoundError(f"{path / 'tokenizer.json'} not found: the model folder needs a tokenizer.json "
                                 "(the `tokenizers` format Hugging Face saves)")
     tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
-    config = config or {}
-    gen_file = path / "generation_config.json"
-    gen = json.loads(gen_file.read_text()) if gen_file.exists() else {}
-    eos = gen.get("eos_token_id", config.get("eos_token_id"))
+    gen_file = path / "generation_config.json"  # its ids win over config.json's
+    gen = {**(config or {}), **(json.loads(gen_file.read_text()) if gen_file.exists() else {})}
+    eos = gen.get("eos_token_id")
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    pad = gen.get("pad_token_id", config.get("pad_token_id"))
-    return Tokenizer(tok, eos, pad)
+    return Tokenizer(tok, eos, gen.get("pad_token_id"))
 
 
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -744,6 +739,7 @@ def _check_generate(cfg, prompts, num_samples, max_new_tokens, temperature, top_
                              f"model's context of {cfg.max_position_embeddings} (shorten it or lower max_new_tokens)")
         if max(p) >= cfg.vocab_size or min(p) < 0:
             raise ValueError(f"prompt {i} has a token id outside [0, {cfg.vocab_size})")
+
 
 def build_parser():
     ap = argparse.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
