@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+import tokenizers
 
 quantize = importlib.import_module("01_quantize")
 
@@ -103,8 +103,7 @@ def rope_inv_freq(cfg, device=None):
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_ctx = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
-    # Wavelengths longer than old_ctx/lo are slowed by `factor`, shorter than old_ctx/hi are kept,
-    # and the band in between blends the two linearly in old_ctx/wavelen.
+    # Longer than old_ctx/lo: slowed by `factor`; shorter than old_ctx/hi: kept; between: a linear blend.
     slow = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
     t = (old_ctx / wavelen - lo) / (hi - lo)
     blend = (1 - t) * slow / factor + t * slow
@@ -603,9 +602,8 @@ def _fill(model, names, files, quant, device, dtype):
             t = handles[files[n]].get_tensor(n)
         except Exception as e:
             raise ValueError(f"{files[n]}: cannot read tensor {n} ({e}): the file is truncated or corrupt") from None
-        # Float weights take the compute dtype; packed codes, fp8 scales and fp32 global scales keep
-        # their stored dtypes (a bf16 global scale would shift every dequantized value). Weights about
-        # to be quantized also stay as stored, so they quantize exactly as `01_quantize.py --out` does.
+        # Float weights take the compute dtype; packed codes and scales keep theirs (a bf16 global scale would
+        # shift every dequantized value), and so do weights about to be quantized (as `01_quantize.py --out`).
         keep = (t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or n.endswith("global_scale")
                 or (quant != "none" and n.startswith("model.layers.") and n.endswith("_proj.weight")))
         _put(model, n, t.to(device=device, dtype=None if keep else dtype), files[n])
@@ -656,7 +654,7 @@ def load_tokenizer(path, config=None):
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path / 'tokenizer.json'} not found: the model folder needs a tokenizer.json "
                                 "(the `tokenizers` format Hugging Face saves)")
-    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
     gen_file = path / "generation_config.json"  # its ids win over config.json's
     gen = {**(config or {}), **(json.loads(gen_file.read_text()) if gen_file.exists() else {})}
     eos = gen.get("eos_token_id")
@@ -677,10 +675,10 @@ def chat_prompt(user, system=None):
 
 def byte_tokenizer():
     """A byte-level tokenizer built in memory (256 byte tokens + 3 ChatML specials) for random models."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 printable stand-ins for bytes
-    tok = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())  # the 256 printable stand-ins for bytes
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     return Tokenizer(tok, [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
                      tok.token_to_id("<|endoftext|>"))
