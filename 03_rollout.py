@@ -374,8 +374,7 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
 
 
 def left_pad(prompt_ids, completion_ids):
-    """Prompt rows left-padded to one length P, then the completions (B, T) -> ids, key_ok (real slots),
-    each (B, P+T), and P."""
+    """Prompts left-padded to one length P, then completions (B, T) -> ids, key_ok (real slots) (B, P+T), P."""
     P = max(len(p) for p in prompt_ids)
     ids = F.pad(completion_ids, (P, 0))  # (B, P+T)
     key_ok = torch.ones_like(ids, dtype=torch.bool)  # (B, P+T)
@@ -470,7 +469,7 @@ def completion_hidden(model, prompt_ids, completion_ids):
 
 
 def completion_logits(model, prompt_ids, completion_ids):
-    """fp32 logits (B, T, V) of the distributions that produced each completion token (lm_head on these T only)."""
+    """fp32 logits (B, T, V) of the distributions that produced each completion token."""
     return model.lm_head(completion_hidden(model, prompt_ids, completion_ids)).float()  # (B, T, V)
 
 
