@@ -9,7 +9,7 @@ log-prob and entropy; the same decode step with static shapes for torch.compile 
 model filled one tensor at a time, quantized layer by layer with quant="nvfp4"), the tokenizer, the CLI.
 
 Run it:
-    python 03_rollout.py                                 # assets/tiny-qwen, or a random model
+    python 03_rollout.py                                 # the bundled assets/tiny-qwen
     python 03_rollout.py --model DIR --prompt "What is 12+7?" --num-samples 4 --temperature 0.8
     python 03_rollout.py --model DIR --quant nvfp4       # quantize on the way in (stage 01)
     python 03_rollout.py --compile                       # decode steps through torch.compile
@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
+import tokenizers
 
 quantize = importlib.import_module("01_quantize")
 
@@ -36,7 +37,7 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
 
 
 # ---------------------------------------------------------------------------------------------------
-# Config: the fields of config.json the three families use
+# The model: config.json's fields, RMSNorm, RoPE, attention with a KV cache, SwiGLU MLP, the decoder
 
 @dataclass
 class ModelConfig:
@@ -74,9 +75,6 @@ class ModelConfig:
             mlp_bias=d.get("mlp_bias", False), qk_norm=(mt == "qwen3"))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Model pieces: RMSNorm, RoPE, attention with an optional KV cache, SwiGLU MLP
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -91,9 +89,7 @@ class RMSNorm(nn.Module):
         h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         if self.noise is None:  # .to(): a no-op unless the gain is an fp32 master copy (05 --train-norms)
             return (self.weight * h).to(x.dtype)
-        # Noisy gain w + Z and its product in fp32, rounded once: in bf16 a gain near 1 moves in steps
-        # of 2^-8, so adding Z to the stored gain would round most of it away. With Z = 0 this is
-        # bit-identical to the line above (a product of two bf16/fp16 values is exact in fp32).
+        # w + Z and the product in fp32, rounded once: Z added to a bf16 gain would mostly round away (README, 04).
         return ((self.weight.float() + self.noise) * h.float()).to(x.dtype)
 
 
@@ -107,8 +103,7 @@ def rope_inv_freq(cfg, device=None):
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_ctx = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
-    # Wavelengths longer than old_ctx/lo are slowed by `factor`, shorter than old_ctx/hi are kept,
-    # and the band in between blends the two linearly in old_ctx/wavelen.
+    # Longer than old_ctx/lo: slowed by `factor`; shorter than old_ctx/hi: kept; between: a linear blend.
     slow = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
     t = (old_ctx / wavelen - lo) / (hi - lo)
     blend = (1 - t) * slow / factor + t * slow
@@ -123,40 +118,27 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """Preallocated keys/values: k[i], v[i] are (B, H_kv, S_max, D) for layer i. The first `pos` slots
-    are filled. Left padding puts every row's next token in the same slot, so one counter is enough."""
+    """Preallocated keys/values: k[i], v[i] are (B, H_kv, S_max, D) for layer i. Left padding puts every
+    row's next token in the same slot, so one counter is enough: the first `pos` slots are filled. With
+    `slot` set (a (1,) device tensor, see StaticDecoder) a token goes there and attention reads all slots."""
 
     def __init__(self, cfg, batch, max_len, device, dtype):
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.pos, self.max_len = 0, max_len
+        self.pos, self.max_len, self.slot = 0, max_len, None
 
     def update(self, layer, k, v):
+        if self.slot is not None:  # static shapes: k (B, H_kv, 1, D) into slot `slot`
+            self.k[layer].index_copy_(2, self.slot, k)
+            self.v[layer].index_copy_(2, self.slot, v)
+            return self.k[layer], self.v[layer]  # (B, H_kv, S_max, D)
         T = k.shape[2]
         if self.pos + T > self.max_len:
             raise ValueError(f"KV cache full: {self.pos} + {T} tokens > {self.max_len} slots")
         self.k[layer][:, :, self.pos:self.pos + T] = k  # in-place write, no reallocation per step
         self.v[layer][:, :, self.pos:self.pos + T] = v
         return self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]  # (B, H_kv, S, D)
-
-
-class StaticKVCache(KVCache):
-    """The same storage for a decode step whose shapes never change (torch.compile, CUDA graphs): after the
-    prefill, each step writes its token at `slot`, a (1,) device tensor, and attention reads all slots."""
-
-    def __init__(self, cfg, batch, max_len, device, dtype):
-        super().__init__(cfg, batch, max_len, device, dtype)
-        self.slot = None  # None during the prefill
-        for t in self.k + self.v:  # CUDA graphs may then read and write them in place, without copies
-            torch._dynamo.mark_static_address(t)
-
-    def update(self, layer, k, v):
-        if self.slot is None:
-            return super().update(layer, k, v)
-        self.k[layer].index_copy_(2, self.slot, k)  # k (B, H_kv, 1, D) into slot `slot`
-        self.v[layer].index_copy_(2, self.slot, v)
-        return self.k[layer], self.v[layer]  # (B, H_kv, S_max, D)
 
 
 class Attention(nn.Module):
@@ -221,9 +203,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# ---------------------------------------------------------------------------------------------------
-# The model: embeddings, the layers under one causal mask, the final norm, lm_head
-
 class CausalLM(nn.Module):
     # Activation checkpointing (stage 05 sets it for the policy update): each layer keeps only its input
     # for backward and reruns its forward then, one layer's activations at a time for a second forward.
@@ -239,9 +218,6 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # inv_freq is a plain cached attribute, not a buffer: model.to(bf16) would round a buffer, and
-        # bf16 RoPE frequencies visibly garble positions past a few hundred tokens.
-        self._inv_freq = {}
 
     def hidden_states(self, input_ids, positions=None, attention_mask=None, kv_cache=None):
         """Final-norm hidden states (B, T, C). attention_mask covers every key slot: (B, past + T)."""
@@ -272,11 +248,9 @@ class CausalLM(nn.Module):
         return self.model.norm(x)  # (B, T, C)
 
     def rope(self, positions, dtype):
-        """cos, sin (B, 1, T, D) for RoPE positions (B, T)."""
-        dev_key = str(positions.device)
-        if dev_key not in self._inv_freq:
-            self._inv_freq[dev_key] = rope_inv_freq(self.config, positions.device)
-        freqs = positions[..., None].float() * self._inv_freq[dev_key]  # (B, T, D/2), fp32 like HF
+        """cos, sin (B, 1, T, D) for RoPE positions (B, T). inv_freq is recomputed, not a buffer: model.to(bf16)
+        would round a buffer, and bf16 RoPE frequencies visibly garble positions past a few hundred tokens."""
+        freqs = positions[..., None].float() * rope_inv_freq(self.config, positions.device)  # (B, T, D/2), fp32
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (B, 1, T, D)
 
@@ -316,10 +290,8 @@ def sample_next(logits, temperature, top_k, top_p, generator):
         tok = logits.argmax(-1)
     else:
         logp = filter_logits(logits / temperature, top_k, top_p).log_softmax(-1)  # (B, V)
-        probs = logp.exp()
-        if generator is not None and generator.device != probs.device:
-            probs = probs.to(generator.device)  # e.g. a CPU generator driving a CUDA model
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)  # (B,)
+        dev = generator.device if generator is not None else logp.device  # a CPU generator may drive CUDA
+        tok = torch.multinomial(logp.exp().to(dev), 1, generator=generator).squeeze(-1).to(logits.device)  # (B,)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1), entropy_from_logp(logp)
 
 
@@ -334,9 +306,8 @@ class Rollout:
     stats: dict = field(default_factory=dict)  # prefill/decode token counts and seconds
 
 
-# Left padding puts every row's next token in the same cache slot: one cache, one position counter, one code
-# path for any mix of prompts. "Are all rows done?" is asked only every DONE_CHECK_EVERY tokens: reading a GPU
-# value on the host waits for every queued kernel (finished rows decode masked pad tokens meanwhile).
+# "Are all rows done?" is asked only every DONE_CHECK_EVERY tokens: reading a GPU value on the host waits
+# for every queued kernel (finished rows decode masked pad tokens meanwhile).
 DONE_CHECK_EVERY = 8
 
 
@@ -357,30 +328,28 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     B, N = len(rows), max_new_tokens
     out_ids = torch.full((B, N), pad_id, dtype=torch.long, device=dev)  # (B, N)
     out_mask, out_lp, out_ent = (torch.zeros(B, N, device=dev) for _ in range(3))  # (B, N)
-    ids, key_ok, positions, P = left_pad(rows, out_ids)  # key_ok (B, P+N): prompt tokens and every new slot
+    ids, key_ok, P = left_pad(rows, out_ids)  # key_ok (B, P+N): prompt tokens and every new slot
     lens = torch.tensor([len(r) for r in rows], device=dev)  # (B,)
     if compile:
         dec = static_decoder(model, B, P + N)
         cache, setting = dec.start(key_ok, P, lens), (temperature, top_k, top_p, generator is None)
     else:
         cache = KVCache(model.config, B, P + N, dev, model.model.embed_tokens.weight.dtype)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,)
+    live = torch.ones(B, dtype=torch.bool, device=dev)  # (B,) rows that have not sampled an EOS yet
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     t0 = time.perf_counter()
-    h = model.hidden_states(ids[:, :P], positions[:, :P], key_ok[:, :P], cache)  # (B, P, C)
+    h = model.hidden_states(ids[:, :P], attention_mask=key_ok[:, :P], kv_cache=cache)  # (B, P, C)
     logits = model.lm_head(h[:, -1]).float()  # (B, V): only the last position is needed
     tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)  # (B,) each
     sync()
     t1 = time.perf_counter()
-    compile_s, run = 0.0, 0
+    compile_s = 0.0
     for t in range(N):
-        live = ~done
         out_ids[:, t] = torch.where(live, tok, pad_id)
         out_mask[:, t], out_lp[:, t], out_ent[:, t] = live.float(), lp * live, ent * live
-        done = done | (live & torch.isin(tok, eos))  # the EOS token itself stays in the completion
-        run = t + 1
-        if t == N - 1 or (run % DONE_CHECK_EVERY == 0 and bool(done.all())):
+        live = live & ~torch.isin(tok, eos)  # the EOS token itself stays in the completion
+        if t == N - 1 or ((t + 1) % DONE_CHECK_EVERY == 0 and not bool(live.any())):
             break
         # Finished rows keep being fed (pad tokens): their outputs are ignored, and dropping rows would
         # mean compacting the cache. Next token of row b sits at RoPE position lens[b] + t.
@@ -394,71 +363,69 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
         else:
             logits = model(out_ids[:, t:t + 1], (lens + t)[:, None], key_ok[:, :P + t + 1], cache)[:, -1]  # (B, V)
             tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)
-    steps = int(out_mask[:, :run].any(0).sum())  # rows only ever stop, so the live columns are a prefix
+    steps = int(out_mask[:, :t + 1].any(0).sum())  # rows only ever stop, so the live columns are a prefix
     sync()
     t2 = time.perf_counter()
+    ids, mask = out_ids[:, :steps], out_mask[:, :steps]
+    texts = None if tokenizer is None else [tokenizer.decode(row[m > 0].tolist()) for row, m in zip(ids, mask)]
+    return Rollout(rows, ids, mask, out_lp[:, :steps], out_ent[:, :steps], texts, dict(
+        prefill_tokens=int(lens.sum()), prefill_s=t1 - t0, decode_tokens=int(mask.sum()), decode_steps=steps,
+        decode_steps_run=t + 1, decode_s=t2 - t1 - compile_s, compile_s=compile_s))
 
-    r = Rollout(rows, out_ids[:, :steps], out_mask[:, :steps], out_lp[:, :steps], out_ent[:, :steps])
-    if tokenizer is not None:
-        r.texts = [tokenizer.decode(row[m > 0].tolist()) for row, m in zip(r.completion_ids, r.completion_mask)]
-    r.stats = dict(prefill_tokens=int(lens.sum()), prefill_s=t1 - t0, decode_tokens=int(r.completion_mask.sum()),
-                   decode_s=t2 - t1 - compile_s, decode_steps=steps, decode_steps_run=run, compile_s=compile_s)
-    return r
+
+def left_pad(prompt_ids, completion_ids):
+    """Prompts left-padded to one length P, then completions (B, T) -> ids, key_ok (real slots) (B, P+T), P."""
+    P = max(len(p) for p in prompt_ids)
+    ids = F.pad(completion_ids, (P, 0))  # (B, P+T)
+    key_ok = torch.ones_like(ids, dtype=torch.bool)  # (B, P+T)
+    for i, p in enumerate(prompt_ids):
+        ids[i, P - len(p):P] = torch.tensor(list(p), device=ids.device)
+        key_ok[i, :P - len(p)] = False
+    return ids, key_ok, P
 
 
 # ---------------------------------------------------------------------------------------------------
-# The same decode step with static shapes, for torch.compile and CUDA graphs
-#
-# The eager loop grows the cache view and the mask by one key per token, so a compiler would see a new
-# graph every step. Here the cache keeps all S_max slots, the token is written at a slot held in a device
-# tensor and a full-length mask hides unwritten slots; nothing reads back to the host (CUDA-graphable).
+# The same decode step with static shapes, for torch.compile and CUDA graphs: the eager loop's growing
+# cache view and mask would give a compiler a new graph every step (README, stage 03, has the recipe).
 
-def decode_step(model, cache, tok, pos, key_ok):
-    """One new token per row: tok, pos (B, 1) are the tokens and their RoPE positions, key_ok (B, S_max)
-    the real slots, cache.slot (1,) the slot being written. Returns fp32 logits (B, V)."""
-    S = key_ok.shape[1]
+def decode_step(model, cache, tok, pos, key_ok, temperature, top_k, top_p, generator):
+    """One new token per row: tok, pos (B, 1) are the tokens and their RoPE positions, key_ok (B, S_max) the
+    real slots, cache.slot (1,) the slot being written -> sample_next's (token, logprob, entropy), each (B,).
+    Compiled together, the sampler's softmax, entropy and argmax fuse with the model's last kernels."""
     x = model.model.embed_tokens(tok)  # (B, 1, C)
     cos, sin = model.rope(pos, x.dtype)  # (B, 1, 1, D)
-    k_slot = torch.arange(S, device=key_ok.device)  # (S,)
+    k_slot = torch.arange(key_ok.shape[1], device=key_ok.device)  # (S,)
     mask = (key_ok & (k_slot <= cache.slot))[:, None, None, :]  # (B, 1, 1, S): real slots written so far
     for layer in model.model.layers:
         x = layer(x, cos, sin, mask, cache)  # (B, 1, C)
-    return model.lm_head(model.model.norm(x)[:, -1]).float()  # (B, V)
-
-
-def decode_and_sample(model, cache, tok, pos, key_ok, temperature, top_k, top_p, generator):
-    """decode_step, then sample_next on its logits: compiled together, the sampler's softmax, entropy and
-    argmax fuse with the model's last kernels. (torch.multinomial with a generator stays outside the graph.)"""
-    logits = decode_step(model, cache, tok, pos, key_ok)  # (B, V)
-    return sample_next(logits, temperature, top_k, top_p, generator)
+    logits = model.lm_head(model.model.norm(x)[:, -1]).float()  # (B, V)
+    return sample_next(logits, temperature, top_k, top_p, generator)  # a generator breaks the graph here
 
 
 _compiled_steps = {}  # mode -> one torch.compile wrapper, which keeps one compiled graph per shape
 
 
 class StaticDecoder:
-    """A compiled decode step with its static cache and inputs, for one (batch, cache length) bucket.
-    Built once per model and bucket (see `static_decoder`) and reused by every later generate() call."""
+    """decode_step compiled, with its cache and inputs at fixed addresses, for one (batch, cache length)
+    bucket. Built once per model and bucket (see `static_decoder`) and reused by every later generate()."""
 
     def __init__(self, model, batch, max_len):
-        # CUDA graphs on CUDA; on a CPU, inductor fuses the small ops into a few C++ loops.
-        mode = "reduce-overhead" if quantize.model_device(model).type == "cuda" else None
+        dev = quantize.model_device(model)
+        mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs; on a CPU inductor's C++ loops
         if mode not in _compiled_steps:
-            _compiled_steps[mode] = torch.compile(decode_and_sample, mode=mode, dynamic=False)
+            _compiled_steps[mode] = torch.compile(decode_step, mode=mode, dynamic=False)
             # One graph per (batch, cache length, sampling settings); dynamo's default allows only 8.
             c = torch._dynamo.config
             limit = "recompile_limit" if hasattr(c, "recompile_limit") else "cache_size_limit"  # older torch
             setattr(c, limit, max(getattr(c, limit), 64))
-        self.fn, self.model = _compiled_steps[mode], model
-        self.compiled = set()  # the sampling settings traced so far (each is its own graph)
-        dev, cfg = quantize.model_device(model), model.config
-        self.cache = StaticKVCache(cfg, batch, max_len, dev, model.model.embed_tokens.weight.dtype)
+        self.fn, self.model, self.compiled = _compiled_steps[mode], model, set()  # compiled: settings traced
+        self.cache = KVCache(model.config, batch, max_len, dev, model.model.embed_tokens.weight.dtype)
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1)
         self.key_ok = torch.zeros(batch, max_len, dtype=torch.bool, device=dev)  # (B, S_max)
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
-        for t in (self.tok, self.pos, self.key_ok, self.slot):
-            torch._dynamo.mark_static_address(t)
+        for t in (self.tok, self.pos, self.key_ok, self.slot, *self.cache.k, *self.cache.v):
+            torch._dynamo.mark_static_address(t)  # CUDA graphs then read and write them in place, no copies
 
     def start(self, key_ok, P, lens):
         """New batch: key_ok (B, S) real slots, P padded prompt length, lens (B,) -> the prefill's cache."""
@@ -475,8 +442,7 @@ class StaticDecoder:
         self.cache.slot = self.slot
         if self.slot.is_cuda:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-        out = self.fn(self.model, self.cache, self.tok, self.pos, self.key_ok, temperature, top_k, top_p,
-                      generator)
+        out = self.fn(self.model, self.cache, self.tok, self.pos, self.key_ok, temperature, top_k, top_p, generator)
         self.slot += 1
         self.pos += 1
         return out
@@ -496,33 +462,14 @@ def static_decoder(model, batch, length):
 # ---------------------------------------------------------------------------------------------------
 # Log-probs with gradients, for the policy update
 
-def left_pad(prompt_ids, completion_ids):
-    """(prompt + completion) rows, left-padded to one length -> ids, key_ok (real slots), RoPE positions,
-    each (B, P+T), and P, the padded prompt length (the state at P-1+t predicts completion token t)."""
-    B, T = completion_ids.shape
-    dev = completion_ids.device
-    P = max(len(p) for p in prompt_ids)
-    ids = torch.zeros(B, P + T, dtype=torch.long, device=dev)  # (B, P+T)
-    key_ok = torch.zeros(B, P + T, dtype=torch.bool, device=dev)  # (B, P+T)
-    for i, p in enumerate(prompt_ids):
-        ids[i, P - len(p):P] = torch.tensor(list(p), device=dev)
-        key_ok[i, P - len(p):] = True
-    ids[:, P:] = completion_ids
-    positions = (key_ok.long().cumsum(-1) - 1).clamp(min=0)  # (B, P+T)
-    return ids, key_ok, positions, P
-
-
 def completion_hidden(model, prompt_ids, completion_ids):
     """Final-norm hidden states (B, T, C) at the positions that predict each completion token."""
-    T = completion_ids.shape[1]
-    ids, key_ok, positions, P = left_pad(prompt_ids, completion_ids.to(quantize.model_device(model)))
-    h = model.hidden_states(ids, positions, key_ok)  # (B, P+T, C)
-    return h[:, P - 1:P + T - 1]  # (B, T, C): the state at P-1+t predicts completion token t
+    ids, key_ok, P = left_pad(prompt_ids, completion_ids.to(quantize.model_device(model)))
+    return model.hidden_states(ids, attention_mask=key_ok)[:, P - 1:-1]  # (B, T, C): P-1+t predicts token t
 
 
 def completion_logits(model, prompt_ids, completion_ids):
     """fp32 logits (B, T, V) of the distributions that produced each completion token."""
-    # Running lm_head on just these T positions keeps (B, T, V) the only vocabulary-sized tensor.
     return model.lm_head(completion_hidden(model, prompt_ids, completion_ids)).float()  # (B, T, V)
 
 
@@ -574,16 +521,10 @@ def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temper
     sel = m.reshape(-1).nonzero().squeeze(1)  # (n,) flat indices of the completion tokens
     h_sel, ids_sel = h.reshape(B * T, -1)[sel], completion_ids.reshape(-1)[sel]  # (n, C), (n,)
     step = max(1, LOGITS_CHUNK_BYTES // (4 * model.config.vocab_size))  # tokens per chunk
-    grad = torch.is_grad_enabled() and h_sel.requires_grad
-    lps, ents = [], []
-    for i in range(0, len(sel), step):
-        h_i, ids_i = h_sel[i:i + step], ids_sel[i:i + step]  # (chunk, C), (chunk,)
-        lp, ent = (_ChunkLogprobs.apply(h_i, ids_i, model.lm_head, temperature) if grad
-                   else _token_logprobs(model.lm_head, h_i, ids_i, temperature))
-        lps.append(lp)  # (chunk,)
-        ents.append(ent)
+    chunks = [_ChunkLogprobs.apply(h_sel[i:i + step], ids_sel[i:i + step], model.lm_head, temperature)
+              for i in range(0, len(sel), step)]  # (log-prob, entropy) pairs, (chunk,) each
     zero = h.sum(-1).float().reshape(-1) * 0  # (B*T,) zeros that keep the graph even with no token selected
-    lp, ent = (zero.index_put((sel,), torch.cat(v)) if v else zero for v in (lps, ents))  # (B*T,) each
+    lp, ent = (zero.index_put((sel,), torch.cat([c[j] for c in chunks])) if chunks else zero for j in (0, 1))
     return lp.view(B, T) * m, ent.view(B, T) * m  # (B, T) each
 
 
@@ -598,7 +539,10 @@ def load_model(path, quant="none", dtype=None, device=None):
     loads as NVFP4 whatever `quant` says. dtype: bf16 on CUDA, fp32 on CPU; device: stage 01's autodetect.
     Built on the meta device and filled one tensor at a time, so the peak is about the model's own size."""
     path = Path(path)
-    raw, files = _check_model_folder(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path / 'config.json'} not found: point --model at a Hugging Face model folder")
+    raw, weight_map, _ = quantize.find_weight_files(str(path))
+    files = {name: path / f for name, f in weight_map.items()}  # tensor name -> safetensors file
     cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
     quant, prequantized = _load_format(path, raw, quant)
     tokenizer = load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
@@ -606,8 +550,10 @@ def load_model(path, quant="none", dtype=None, device=None):
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    if prequantized:
-        _nvfp4_shells(model, files)
+    for name, mod in list(model.named_modules()):  # stored as NVFP4: an empty NVFP4Linear, filled like the rest
+        if prequantized and isinstance(mod, nn.Linear) and name + ".weight_packed" in files:
+            quantize.replace_module(model, name, quantize.NVFP4Linear(
+                mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta"))
     expected = [n for n in model.state_dict() if not (cfg.tie_word_embeddings and n == "lm_head.weight")]
     missing = [n for n in expected if n not in files]
     if missing:
@@ -620,14 +566,6 @@ def load_model(path, quant="none", dtype=None, device=None):
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval(), tokenizer
-
-
-def _check_model_folder(path):
-    """-> (config.json as a dict, {tensor name: safetensors file path})."""
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path / 'config.json'} not found: point --model at a Hugging Face model folder")
-    raw, weight_map, _ = quantize.find_weight_files(str(path))
-    return raw, {name: path / f for name, f in weight_map.items()}
 
 
 def _load_format(path, raw, quant):
@@ -644,15 +582,6 @@ def _load_format(path, raw, quant):
     return "none", True  # its Linear layers arrive quantized
 
 
-def _nvfp4_shells(model, files):
-    """Swap each Linear that the checkpoint stores as NVFP4 (it has `<name>.weight_packed`) for an empty
-    NVFP4Linear on the meta device; its buffers are then filled like any other tensor."""
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, nn.Linear) and name + ".weight_packed" in files:
-            quantize.replace_module(model, name, quantize.NVFP4Linear(
-                mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta"))
-
-
 def _fill(model, names, files, quant, device, dtype):
     """Read `names` from their files into the meta model: non-layer tensors, then layer 0, 1, ...; with
     quant != "none", layer i is quantized (and its full-precision weights dropped) once it is complete."""
@@ -663,38 +592,23 @@ def _fill(model, names, files, quant, device, dtype):
     order = sorted(names, key=layer_of)
     for j, n in enumerate(order):
         if files[n] not in handles:
-            handles[files[n]] = _open_safetensors(files[n])
+            try:
+                handles[files[n]] = safe_open(files[n], "pt", device="cpu")  # memory-mapped, reads lazily
+            except Exception as e:  # safetensors raises its own SafetensorError (not an OSError/ValueError)
+                raise ValueError(quantize.safetensors_problem(files[n]) or f"{files[n]}: {e}; the file is truncated "
+                                 "or corrupt, download or write it again") from None
         try:
             t = handles[files[n]].get_tensor(n)
         except Exception as e:
             raise ValueError(f"{files[n]}: cannot read tensor {n} ({e}): the file is truncated or corrupt") from None
-        # Float weights take the compute dtype; packed codes, fp8 scales and fp32 global scales keep
-        # their stored dtypes (a bf16 global scale would shift every dequantized value). Weights about
-        # to be quantized also stay as stored, so they quantize exactly as `01_quantize.py --out` does.
+        # Float weights take the compute dtype; packed codes and scales keep theirs (a bf16 global scale would
+        # shift every dequantized value), and so do weights about to be quantized (as `01_quantize.py --out`).
         keep = (t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or n.endswith("global_scale")
                 or (quant != "none" and n.startswith("model.layers.") and n.endswith("_proj.weight")))
         _put(model, n, t.to(device=device, dtype=None if keep else dtype), files[n])
         i = layer_of(n)
         if quant != "none" and i >= 0 and (j + 1 == len(order) or layer_of(order[j + 1]) != i):
             quantize.quantize_model(model.model.layers[i], fmt=quant, skip=())  # layer i complete: shrink it
-
-
-def _open_safetensors(file):
-    """safe_open, with a truncated or corrupt file reported in one line naming the file and the tensor."""
-    try:
-        return safe_open(file, "pt", device="cpu")  # memory-mapped, reads lazily
-    except Exception as e:  # safetensors raises its own SafetensorError (not an OSError/ValueError)
-        raise ValueError(quantize.safetensors_problem(file) or f"{file}: {e}; the file is truncated or corrupt, "
-                         "download or write it again") from None
-
-
-        bad = [(k, v["data_offsets"][1]) for k, v in header.items()
-               if k != "__metadata__" and 8 + n + v["data_offsets"][1] > size]
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
-        return "its header is unreadable"
-    if bad:
-        return f"tensor {bad[0][0]} needs {8 + n + bad[0][1]} bytes but the file has {size}"
-    return None
 
 
 def _put(model, name, t, file="the checkpoint"):
@@ -735,19 +649,16 @@ class Tokenizer:
 
 
 def load_tokenizer(path, config=None):
-    from tokenizers import Tokenizer as HFTokenizer
     path = Path(path)
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path / 'tokenizer.json'} not found: the model folder needs a tokenizer.json "
                                 "(the `tokenizers` format Hugging Face saves)")
-    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
-    config = config or {}
-    gen_file = path / "generation_config.json"
-    gen = json.loads(gen_file.read_text()) if gen_file.exists() else {}
-    eos = gen.get("eos_token_id", config.get("eos_token_id"))
+    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    gen_file = path / "generation_config.json"  # its ids win over config.json's
+    gen = {**(config or {}), **(json.loads(gen_file.read_text()) if gen_file.exists() else {})}
+    eos = gen.get("eos_token_id")
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    pad = gen.get("pad_token_id", config.get("pad_token_id"))
-    return Tokenizer(tok, eos, pad)
+    return Tokenizer(tok, eos, gen.get("pad_token_id"))
 
 
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -763,11 +674,10 @@ def chat_prompt(user, system=None):
 
 def byte_tokenizer():
     """A byte-level tokenizer built in memory (256 byte tokens + 3 ChatML specials) for random models."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 printable stand-ins for bytes
-    tok = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())  # the 256 printable stand-ins for bytes
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     return Tokenizer(tok, [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
                      tok.token_to_id("<|endoftext|>"))
@@ -786,7 +696,7 @@ def random_model(tok, seed=0, device="cpu"):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Checks: one clear line for each kind of bad input
+# Checks (one clear line for each kind of bad input) and the command line
 
 def _check_config(d, where):
     mt = d.get("model_type")
@@ -828,12 +738,10 @@ def _check_generate(cfg, prompts, num_samples, max_new_tokens, temperature, top_
             raise ValueError(f"prompt {i} has a token id outside [0, {cfg.vocab_size})")
 
 
-# ---------------------------------------------------------------------------------------------------
-# Command line
-
 def build_parser():
     ap = argparse.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
-    ap.add_argument("--model", default=None, help="HF model folder (default: assets/tiny-qwen, else a random model)")
+    ap.add_argument("--model", default=str(Path(__file__).parent / "assets" / "tiny-qwen"),
+                    help="HF model folder (default: the bundled assets/tiny-qwen)")
     ap.add_argument("--prompt", default="What is 12 + 7? Answer with a number.", help="user message (ChatML-wrapped)")
     ap.add_argument("--system", default=None, help="system message (default: none)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -851,21 +759,11 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    model_dir = args.model or ("assets/tiny-qwen" if Path("assets/tiny-qwen/config.json").exists() else None)
     device = torch.device(args.device or quantize.autodetect_device())
     t0 = time.perf_counter()
-    if model_dir is not None:
-        model, tok = load_model(model_dir, quant=args.quant, device=device)
-    else:
-        print("note | assets/tiny-qwen not found: sampling from a RANDOM 2-layer model with a byte tokenizer "
-              "(expect gibberish; pass --model DIR for a real one)")
-        tok = byte_tokenizer()
-        model = random_model(tok, args.seed)
-        if args.quant != "none":
-            quantize.quantize_model(model, fmt=args.quant)
-        model = model.to(device)
+    model, tok = load_model(args.model, quant=args.quant, device=device)
     cfg = model.config
-    print(f"model | {model_dir or 'random'} | type {cfg.model_type} | layers {cfg.num_hidden_layers} "
+    print(f"model | {args.model} | type {cfg.model_type} | layers {cfg.num_hidden_layers} "
           f"| hidden {cfg.hidden_size} | quant {args.quant} | device {device} "
           f"| dtype {model.model.embed_tokens.weight.dtype} | load_s {time.perf_counter() - t0:.1f}")
 
