@@ -684,7 +684,7 @@ def render_study_table(summary, records, args, answers, best):
                      f"({s['reached']}/{s['runs']}) | {pct(s['final_greedy'])} | {pct(s['final_pass_k'])} | "
                      f"{ms(s['entropy_last_fifth'], '.4f')} | {s['s_per_step'][0]:.2f} |")
     if study["after_best"]:
-        lines += ["", f"Best nonzero NVFP4 noise level (mean final greedy of the noise sweep): "
+        lines += ["", "Best nonzero NVFP4 noise level (mean final greedy of the noise sweep): "
                   + (f"{best:g} -> {best / 20:g}." if best is not None else "not known yet (the sweep is unfinished).")]
     lines += ["", "Questions: a - b, the difference of means ± its standard error (points; entropy in nats). "
               "The verdict is on final greedy accuracy: 'within noise' under two standard errors.", ""]
