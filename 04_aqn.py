@@ -12,11 +12,12 @@ after the one that feeds the MLP (paper Eq. 9-10 and App. G). o_proj, down_proj 
 
 The noise acts only in the sampler, one draw per step: the noisy model is the behaviour policy pi_old
 (Algorithm 1 line 9), whose log-probabilities stage 05 records for the clipped surrogate, while the
-update runs on the clean policy. Paper, official code and this project differ: README, "Notes on the paper".
+update runs on the clean policy (paper vs official code: README, "Notes on the paper"). On the bundled
+model no noise level helps: 1e-2 and 3e-2 are within noise of none, 1e-1 hurts, and from a 7% start AQN
+does not make up the 4-bit base's handicap (README, "Where does noise help exploration?").
 
 Run it (the schedule of a 600-step run, then per dtype the exploration table on the bundled model):
     python 04_aqn.py                # fp32 then bf16: fp32 took 14 min on a shared 2-core CPU, bf16 ~2.3x that
-    python 04_aqn.py --prompts 16 --samples 4 --sigmas 5e-4 1e-2       # ~11 min for fp32 + bf16
     python 04_aqn.py --model path/to/hf-folder --samples 8 --sigmas 1e-2 5e-2
 """
 import argparse
@@ -35,11 +36,10 @@ quantize = importlib.import_module("01_quantize")
 rollout = importlib.import_module("03_rollout")
 
 # -----------------------------------------------------------------------------
-# The noise schedule
-#
-# Training splits into K equal intervals ("stages"): stage 0 carries quantization noise only (sigma = 0),
-# stages 1..K-1 decay from sigma_start to sigma_end, the last one exactly sigma_end. The linear, cosine
-# and log kinds (the paper's scheduler ablation) map u = (k - 1) / (K - 2) in [0, 1] between the two.
+# The noise schedule. Training splits into K equal intervals ("stages"): stage 0 carries quantization
+# noise only (sigma = 0), stages 1..K-1 decay from sigma_start to sigma_end, the last one exactly
+# sigma_end. The linear, cosine and log kinds (the paper's scheduler ablation) map u = (k - 1) / (K - 2)
+# in [0, 1] between the two.
 
 DECAYING_KINDS = ("exp", "linear", "cosine", "log")
 SIGMA_KINDS = DECAYING_KINDS + ("none", "feedback")
