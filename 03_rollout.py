@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from safetensors import safe_open
 import tokenizers
 
@@ -218,6 +219,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._inv_freq = {}  # device -> RoPE inverse frequencies, computed once (see `rope`)
 
     def hidden_states(self, input_ids, positions=None, attention_mask=None, kv_cache=None):
         """Final-norm hidden states (B, T, C). attention_mask covers every key slot: (B, past + T)."""
@@ -248,9 +250,12 @@ class CausalLM(nn.Module):
         return self.model.norm(x)  # (B, T, C)
 
     def rope(self, positions, dtype):
-        """cos, sin (B, 1, T, D) for RoPE positions (B, T). inv_freq is recomputed, not a buffer: model.to(bf16)
-        would round a buffer, and bf16 RoPE frequencies visibly garble positions past a few hundred tokens."""
-        freqs = positions[..., None].float() * rope_inv_freq(self.config, positions.device)  # (B, T, D/2), fp32
+        """cos, sin (B, 1, T, D) for RoPE positions (B, T). inv_freq is a cached attribute, not a buffer:
+        model.to(bf16) would round a buffer, and bf16 RoPE frequencies garble positions past a few hundred."""
+        dev = str(positions.device)
+        if dev not in self._inv_freq:  # once per device, not at every decode step
+            self._inv_freq[dev] = rope_inv_freq(self.config, positions.device)
+        freqs = positions[..., None].float() * self._inv_freq[dev]  # (B, T, D/2), fp32
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (B, 1, T, D)
 

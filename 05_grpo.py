@@ -253,7 +253,7 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, old_logp, rewards, 
     rows = (signal & (mask.sum(1) > 0)).nonzero().squeeze(1).tolist()
     t_max = int(mask[rows].sum(1).max()) if rows else 0  # the kept rows may all be shorter than T
     k_ids, k_mask, k_old = ids[rows, :t_max], mask[rows, :t_max], old_logp[rows, :t_max]  # (n, t_max) each
-    k_prompts, k_tok = [prompt_ids[i] for i in rows], float(k_mask.sum())
+    k_adv, k_prompts, k_tok = adv[rows], [prompt_ids[i] for i in rows], float(k_mask.sum())
     g_tok, g_seqs, g_kept, g_rows, g_flat = global_sum([k_tok, float((k_mask.sum(1) > 0).sum()), len(rows),
                                                         mask.shape[0], float((~signal).sum())])
     denom = {"token-mean": max(g_tok, 1.0), "seq-mean-token-mean": max(g_seqs, 1.0),
@@ -270,7 +270,7 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, old_logp, rewards, 
         loss_sum, stats = 0.0, {"clip": 0.0, "kl": 0.0, "kl_old": 0.0, "ratio_max": 1.0}
         for i in range(0, len(rows), mb):
             j, t = slice(i, i + mb), int(k_mask[i:i + mb].sum(1).max())  # t: this slice's longest completion
-            loss, st = _slice_loss(model, k_prompts[j], k_ids[j, :t], k_mask[j, :t], k_old[j, :t], adv[rows][j],
+            loss, st = _slice_loss(model, k_prompts[j], k_ids[j, :t], k_mask[j, :t], k_old[j, :t], k_adv[j],
                                    denom, temperature, beta, **loss_kw)
             if torch.isfinite(loss):  # a non-finite loss skips the step below; its backward is wasted work
                 loss.backward()  # the slices' gradients add up in .grad
