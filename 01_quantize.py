@@ -39,17 +39,13 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 _E2M1_MIDS = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)]
 
 
-def nvfp4_global_scale(amax):
-    """fp32 [1] encode scale 2688/amax (448*6: the largest block lands on the FP8 and E2M1 maxima).
-    An all-zero tensor would divide by ~0 -> inf; compressed-tensors then uses 1.0, and so do we."""
-    amax = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
+def nvfp4_global_scale(weights):
+    """fp32 [1] encode scale 2688/amax (448*6: the largest block lands on the FP8 and E2M1 maxima), amax
+    over all of `weights` (one tensor, or a fused group that shares one scale). An all-zero tensor would
+    divide by ~0 -> inf; compressed-tensors then uses 1.0, and so do we."""
+    amax = torch.stack([w.detach().abs().amax().float() for w in weights]).max().reshape(1)
     gs = (FP8_MAX * FP4_MAX) / amax.clamp(min=torch.finfo(torch.float32).tiny)
     return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
-
-
-def group_global_scale(weights):
-    """The one global scale of a fused group (q/k/v, gate/up): that of its largest |w|."""
-    return nvfp4_global_scale(torch.stack([w.detach().abs().amax().float() for w in weights]).max())
 
 
 @torch.no_grad()
@@ -63,7 +59,7 @@ def quantize_nvfp4(w, global_scale=None, name="weight"):
     if k_pad != in_f:  # zero columns change no block's amax and quantize to code 0
         w = F.pad(w, (0, k_pad - in_f))
     if global_scale is None:
-        gs = nvfp4_global_scale(w.abs().amax())
+        gs = nvfp4_global_scale([w])
     else:
         gs = torch.as_tensor(global_scale, dtype=torch.float32).reshape(1).clone().to(w.device)
     blocks = w.view(out_f, k_pad // NVFP4_BLOCK, NVFP4_BLOCK)             # (out, nb, 16)
@@ -177,19 +173,17 @@ class _QuantLinear(nn.Module):
     """What NVFP4Linear and NF4Linear share: the format's buffers (registered first, in the order its
     quantize function returns them, under their checkpoint names so that `load_state_dict` and stage 03
     fill them by name), an optional bias, and a forward that rebuilds the weight in backward."""
-    fmt = None
 
-    def __init__(self, in_features, out_features, bias, device, bias_dtype, **format_buffers):
+    def __init__(self, in_features, out_features, bias, device, **format_buffers):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         for k, t in format_buffers.items():
             self.register_buffer(k, t)
-        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
 
     @classmethod
     def _from_linear(cls, linear, quantized, **kwargs):
-        w = linear.weight
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, w.device, w.dtype, **kwargs)
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device, **kwargs)
         for k, t in zip(list(m._buffers), quantized):
             setattr(m, k, t)
         if linear.bias is not None:
@@ -210,17 +204,16 @@ class _QuantLinear(nn.Module):
         return self
 
     def extra_repr(self):
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, format={self.fmt}"
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
 
 class NVFP4Linear(_QuantLinear):
     """y = x @ W_hat^T + b with W_hat stored as NVFP4; its buffers are a compressed-tensors checkpoint's."""
-    fmt = "nvfp4"
 
-    def __init__(self, in_features, out_features, bias=False, device=None, bias_dtype=torch.float32):
+    def __init__(self, in_features, out_features, bias=False, device=None):
         k_pad = -(-in_features // NVFP4_BLOCK) * NVFP4_BLOCK
         o, nb = out_features, k_pad // NVFP4_BLOCK
-        super().__init__(in_features, out_features, bias, device, bias_dtype,
+        super().__init__(in_features, out_features, bias, device,
                          weight_packed=torch.zeros(o, k_pad // 2, dtype=torch.uint8, device=device),
                          weight_scale=torch.zeros(o, nb, dtype=torch.float8_e4m3fn, device=device),
                          weight_global_scale=torch.ones(1, dtype=torch.float32, device=device))
@@ -242,11 +235,10 @@ class NVFP4Linear(_QuantLinear):
 
 class NF4Linear(_QuantLinear):
     """The QLoRA baseline: NF4 weight, dequantized to x.dtype on every forward."""
-    fmt = "nf4"
 
-    def __init__(self, in_features, out_features, bias=False, device=None, bias_dtype=torch.float32, blocksize=64):
+    def __init__(self, in_features, out_features, bias=False, device=None, blocksize=64):
         n = in_features * out_features
-        super().__init__(in_features, out_features, bias, device, bias_dtype,
+        super().__init__(in_features, out_features, bias, device,
                          weight_packed=torch.zeros((n + 1) // 2, dtype=torch.uint8, device=device),
                          weight_absmax=torch.zeros(-(-n // blocksize), dtype=torch.float32, device=device))
         self.blocksize = blocksize
@@ -283,7 +275,7 @@ def quantize_model(model, fmt="nvfp4", skip=("lm_head",)):
     for n, m in linears.items():
         _check_weight(m.weight, n)
         groups.setdefault(fused_group(n), []).append(m.weight)
-    scales = {g: group_global_scale(ws) for g, ws in groups.items()}
+    scales = {g: nvfp4_global_scale(ws) for g, ws in groups.items()}
     for n, m in linears.items():
         if fmt == "nvfp4":
             new = NVFP4Linear.from_linear(m, scales[fused_group(n)], name=n)
@@ -337,7 +329,6 @@ def atomic_write(path, write):
 
 
 def write_text(path, text):
-    """`text` into the file `path`, through atomic_write."""
     def write(tmp):
         with open(tmp, "w") as f:
             f.write(text)
@@ -533,7 +524,7 @@ def _shard_tensors(model_dir, s, plan, device, log, progress):
             with safe_open(os.path.join(model_dir, where[k]), framework="pt") as f:
                 ws[k] = f.get_tensor(k).to(device)
             _check_weight(ws[k], k)  # before the group scale: an Inf would make it 0 and blame a sibling
-        gs = group_global_scale(ws.values())
+        gs = nvfp4_global_scale(ws.values())
         for k in (k for k in members if where[k] == s):
             packed, scale, gs_k = quantize_nvfp4(ws[k], gs, name=k)
             tensors.update({k + "_packed": packed.cpu(), k + "_scale": scale.cpu(), k + "_global_scale": gs_k.cpu()})
