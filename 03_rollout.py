@@ -3,10 +3,8 @@
 In GRPO each prompt gets G sampled completions, compared within their group. Generating them
 ("rollouts") eats most of RL's wall-clock time, which is why QeRL samples from an NVFP4 policy.
 Part 1: a Qwen2 / Llama / Qwen3 decoder with the HF module names (so stages 01 and 02 find layers by
-name); a batched, KV-cached sampler (temperature, top-k, top-p, per-row EOS) that records each token's
-log-prob and entropy; the same decode step with static shapes for torch.compile (`compile=True`); and
-`sequence_logprobs`, which recomputes those log-probs with gradients. Part 2: the loader (a meta-device
-model filled one tensor at a time, quantized layer by layer with quant="nvfp4"), the tokenizer, the CLI.
+name), a batched KV-cached sampler, its static-shape twin for torch.compile, and `sequence_logprobs`
+(the sampled tokens' log-probs again, with gradients). Part 2: the loader, the tokenizer, the CLI.
 
 Run it:
     python 03_rollout.py                                 # the bundled assets/tiny-qwen
@@ -478,8 +476,7 @@ def completion_logits(model, prompt_ids, completion_ids):
     return model.lm_head(completion_hidden(model, prompt_ids, completion_ids)).float()  # (B, T, V)
 
 
-# Log-probs without the full logits: at Qwen2.5's vocabulary (151,936) one fp32 (rows, T, V) tensor for
-# 128 x 1,024 tokens is ~80 GB, and log_softmax, the entropy and their gradients each make another. So
+# Log-probs without the full logits (~80 GB in fp32 for a 7B GRPO batch; README, "One GPU at 7B"):
 # lm_head runs over chunks of at most LOGITS_CHUNK_BYTES of logits, recomputed one at a time in backward.
 LOGITS_CHUNK_BYTES = 2 ** 26  # 64 MiB of fp32 logits per chunk: 110 tokens at V = 151,936
 
@@ -536,17 +533,14 @@ def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temper
 # =============== Part 2: plumbing (HF loader, tokenizer, random model, checks, command line) ================
 
 # ---------------------------------------------------------------------------------------------------
-# Loader: a meta-device model, filled from safetensors one tensor at a time
+# Loader: a meta-device model, filled from safetensors one tensor at a time (peak: about the model's size)
 
 def load_model(path, quant="none", dtype=None, device=None):
     """Load a Hugging Face folder -> (CausalLM in eval mode, Tokenizer). quant="nvfp4"/"nf4" quantizes the
     decoder Linears with stage 01, layer by layer as they arrive; a folder written by `01_quantize.py --out`
-    loads as NVFP4 whatever `quant` says. dtype: bf16 on CUDA, fp32 on CPU; device: stage 01's autodetect.
-    Built on the meta device and filled one tensor at a time, so the peak is about the model's own size."""
+    loads as NVFP4 whatever `quant` says. dtype: bf16 on CUDA, fp32 on CPU; device: stage 01's autodetect."""
     path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path / 'config.json'} not found: point --model at a Hugging Face model folder")
-    raw, weight_map, _ = quantize.find_weight_files(str(path))
+    raw, weight_map, _ = quantize.find_weight_files(str(path))  # checks the folder: config.json, shards
     files = {name: path / f for name, f in weight_map.items()}  # tensor name -> safetensors file
     cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
     quant, prequantized = _load_format(path, raw, quant)
@@ -596,16 +590,13 @@ def _fill(model, names, files, quant, device, dtype):
     handles = {}
     order = sorted(names, key=layer_of)
     for j, n in enumerate(order):
-        if files[n] not in handles:
-            try:
-                handles[files[n]] = safe_open(files[n], "pt", device="cpu")  # memory-mapped, reads lazily
-            except Exception as e:  # safetensors raises its own SafetensorError (not an OSError/ValueError)
-                raise ValueError(quantize.safetensors_problem(files[n]) or f"{files[n]}: {e}; the file is truncated "
-                                 "or corrupt, download or write it again") from None
         try:
+            if files[n] not in handles:
+                handles[files[n]] = safe_open(files[n], "pt", device="cpu")  # memory-mapped, reads lazily
             t = handles[files[n]].get_tensor(n)
-        except Exception as e:
-            raise ValueError(f"{files[n]}: cannot read tensor {n} ({e}): the file is truncated or corrupt") from None
+        except Exception as e:  # safetensors raises its own SafetensorError (not an OSError/ValueError)
+            raise ValueError(quantize.safetensors_problem(files[n]) or f"{files[n]}: cannot read tensor {n} ({e}); "
+                             "the file is truncated or corrupt, download or write it again") from None
         # Float weights take the compute dtype; packed codes and scales keep theirs (a bf16 global scale would
         # shift every dequantized value), and so do weights about to be quantized (as `01_quantize.py --out`).
         keep = (t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or n.endswith("global_scale")
@@ -649,9 +640,6 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def token_id(self, s):
-        return self.tok.token_to_id(s)
-
 
 def load_tokenizer(path, config=None):
     path = Path(path)
@@ -666,13 +654,9 @@ def load_tokenizer(path, config=None):
     return Tokenizer(tok, eos, gen.get("pad_token_id"))
 
 
-QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-
-
 def chat_prompt(user, system=None):
     """Qwen2.5-Instruct ChatML prompt, ending where the assistant starts talking. system=None writes no
-    system block, but Qwen2.5's own template then inserts QWEN_DEFAULT_SYSTEM: pass that to get exactly
-    what `apply_chat_template` would produce."""
+    system block; Qwen2.5's own template would put its default there ("You are Qwen, created by ...")."""
     head = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
     return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 

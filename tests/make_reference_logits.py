@@ -79,7 +79,7 @@ def classic_rope_fields(path):
 
 def main():
     tok = ro.byte_tokenizer()
-    im_end, eot = tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>")
+    im_end, eot = tok.tok.token_to_id("<|im_end|>"), tok.tok.token_to_id("<|endoftext|>")
     texts = [ro.chat_prompt("2+3?"), "hello world", "<|im_start|>user\nhi<|im_end|>\n"]
     prompts = [tok.encode(t) for t in texts]
     L = max(map(len, prompts))
