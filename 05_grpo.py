@@ -345,7 +345,6 @@ def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, 
 
 
 # ============ Part 2: plumbing (data, evaluation, processes, checkpoints, the run, command line) ============
-# -----------------------------------------------------------------------------
 # GSM8K-style data: a JSONL file of {"question", "answer": "... #### n"} lines
 
 
