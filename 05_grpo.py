@@ -4,8 +4,7 @@ QeRL trains reasoning with RL while the base model stays frozen in NVFP4 and onl
 the 4-bit base makes sampling (most of a step) cheap, and its rounding noise, plus AQN's scheduled noise
 on the RMSNorm gains, raises sampling entropy, which helps exploration. One step: B prompts x G samples
 drawn under AQN (their log-probs are pi_old) -> rewards -> group-normalised advantages -> clipped
-surrogate on the clean policy -> AdamW on the adapters. Groups whose G rewards are all equal carry no
-signal and are left out; the optional KL (--beta) compares with the base under lora_disabled.
+surrogate on the clean policy -> AdamW on the adapters.
 
 Run it (2 CPU cores, < 10 min: the bundled tiny model learns synthetic arithmetic; README "Results"):
     python 05_grpo.py
@@ -40,12 +39,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL = os.path.join(ROOT, "assets", "tiny-qwen")
 
 # -----------------------------------------------------------------------------
-# The task: problems, prompt, correctness, reward
-#
-# A task is one class with five methods: `problems(seed, step, n)`, the problems of a step as a pure
-# function of (seed, step) (so a resumed run draws exactly what an uninterrupted one would); `held`, the
-# held-out problems; `prompt(problem)`; `correct(problem, completion)`; `reward(problem, completion)`.
-# The loop only calls these, so a new task is one class (GSM8K's is in Part 2; tests add another).
+# The task: one class with `problems(seed, step, n)` (a pure function of (seed, step), so a resumed run
+# draws what an uninterrupted one would), `held` (the held-out problems), `prompt`, `correct` and `reward`.
+# The loop only calls these (GSM8K's task is in Part 2; tests add another).
 
 # The paper's instruction (App. E). The bundled tiny model learned the format in pretraining, so its
 # prompt is the bare problem ("qerl_prompt": "bare" in its config.json).
@@ -267,7 +263,7 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, old_logp, rewards, 
     mb = micro_batch or max(len(rows), 1)  # rows per forward/backward: one slice's activations are alive
     for _ in range(mu):
         opt.zero_grad(set_to_none=True)
-        loss_sum, stats = 0.0, {"clip": 0.0, "kl": 0.0, "kl_old": 0.0, "ratio_max": 1.0}
+        loss_sum, stats, out["ratio_max"] = 0.0, {"clip": 0.0, "kl": 0.0, "kl_old": 0.0}, 1.0
         for i in range(0, len(rows), mb):
             j, t = slice(i, i + mb), int(k_mask[i:i + mb].sum(1).max())  # t: this slice's longest completion
             loss, st = _slice_loss(model, k_prompts[j], k_ids[j, :t], k_mask[j, :t], k_old[j, :t], k_adv[j],
@@ -276,12 +272,10 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, old_logp, rewards, 
                 loss.backward()  # the slices' gradients add up in .grad
             loss_sum += float(loss.detach())
             w = float(k_mask[j].sum()) / max(g_tok, 1.0)  # statistics are token means over all processes
-            for key in ("clip", "kl", "kl_old"):
+            for key in stats:
                 stats[key] += st[key] * w
-            stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
-        loss_sum, out["clip"], out["kl"], out["kl_old"] = global_sum([loss_sum, stats["clip"], stats["kl"],
-                                                                      stats["kl_old"]])
-        out["ratio_max"] = stats["ratio_max"]
+            out["ratio_max"] = max(out["ratio_max"], st["ratio_max"])
+        loss_sum, out["clip"], out["kl"], out["kl_old"] = global_sum([loss_sum, *stats.values()])
         if not math.isfinite(loss_sum):  # the same verdict on every process
             out["skipped"] = f"loss is {loss_sum}"
             break
@@ -351,7 +345,6 @@ def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, 
 
 
 # ============ Part 2: plumbing (data, evaluation, processes, checkpoints, the run, command line) ============
-# -----------------------------------------------------------------------------
 # GSM8K-style data: a JSONL file of {"question", "answer": "... #### n"} lines
 
 
@@ -393,10 +386,9 @@ class JsonlTask(AnswerTask):
         if eval_path:
             held = load_jsonl(eval_path)[:eval_size]
         else:
-            order = list(range(len(train)))
-            random.Random(EVAL_SEED).shuffle(order)
             n_eval = min(eval_size, len(train) // 2)
-            held, train = [train[i] for i in order[:n_eval]], [train[i] for i in order[n_eval:]]
+            random.Random(EVAL_SEED).shuffle(train)
+            held, train = train[:n_eval], train[n_eval:]
         self.held, held_q = held, {p["question"] for p in held}
         self.train = [p for p in train if p["question"] not in held_q]  # eval problems never train
         if not self.train:
@@ -413,8 +405,7 @@ class JsonlTask(AnswerTask):
 
 
 def make_task(args):
-    """The task --data names. Prompts carry the paper's instruction unless --system none, or (auto) the
-    model's config.json says "qerl_prompt": "bare" (the bundled model's does)."""
+    """The task --data names, its prompts with or without the paper's instruction as --system says."""
     system = args.system == "paper" or (args.system == "auto" and
                                         quantize.find_weight_files(args.model)[0].get("qerl_prompt") != "bare")
     if args.data == "arith":
@@ -473,11 +464,9 @@ def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, s
     return res
 
 # -----------------------------------------------------------------------------
-# Data parallel (torchrun): `torchrun --nproc_per_node N 05_grpo.py ...` starts N copies of this script,
-# joined by torch.distributed (NCCL between GPUs, gloo between CPU processes). Every process holds the
-# whole frozen model and the same adapter (built from --seed), samples its share of whole groups, and sums numbers
-# (`global_sum`) and adapter gradients (`sum_grads`) with the others, so all take the same AdamW step.
-# Process 0 alone prints, evaluates and writes files. In a plain `python 05_grpo.py` these are no-ops.
+# Data parallel: `torchrun --nproc_per_node N 05_grpo.py ...` starts N copies of this script (NCCL between
+# GPUs, gloo between CPU processes), each with the same adapter (built from --seed) and a share of the groups
+# (see "The update"). Process 0 alone prints, evaluates and writes files. In a plain run these are no-ops.
 
 
 def init_distributed(device):
@@ -524,10 +513,9 @@ def sum_grads(params):
         p.grad = g.view_as(p)
 
 # -----------------------------------------------------------------------------
-# Checkpoints: the adapter in PEFT's layout (stage 02) and trainer_state.pt (AdamW state, step, AQN
-# feedback controller, RNG states as a safety net, the run's arguments), written under a temporary name
-# and renamed. The LR schedule and the per-step generators are pure functions of (seed, step), so a
-# resumed run is, bit for bit, the uninterrupted one.
+# Checkpoints: the adapter in PEFT's layout (stage 02) and trainer_state.pt (AdamW state, step, AQN feedback
+# controller, RNG states as a safety net, the run's arguments). The LR schedule and the per-step generators
+# are pure functions of (seed, step), so a resumed run is, bit for bit, the uninterrupted one.
 
 RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_every", "device", "quiet",
                 "micro_batch", "grad_checkpoint", "gpu_path", "compile")  # how to compute, not what: a resume may change them
@@ -552,23 +540,18 @@ def save_checkpoint(out, step, model, opt, params, args, feedback=None, extra=No
     return quantize.atomic_write(os.path.join(out, f"checkpoint-{step:06d}"), write)
 
 
-def find_checkpoint(path):
-    """A checkpoint folder itself, or the latest checkpoint-* inside a run folder."""
-    if os.path.isfile(os.path.join(path, "trainer_state.pt")):
-        return path
-    found = sorted(d for d in os.listdir(path) if re.fullmatch(r"checkpoint-\d+", d)) if os.path.isdir(path) else []
-    if not found:
-        raise FileNotFoundError(f"--resume {path!r}: no checkpoint there (expected a checkpoint-NNNNNN folder "
-                                f"with trainer_state.pt, or a run folder containing one)")
-    return os.path.join(path, found[-1])
-
-
 def resume_args(args):
     """--resume: (checkpoint folder, its trainer state), with the run's hyper-parameters taken from it
     (a flag given again is ignored, with a note); (None, None) without --resume."""
     if not args.resume:
         return None, None
-    ckpt = find_checkpoint(args.resume)
+    ckpt = args.resume
+    if not os.path.isfile(os.path.join(ckpt, "trainer_state.pt")):  # a run folder: its latest checkpoint
+        found = sorted(d for d in os.listdir(ckpt) if re.fullmatch(r"checkpoint-\d+", d)) if os.path.isdir(ckpt) else []
+        if not found:
+            raise FileNotFoundError(f"--resume {ckpt!r}: no checkpoint there (expected a checkpoint-NNNNNN folder "
+                                    f"with trainer_state.pt, or a run folder containing one)")
+        ckpt = os.path.join(ckpt, found[-1])
     state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=False)
     defaults = vars(build_parser().parse_args([]))
     for k, v in state["args"].items():
@@ -603,8 +586,8 @@ def restore(ckpt, state, model, opt, feedback):
 def build_policy(args, device):
     """The frozen (quantized) base with fresh LoRA adapters and their AdamW -> (model, tok, params, opt).
     The adapter initialisation depends on --seed alone, so every rank builds the same one."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        args.dtype or ("bfloat16" if str(device).startswith("cuda") or args.gpu_path else "float32")]
+    default = "bfloat16" if str(device).startswith("cuda") or args.gpu_path else "float32"
+    dtype = getattr(torch, args.dtype or default)
     model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
     model.grad_checkpoint = args.grad_checkpoint  # acts in the update's forward only (it needs gradients)
     lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
@@ -617,14 +600,12 @@ def build_policy(args, device):
     return model, tok, params, opt
 
 
-def lr_lambda(warmup, total, min_ratio):
-    """Linear warmup over `warmup` steps, then cosine decay to min_ratio * lr at `total`."""
-    def f(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        u = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * u))
-    return f
+def lr_factor(step, warmup, total, min_ratio):
+    """The LR multiplier at `step`: linear warmup over `warmup` steps, then cosine decay to min_ratio at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    u = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * u))
 
 
 def update_options(args):
@@ -654,7 +635,6 @@ def train(args, task=None):
     task = task or make_task(args)  # bad data fails here, before the model loads
     args.out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     model, tok, params, opt = build_policy(args, device)
-    lr_at = lr_lambda(args.warmup, args.steps, args.min_lr_ratio)
     feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
         else None
     start = restore(ckpt, state, model, opt, feedback) if state else 0
@@ -678,7 +658,7 @@ def train(args, task=None):
             stopped = "time budget"
             break
         for group in opt.param_groups:
-            group["lr"] = args.lr * lr_at(step)
+            group["lr"] = args.lr * lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
         sigma = 0.0 if not args.aqn else feedback.sigma if feedback else aqn.sigma_schedule(
             step, args.steps, args.sigma_start, args.sigma_end, args.num_stages, args.aqn_kind)
         rec = grpo_step(model, tok, opt, params, task, step, sigma, **step_options(args))
@@ -712,8 +692,12 @@ class RunLog:
         self.metrics = os.path.join(args.out, "metrics.jsonl")
         if rank == 0:
             os.makedirs(args.out, exist_ok=True)
-            truncate_metrics(self.metrics, start)  # a crash may have logged past the checkpoint
             quantize.write_json(os.path.join(args.out, "args.json"), clean(vars(args)))
+            if os.path.exists(self.metrics):  # a crash may have logged past the checkpoint: drop those rows
+                with open(self.metrics) as f:
+                    rows = [json.loads(line) for line in f if line.strip()]
+                keep = [r for r in rows if r.get("step", r.get("eval", {}).get("step", 0)) <= start]
+                quantize.write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in keep))
         dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
         print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
               f"device {quantize.model_device(model)} | dtype {dtype} | steps {args.steps} | B {args.batch} | "
@@ -727,18 +711,22 @@ class RunLog:
         late = self.args.time_budget and time.time() - self.t_start + reserve + next_step > self.args.time_budget
         return bool(global_sum([self.rank == 0 and late])[0])
 
+    def _append(self, rec):  # one line of metrics.jsonl, written by rank 0
+        if self.rank == 0:
+            with open(self.metrics, "a") as f:
+                f.write(json.dumps(clean(rec)) + "\n")
+
     def eval(self, res, step, k, seconds):
         res.update(step=step, seconds=seconds, time=time.time() - self.t_start)
         line = f"eval | step {step} | n {res['n']} | greedy {res['greedy']:.3f}"
         line += f" | pass@1 {res['pass@1']:.3f} | pass@{k} {res[f'pass@{k}']:.3f}" if k else ""
         print(line + f" | {seconds:.1f}s", flush=True)
-        log_jsonl(self.metrics, {"eval": res})
+        self._append({"eval": res})
         return res
 
     def step(self, rec, lr):
         rec.update(lr=lr, time=time.time() - self.t_start)
-        if self.rank == 0:
-            log_jsonl(self.metrics, rec)
+        self._append(rec)
         self.flat_steps = self.flat_steps + 1 if rec["frac_zero_std"] == 1 else 0
         if not self.args.quiet:
             print(f"step {rec['step']}/{self.args.steps} | reward {rec['reward']:.3f} | acc {rec['acc']:.3f} | "
@@ -767,14 +755,6 @@ class RunLog:
 # Files, checks, command line
 
 
-def truncate_metrics(path, step):
-    if os.path.exists(path):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        keep = [r for r in rows if r.get("step", r.get("eval", {}).get("step", 0)) <= step]
-        quantize.write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
-
-
 def clean(obj):
     """NaN/inf -> None, so the files are strict JSON."""
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -782,11 +762,6 @@ def clean(obj):
     if isinstance(obj, dict):
         return {k: clean(v) for k, v in obj.items()}
     return [clean(v) for v in obj] if isinstance(obj, (list, tuple)) else obj
-
-
-def log_jsonl(path, rec):
-    with open(path, "a") as f:
-        f.write(json.dumps(clean(rec)) + "\n")
 
 
 def fmt(x):
@@ -823,12 +798,10 @@ def build_parser():
     p.add_argument("--digits", type=int, default=3, help="arith: max digits per operand")
     p.add_argument("--nops", type=int, default=2, help="arith: number of operations")
     p.add_argument("--system", choices=("auto", "paper", "none"), default="auto",
-                   help="system prompt: the paper's instruction, none, or auto (the instruction unless "
-                   "config.json says \"qerl_prompt\": \"bare\", as the bundled model's does)")
+                   help="system prompt: the paper's instruction, none, or auto (per config.json's \"qerl_prompt\")")
     p.add_argument("--quant", choices=("nvfp4", "nf4", "none"), default="nvfp4")
     p.add_argument("--device", default=None, help="cpu / cuda (default: autodetect)")
-    p.add_argument("--compile", action="store_true", help="sample with stage 03's torch.compile'd decode step "
-                   "(compiles once per batch/length bucket: tens of seconds on a CPU; pays off on long runs and GPUs)")
+    p.add_argument("--compile", action="store_true", help="sample with stage 03's torch.compile'd decode step")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="activation dtype (default: bfloat16 on CUDA, float32 on CPU)")
     # AQN
@@ -852,16 +825,12 @@ def build_parser():
     p.add_argument("--beta", type=float, default=0.0, help="k3 KL to the base (reference) policy")
     p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
     # memory (the update at real scale; README "Scaling out")
-    p.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward of the update, "
-                   "gradients accumulated before the one optimizer step (0: all rows at once)")
-    p.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per decoder layer "
-                   "in the update (less memory, one more forward)")
+    p.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward of the update (0: all)")
+    p.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per decoder layer")
     p.add_argument("--gpu-path", action="store_true", help="on the CPU, run what CUDA runs: NVFP4Linear through "
                    "the Triton kernel (interpreted), no merged sampling weights, bfloat16 by default")
-    p.add_argument("--mask-truncated", action="store_true", help="completions cut off at --max-new-tokens "
-                   "(no EOS) leave the loss; their rewards still count in their group's advantages")
-    p.add_argument("--train-norms", action="store_true", help="train the RMSNorm gains of every decoder layer "
-                   "(input/post-attention, fp32) with the adapters; saved as PEFT modules_to_save")
+    p.add_argument("--mask-truncated", action="store_true", help="rows cut off at --max-new-tokens leave the loss")
+    p.add_argument("--train-norms", action="store_true", help="also train the decoder layers' RMSNorm gains (fp32)")
     # optimisation
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10, help="warmup steps")
@@ -878,10 +847,8 @@ def build_parser():
     p.add_argument("--out", default=None, help="run folder (default runs/<timestamp>)")
     p.add_argument("--resume", default=None, help="checkpoint (or run) folder to continue exactly")
     p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--time-budget", type=float, default=540, help="stop after this many seconds incl. the "
-                   "final evaluation (0: no limit)")
-    p.add_argument("--stop-at", type=int, default=0, help="stop after this step with a checkpoint, as if "
-                   "interrupted (for testing --resume)")
+    p.add_argument("--time-budget", type=float, default=540, help="seconds, incl. the final evaluation (0: no limit)")
+    p.add_argument("--stop-at", type=int, default=0, help="stop after this step with a checkpoint, as if interrupted")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     return p
 

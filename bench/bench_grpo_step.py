@@ -66,8 +66,7 @@ def setup(args):
     device = args.device or quantize.autodetect_device()
     task = grpo.make_task(args)
     model, tok, params, opt = grpo.build_policy(args, device)
-    return dict(model=model, tok=tok, opt=opt, lr_at=grpo.lr_lambda(args.warmup, args.steps, args.min_lr_ratio),
-                params=params, task=task)
+    return dict(model=model, tok=tok, opt=opt, params=params, task=task)
 
 
 def measure(bench_args, train_argv):
@@ -87,7 +86,7 @@ def measure(bench_args, train_argv):
             for q, (args, s, rows) in runs.items():
                 timer.reset()
                 for group in s["opt"].param_groups:  # as 05's train() does before each step
-                    group["lr"] = args.lr * s["lr_at"](step)
+                    group["lr"] = args.lr * grpo.lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
                 sigma = grpo.aqn.sigma_schedule(step, args.steps, args.sigma_start, args.sigma_end, args.num_stages,
                                                 args.aqn_kind) if args.aqn else 0.0
                 rec = grpo.grpo_step(s["model"], s["tok"], s["opt"], s["params"], s["task"], step, sigma,
