@@ -798,10 +798,12 @@ def build_parser():
     p.add_argument("--digits", type=int, default=3, help="arith: max digits per operand")
     p.add_argument("--nops", type=int, default=2, help="arith: number of operations")
     p.add_argument("--system", choices=("auto", "paper", "none"), default="auto",
-                   help="system prompt: the paper's instruction, none, or auto (per config.json's \"qerl_prompt\")")
+                   help="system prompt: the paper's instruction, none, or auto (the instruction unless "
+                   "config.json says \"qerl_prompt\": \"bare\", as the bundled model's does)")
     p.add_argument("--quant", choices=("nvfp4", "nf4", "none"), default="nvfp4")
     p.add_argument("--device", default=None, help="cpu / cuda (default: autodetect)")
-    p.add_argument("--compile", action="store_true", help="sample with stage 03's torch.compile'd decode step")
+    p.add_argument("--compile", action="store_true", help="sample with stage 03's torch.compile'd decode step "
+                   "(compiles once per batch/length bucket: tens of seconds on a CPU; pays off on long runs and GPUs)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="activation dtype (default: bfloat16 on CUDA, float32 on CPU)")
     # AQN
@@ -825,12 +827,16 @@ def build_parser():
     p.add_argument("--beta", type=float, default=0.0, help="k3 KL to the base (reference) policy")
     p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
     # memory (the update at real scale; README "Scaling out")
-    p.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward of the update (0: all)")
-    p.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per decoder layer")
+    p.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward of the update, "
+                   "gradients accumulated before the one optimizer step (0: all rows at once)")
+    p.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per decoder layer "
+                   "in the update (less memory, one more forward)")
     p.add_argument("--gpu-path", action="store_true", help="on the CPU, run what CUDA runs: NVFP4Linear through "
                    "the Triton kernel (interpreted), no merged sampling weights, bfloat16 by default")
-    p.add_argument("--mask-truncated", action="store_true", help="rows cut off at --max-new-tokens leave the loss")
-    p.add_argument("--train-norms", action="store_true", help="also train the decoder layers' RMSNorm gains (fp32)")
+    p.add_argument("--mask-truncated", action="store_true", help="completions cut off at --max-new-tokens "
+                   "(no EOS) leave the loss; their rewards still count in their group's advantages")
+    p.add_argument("--train-norms", action="store_true", help="train the RMSNorm gains of every decoder layer "
+                   "(input/post-attention, fp32) with the adapters; saved as PEFT modules_to_save")
     # optimisation
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10, help="warmup steps")
@@ -847,8 +853,10 @@ def build_parser():
     p.add_argument("--out", default=None, help="run folder (default runs/<timestamp>)")
     p.add_argument("--resume", default=None, help="checkpoint (or run) folder to continue exactly")
     p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--time-budget", type=float, default=540, help="seconds, incl. the final evaluation (0: no limit)")
-    p.add_argument("--stop-at", type=int, default=0, help="stop after this step with a checkpoint, as if interrupted")
+    p.add_argument("--time-budget", type=float, default=540, help="stop after this many seconds incl. the "
+                   "final evaluation (0: no limit)")
+    p.add_argument("--stop-at", type=int, default=0, help="stop after this step with a checkpoint, as if "
+                   "interrupted (for testing --resume)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     return p
 
