@@ -13,8 +13,8 @@ after the one that feeds the MLP (paper Eq. 9-10 and App. G). o_proj, down_proj 
 The noise acts only in the sampler, one draw per step: the noisy model is the behaviour policy pi_old
 (Algorithm 1 line 9), whose log-probabilities stage 05 records for the clipped surrogate, while the
 update runs on the clean policy (paper vs official code: README, "Notes on the paper"). On the bundled
-model no noise level helps: 1e-2 and 3e-2 are within noise of none, 1e-1 hurts, and from a 7% start AQN
-does not make up the 4-bit base's handicap (README, "Where does noise help exploration?").
+model no noise level helps (1e-1 hurts), no schedule beats the paper's exp (the entropy controller hurts),
+and from a 7% start AQN does not make up the 4-bit base's handicap (README, "Where does noise help exploration?").
 
 Run it (the schedule of a 600-step run, then per dtype the exploration table on the bundled model):
     python 04_aqn.py                # fp32 then bf16: fp32 took 14 min on a shared 2-core CPU, bf16 ~2.3x that
