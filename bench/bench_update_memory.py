@@ -9,7 +9,8 @@ dominates): one `policy_update` (05) per configuration, each in a fresh child pr
 growth of the process's peak resident memory over what it held before the update (the kernel's
 high-water mark, reset through /proc/self/clear_refs after the setup).
 
-    python bench/bench_update_memory.py                    # the table (4 child processes, ~2 min, < 3 GB)
+    python bench/bench_update_memory.py                    # the table (4 child processes, < 3 GB)
+    python bench/bench_update_memory.py --grad-checkpoint  # the same with 05's --grad-checkpoint
     python bench/bench_update_memory.py --per-token        # activations per token per layer, Qwen2.5-7B widths
     python bench/bench_update_memory.py --write-model DIR --layers 2   # random folder with Qwen2.5-7B widths
     python bench/bench_update_memory.py --smoke DIR -- <05_grpo.py flags>   # 05 on CUDA, rewards 0, 1, 0, ...
@@ -74,12 +75,13 @@ def random_policy(vocab, hidden=64, layers=2, seed=0):
     return model.eval()
 
 
-def run_one(rows, T, micro_batch, chunked):
+def run_one(rows, T, micro_batch, chunked, checkpointed=False):
     """One policy update; prints a RESULT line with the peak RSS growth in bytes."""
     torch.set_num_threads(1)
     if not chunked:
         rollout.LOGITS_CHUNK_BYTES = 2 ** 62  # one chunk: the full (rows, T, V) logits, as before
     model = random_policy(QWEN_VOCAB)
+    model.grad_checkpoint = checkpointed
     params = lora.lora_parameters(model)
     opt = torch.optim.AdamW(params, lr=1e-5)
     g = torch.Generator().manual_seed(1)
@@ -99,14 +101,15 @@ def run_one(rows, T, micro_batch, chunked):
     growth = (status_kib("VmHWM") - before) * 1024
     assert out["kept_rows"] == rows and not out["skipped"]
     print("RESULT " + json.dumps({"rows": rows, "T": T, "micro_batch": micro_batch, "chunked": chunked,
-                                  "peak_growth": growth, "seconds": seconds}))
+                                  "checkpointed": checkpointed, "peak_growth": growth, "seconds": seconds}))
 
 
-def table(micro_batch):
+def table(micro_batch, checkpointed):
     runs = [(r, t, micro_batch, True) for r, t in CONFIGS] + [(*UNCHUNKED, 0, False)]
     results = []
     for rows, T, mb, chunked in runs:
         cmd = [sys.executable, os.path.abspath(__file__), "--one", str(rows), str(T), str(mb), str(int(chunked))]
+        cmd += ["--grad-checkpoint"] if checkpointed and chunked else []
         r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         if r.returncode or not line:
@@ -114,15 +117,17 @@ def table(micro_batch):
         results.append(json.loads(line[0][7:]))
         res = results[-1]
         print(f"run | rows {rows} | T {T} | micro-batch {mb or 'all'} | chunked {chunked} | "
+              f"grad-checkpoint {res['checkpointed']} | "
               f"peak growth {res['peak_growth'] / 2 ** 30:.3f} GiB | {res['seconds']:.1f}s", flush=True)
     base = results[0]["peak_growth"]
     full_logits = UNCHUNKED[0] * UNCHUNKED[1] * QWEN_VOCAB * 4
     print(f"\nvocab {QWEN_VOCAB} | hidden 64 | 2 layers | NVFP4 + LoRA r16 | CPU, peak RSS growth over the update")
-    print("| rows x T | micro-batch | log-probs | peak growth | vs 16 x 256 |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| rows x T | micro-batch | log-probs | grad-checkpoint | peak growth | vs 16 x 256 |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for res in results:
         print(f"| {res['rows']} x {res['T']} | {res['micro_batch'] or 'all rows'} | "
-              f"{'chunked' if res['chunked'] else 'full logits'} | {res['peak_growth'] / 2 ** 30:.2f} GiB | "
+              f"{'chunked' if res['chunked'] else 'full logits'} | {'yes' if res['checkpointed'] else 'no'} | "
+              f"{res['peak_growth'] / 2 ** 30:.2f} GiB | "
               f"{res['peak_growth'] / base:.2f}x |")
     print(f"(one fp32 (rows, T, V) logits tensor at {UNCHUNKED[0]} x {UNCHUNKED[1]}: {full_logits / 2 ** 30:.2f} GiB)")
 
@@ -229,6 +234,7 @@ def smoke(model_dir, flags):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--micro-batch", type=int, default=4, help="rows per forward/backward in the table")
+    p.add_argument("--grad-checkpoint", action="store_true", help="the table's chunked rows with 05's --grad-checkpoint")
     p.add_argument("--one", nargs=4, type=int, metavar=("ROWS", "T", "MB", "CHUNKED"), help="(child) one configuration")
     p.add_argument("--per-token", action="store_true")
     p.add_argument("--write-model", metavar="DIR")
@@ -236,7 +242,7 @@ def main():
     p.add_argument("--smoke", metavar="DIR")
     args, rest = p.parse_known_args()
     if args.one:
-        run_one(*args.one[:3], bool(args.one[3]))
+        run_one(*args.one[:3], bool(args.one[3]), args.grad_checkpoint)
     elif args.per_token:
         per_token()
     elif args.write_model:
@@ -244,7 +250,7 @@ def main():
     elif args.smoke:
         smoke(args.smoke, [f for f in rest if f != "--"])
     else:
-        table(args.micro_batch)
+        table(args.micro_batch, args.grad_checkpoint)
 
 
 if __name__ == "__main__":
