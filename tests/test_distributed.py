@@ -88,7 +88,7 @@ def worker(case_file, out_dir):
     cases = torch.load(case_file, weights_only=False)
     results = {name: run_case(name, flags, optimizer, rows, rank, world) for name, flags, optimizer, rows in cases}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    grpo.leave_distributed()
 
 
 def torchrun(*argv, nproc=2, timeout=180):
