@@ -7,10 +7,14 @@ fixed micro-batch the peak should stay flat as rows and T grow. This script chec
 Qwen2-architecture model with the real vocabulary and a small hidden size (so the vocabulary part
 dominates): one `policy_update` (05) per configuration, each in a fresh child process, reporting the
 growth of the process's peak resident memory over what it held before the update (the kernel's
-high-water mark, reset through /proc/self/clear_refs after the setup).
+high-water mark, reset through /proc/self/clear_refs after the setup). The children run with glibc's
+mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_): by default glibc raises that threshold after
+each large free, up to 32 MiB, after which freed tensors stay in its heap and count in the RSS, so the
+peak then measures the allocator's leftovers as much as the tensors (`--default-malloc` shows that).
 
     python bench/bench_update_memory.py                    # the table (4 child processes, < 3 GB)
     python bench/bench_update_memory.py --grad-checkpoint  # the same with 05's --grad-checkpoint
+    python bench/bench_update_memory.py --default-malloc   # glibc's default (dynamic) mmap threshold
     python bench/bench_update_memory.py --per-token        # activations per token per layer, Qwen2.5-7B widths
     python bench/bench_update_memory.py --write-model DIR --layers 2   # random folder with Qwen2.5-7B widths
     python bench/bench_update_memory.py --smoke DIR -- <05_grpo.py flags>   # 05 on CUDA, rewards 0, 1, 0, ...
@@ -104,13 +108,19 @@ def run_one(rows, T, micro_batch, chunked, checkpointed=False):
                                   "checkpointed": checkpointed, "peak_growth": growth, "seconds": seconds}))
 
 
-def table(micro_batch, checkpointed):
+MMAP_THRESHOLD = 64 * 1024  # bytes: every tensor this size or larger is returned to the system when freed
+
+
+def table(micro_batch, checkpointed, default_malloc=False):
     runs = [(r, t, micro_batch, True) for r, t in CONFIGS] + [(*UNCHUNKED, 0, False)]
     results = []
     for rows, T, mb, chunked in runs:
         cmd = [sys.executable, os.path.abspath(__file__), "--one", str(rows), str(T), str(mb), str(int(chunked))]
         cmd += ["--grad-checkpoint"] if checkpointed and chunked else []
-        r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if not default_malloc:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         if r.returncode or not line:
             sys.exit(f"error: child {' '.join(cmd[2:])} failed:\n{r.stderr[-2000:]}")
@@ -121,7 +131,9 @@ def table(micro_batch, checkpointed):
               f"peak growth {res['peak_growth'] / 2 ** 30:.3f} GiB | {res['seconds']:.1f}s", flush=True)
     base = results[0]["peak_growth"]
     full_logits = UNCHUNKED[0] * UNCHUNKED[1] * QWEN_VOCAB * 4
-    print(f"\nvocab {QWEN_VOCAB} | hidden 64 | 2 layers | NVFP4 + LoRA r16 | CPU, peak RSS growth over the update")
+    malloc = "glibc default" if default_malloc else f"glibc mmap threshold {MMAP_THRESHOLD // 1024} KiB"
+    print(f"\nvocab {QWEN_VOCAB} | hidden 64 | 2 layers | NVFP4 + LoRA r16 | CPU, peak RSS growth over the update | "
+          f"{malloc}")
     print("| rows x T | micro-batch | log-probs | grad-checkpoint | peak growth | vs 16 x 256 |")
     print("| --- | --- | --- | --- | --- | --- |")
     for res in results:
@@ -235,6 +247,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--micro-batch", type=int, default=4, help="rows per forward/backward in the table")
     p.add_argument("--grad-checkpoint", action="store_true", help="the table's chunked rows with 05's --grad-checkpoint")
+    p.add_argument("--default-malloc", action="store_true", help="children keep glibc's dynamic mmap threshold")
     p.add_argument("--one", nargs=4, type=int, metavar=("ROWS", "T", "MB", "CHUNKED"), help="(child) one configuration")
     p.add_argument("--per-token", action="store_true")
     p.add_argument("--write-model", metavar="DIR")
@@ -250,7 +263,7 @@ def main():
     elif args.smoke:
         smoke(args.smoke, [f for f in rest if f != "--"])
     else:
-        table(args.micro_batch, args.grad_checkpoint)
+        table(args.micro_batch, args.grad_checkpoint, args.default_malloc)
 
 
 if __name__ == "__main__":
