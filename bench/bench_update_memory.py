@@ -113,13 +113,13 @@ MMAP_THRESHOLD = 64 * 1024  # bytes: every tensor this size or larger is returne
 
 def table(micro_batch, checkpointed, default_malloc=False):
     runs = [(r, t, micro_batch, True) for r, t in CONFIGS] + [(*UNCHUNKED, 0, False)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if not default_malloc:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     results = []
     for rows, T, mb, chunked in runs:
         cmd = [sys.executable, os.path.abspath(__file__), "--one", str(rows), str(T), str(mb), str(int(chunked))]
         cmd += ["--grad-checkpoint"] if checkpointed and chunked else []
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        if not default_malloc:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         if r.returncode or not line:
