@@ -244,7 +244,8 @@ class NF4Linear(_QuantLinear):
         self.blocksize = blocksize
 
     @classmethod
-    def from_linear(cls, linear, blocksize=64, name="weight"):
+    def from_linear(cls, linear, global_scale=None, name="weight", blocksize=64):
+        # global_scale is NVFP4's: NF4 has none (its absmax per block is all the scale), so it is ignored
         return cls._from_linear(linear, quantize_nf4(linear.weight, blocksize, name=name), blocksize=blocksize)
 
     def dequantized_weight(self, dtype=torch.float32):
@@ -265,10 +266,23 @@ def fused_group(name):
     return (parent, FUSED_GROUPS[leaf]) if leaf in FUSED_GROUPS else (name,)
 
 
+# The weight formats, in one registry that every --quant choice, loader and quantize_model reads. A new
+# format is a _QuantLinear subclass with from_linear(linear, global_scale, name) and one line here.
+WEIGHT_FORMATS = {"nvfp4": NVFP4Linear, "nf4": NF4Linear}
+QUANT_CHOICES = ("none", *WEIGHT_FORMATS)  # what --quant takes: "none" keeps the float weights
+
+
+def weight_format(fmt):
+    """The quantized Linear class of format `fmt`; an unknown name is an error, never a fallback."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+    return WEIGHT_FORMATS[fmt]
+
+
 @torch.no_grad()
 def quantize_model(model, fmt="nvfp4", skip=("lm_head",)):
     """Replace every nn.Linear (names containing a `skip` entry excepted) in place; returns model."""
-    _check_format(fmt)
+    linear_cls = weight_format(fmt)
     linears = {n: m for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and not any(s in n for s in skip)}
     groups = {}  # fused group -> its members' weights
@@ -277,11 +291,7 @@ def quantize_model(model, fmt="nvfp4", skip=("lm_head",)):
         groups.setdefault(fused_group(n), []).append(m.weight)
     scales = {g: nvfp4_global_scale(ws) for g, ws in groups.items()}
     for n, m in linears.items():
-        if fmt == "nvfp4":
-            new = NVFP4Linear.from_linear(m, scales[fused_group(n)], name=n)
-        else:
-            new = NF4Linear.from_linear(m, name=n)
-        replace_module(model, n, new)
+        replace_module(model, n, linear_cls.from_linear(m, scales[fused_group(n)], name=n))
     return model
 
 
@@ -349,11 +359,6 @@ def _check_weight(w, name, global_scale=None):
     gs = None if global_scale is None else torch.as_tensor(global_scale, dtype=torch.float32).reshape(1)
     if gs is not None and not (torch.isfinite(gs).all() and gs.item() > 0):
         raise ValueError(f"{name}: global_scale must be a finite positive number, got {gs.item()}")
-
-
-def _check_format(fmt):
-    if fmt not in ("nvfp4", "nf4"):
-        raise ValueError(f"unknown format {fmt!r}: use 'nvfp4' or 'nf4'")
 
 
 def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):

@@ -569,14 +569,14 @@ def load_model(path, quant="none", dtype=None, device=None):
 
 def _load_format(path, raw, quant):
     """-> (the format to quantize into while loading, whether the checkpoint is already NVFP4)."""
-    if quant not in ("none", "nvfp4", "nf4"):
-        raise ValueError(f"quant must be none, nvfp4 or nf4, got {quant!r}")
+    if quant not in quantize.QUANT_CHOICES:
+        raise ValueError(f"quant must be one of {', '.join(quantize.QUANT_CHOICES)}, got {quant!r}")
     ct = raw.get("quantization_config")
     if ct is None:
         return quant, False
     if ct.get("format") != "nvfp4-pack-quantized":
         raise ValueError(f"{path}: only nvfp4-pack-quantized checkpoints load, got format {ct.get('format')!r}")
-    if quant == "nf4":
+    if quant not in ("none", "nvfp4"):
         raise ValueError(f"{path} is already NVFP4-quantized; load it with quant='none' or 'nvfp4'")
     return "none", True  # its Linear layers arrive quantized
 
@@ -739,7 +739,7 @@ def build_parser():
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quant", default="none", choices=["none", "nvfp4", "nf4"], help="quantize on load (stage 01)")
+    ap.add_argument("--quant", default="none", choices=quantize.QUANT_CHOICES, help="quantize on load (stage 01)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
     ap.add_argument("--compile", action="store_true", help="decode with the torch.compile'd static-shape step "
                     "(the first call compiles: tens of seconds)")

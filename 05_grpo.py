@@ -812,7 +812,7 @@ def build_parser():
     p.add_argument("--system", choices=("auto", "paper", "none"), default="auto",
                    help="system prompt: the paper's instruction, none, or auto (the instruction unless "
                    "config.json says \"qerl_prompt\": \"bare\", as the bundled model's does)")
-    p.add_argument("--quant", choices=("nvfp4", "nf4", "none"), default="nvfp4")
+    p.add_argument("--quant", choices=quantize.QUANT_CHOICES, default="nvfp4")
     p.add_argument("--device", default=None, help="cpu / cuda (default: autodetect)")
     p.add_argument("--compile", action="store_true", help="sample with stage 03's torch.compile'd decode step "
                    "(compiles once per batch/length bucket: tens of seconds on a CPU; pays off on long runs and GPUs)")

@@ -124,7 +124,7 @@ def print_table(results, base):
 def build_parser():
     p = argparse.ArgumentParser(description="Split one GRPO step (05_grpo.grpo_step) into rollout / reward / update "
                                 "per quantization (arguments after -- go to 05_grpo.py's parser)")
-    p.add_argument("--quants", nargs="+", default=["none", "nf4", "nvfp4"], choices=["none", "nf4", "nvfp4"])
+    p.add_argument("--quants", nargs="+", default=["none", "nf4", "nvfp4"], choices=quantize.QUANT_CHOICES)
     p.add_argument("--steps", type=int, default=5, help="measured steps per quantization")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 on a shared machine)")

@@ -53,7 +53,7 @@ SHAPES = {
 }
 CUDA_ONLY = ("qwen2.5-7b",)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-QUANTS = ("none", "nvfp4", "nf4")
+QUANTS = importlib.import_module("01_quantize").QUANT_CHOICES  # stage 01's registry
 
 
 def model_config(shape, **overrides):

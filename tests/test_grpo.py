@@ -424,6 +424,19 @@ def test_nan_loss_skips_the_step_and_saves_nothing_broken(tmp_path, monkeypatch,
             assert v.abs().sum() == 0  # no update was applied
 
 
+def test_unknown_quant_name_is_an_error_in_every_stage(capsys):
+    quantize = importlib.import_module("01_quantize")
+    for parser in (grpo.build_parser(), rollout.build_parser()):  # --quant's choices are 01's registry
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--quant", "mxfp4"])
+        assert "invalid choice: 'mxfp4'" in capsys.readouterr().err
+        assert parser.parse_args(["--quant", "nf4"]).quant == "nf4"
+    with pytest.raises(ValueError, match="quant must be one of none, nvfp4, nf4, got 'mxfp4'"):
+        rollout.load_model(grpo.TINY_MODEL, quant="mxfp4")
+    with pytest.raises(ValueError, match="unknown weight format 'mxfp4'"):
+        quantize.quantize_model(rollout.load_model(grpo.TINY_MODEL)[0], fmt="mxfp4")
+
+
 def test_bad_model_folder_is_one_clear_line(tmp_path):
     (tmp_path / "notamodel").mkdir()
     with pytest.raises(FileNotFoundError, match="not a model folder"):

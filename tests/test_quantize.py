@@ -346,6 +346,18 @@ def test_quantize_model_groups_share_global_scale():
         q.quantize_model(copy.deepcopy(ref), fmt="int3")
 
 
+def test_weight_format_registry_drives_quantize_model(monkeypatch):
+    assert q.QUANT_CHOICES == ("none", "nvfp4", "nf4") and q.weight_format("nf4") is q.NF4Linear
+    with pytest.raises(ValueError, match="unknown weight format 'mxfp4'.*nvfp4, nf4"):
+        q.weight_format("mxfp4")
+
+    class Int8Linear(q.NF4Linear):  # a forker's new format: one class and one registry line
+        pass
+    monkeypatch.setitem(q.WEIGHT_FORMATS, "int8", Int8Linear)
+    model = q.quantize_model(tiny_model(), fmt="int8")
+    assert type(model.model.layers[0].self_attn.q_proj) is Int8Linear and isinstance(model.lm_head, nn.Linear)
+
+
 def test_quantize_model_nan_names_module():
     model = tiny_model()
     with torch.no_grad():
