@@ -39,43 +39,79 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 _E2M1_MIDS = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)]
 
 
-def nvfp4_global_scale(weights):
-    """fp32 [1] encode scale 2688/amax (448*6: the largest block lands on the FP8 and E2M1 maxima), amax
-    over all of `weights` (one tensor, or a fused group that shares one scale). An all-zero tensor would
-    divide by ~0 -> inf; compressed-tensors then uses 1.0, and so do we."""
+# Four Over Six (arXiv 2512.02010): E2M1 has nothing between 4 and 6, so a weight at 67-100% of its block's
+# max loses up to a sixth of its size. Scaling the block max to 4 instead of 6 (a 1.5x larger block scale)
+# trades range for resolution there; per block, keep whichever candidate reconstructs the block better. The
+# bytes stay NVFP4. The larger candidate must still fit E4M3: the tensor scale puts the largest block's
+# max -> 6 scale at 256 instead of 448, so its max -> 4 scale is 384 (the reference code's choice).
+NVFP4_METHODS = ("rtn", "4over6")
+FOUR_OVER_SIX_SCALE_MAX = 256.0
+
+
+def nvfp4_global_scale(weights, method="rtn"):
+    """fp32 [1] encode scale 2688/amax (448*6: the largest block lands on the FP8 and E2M1 maxima; 256*6 for
+    4over6), amax over all of `weights` (one tensor, or a fused group that shares one scale). An all-zero
+    tensor would divide by ~0 -> inf; compressed-tensors then uses 1.0, and so do we."""
+    _check_method(method)
+    top = FP8_MAX if method == "rtn" else FOUR_OVER_SIX_SCALE_MAX
     amax = torch.stack([w.detach().abs().amax().float() for w in weights]).max().reshape(1)
-    gs = (FP8_MAX * FP4_MAX) / amax.clamp(min=torch.finfo(torch.float32).tiny)
+    gs = (top * FP4_MAX) / amax.clamp(min=torch.finfo(torch.float32).tiny)
     return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
 
 
+def _block_scales(amax_b, gs, block_max):
+    """fp8-representable block scales (as fp32) that map each block's amax to `block_max`."""
+    s = (gs * (amax_b / block_max)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()  # RNE cast
+    # A block far below the tensor's amax (or all zero) underflows FP8 to 0; compressed-tensors then
+    # stores 0.125, which avoids a 0/0 below and still decodes the block to (nearly) all zeros.
+    return torch.where(s == 0, 0.125, s)                                 # (out, nb)
+
+
+def _e2m1_codes(blocks, s, gs):
+    """Round blocks / (s / gs) to the nearest E2M1 value (ties to even) -> 4-bit codes, shaped like blocks."""
+    y = blocks / (s / gs).unsqueeze(-1)                                  # (out, nb, 16), two divisions as in CT
+    y = y.clamp(-FP4_MAX, FP4_MAX)
+    mag = y.abs()
+    idx = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)      # (out, nb, 16), 0..7
+    for t, tie_goes_up in _E2M1_MIDS:  # seven compares beat torch.bucketize on CPU
+        idx += (mag >= t) if tie_goes_up else (mag > t)
+    # y < 0 (not signbit): a tiny negative that rounds to 0 keeps its sign (0x8), an input -0.0 gives 0x0.
+    return idx | ((y < 0).to(torch.uint8) << 3)
+
+
 @torch.no_grad()
-def quantize_nvfp4(w, global_scale=None, name="weight"):
+def quantize_nvfp4(w, global_scale=None, name="weight", method="rtn"):
     """w [out, in] -> packed uint8 [out, K_pad/2], scale fp8 [out, K_pad/16], global_scale fp32 [1].
-    Pass global_scale to share one across fused layers (q/k/v, gate/up), as vLLM requires."""
+    Pass global_scale to share one across fused layers (q/k/v, gate/up), as vLLM requires. method "rtn"
+    is compressed-tensors' round to nearest, byte for byte; "4over6" picks, per block, the max -> 6 or the
+    max -> 4 scale by the lower squared reconstruction error (a max -> 4 scale that E4M3 cannot hold, which
+    only happens with a global scale meant for "rtn", leaves that block at max -> 6)."""
     _check_weight(w, name, global_scale)
+    _check_method(method)
     w = w.detach().float()
     out_f, in_f = w.shape
     k_pad = -(-in_f // NVFP4_BLOCK) * NVFP4_BLOCK
     if k_pad != in_f:  # zero columns change no block's amax and quantize to code 0
         w = F.pad(w, (0, k_pad - in_f))
     if global_scale is None:
-        gs = nvfp4_global_scale([w])
+        gs = nvfp4_global_scale([w], method)
     else:
         gs = torch.as_tensor(global_scale, dtype=torch.float32).reshape(1).clone().to(w.device)
     blocks = w.view(out_f, k_pad // NVFP4_BLOCK, NVFP4_BLOCK)             # (out, nb, 16)
     amax_b = blocks.abs().amax(dim=-1)                                   # (out, nb)
-    s = (gs * (amax_b / FP4_MAX)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()  # RNE cast
-    # A block far below the tensor's amax (or all zero) underflows FP8 to 0; compressed-tensors then
-    # stores 0.125, which avoids a 0/0 below and still decodes the block to (nearly) all zeros.
-    s = torch.where(s == 0, 0.125, s)                                    # (out, nb)
-    y = blocks / (s / gs).unsqueeze(-1)                                  # (out, nb, 16), two divisions as in CT
-    y = y.clamp(-FP4_MAX, FP4_MAX)
-    mag = y.abs()
-    idx = torch.zeros(y.shape, dtype=torch.uint8, device=w.device)      # (out, nb, 16), 0..7
-    for t, tie_goes_up in _E2M1_MIDS:  # seven compares beat torch.bucketize on CPU
-        idx += (mag >= t) if tie_goes_up else (mag > t)
-    # y < 0 (not signbit): a tiny negative that rounds to 0 keeps its sign (0x8), an input -0.0 gives 0x0.
-    code = (idx | ((y < 0).to(torch.uint8) << 3)).view(out_f, k_pad)     # (out, K_pad)
+    s = _block_scales(amax_b, gs, FP4_MAX)                               # (out, nb)
+    code = _e2m1_codes(blocks, s, gs)                                    # (out, nb, 16)
+    if method == "4over6":
+        s4 = _block_scales(amax_b, gs, FP4_MAX / 1.5)                    # (out, nb), the max -> 4 candidate
+        code4 = _e2m1_codes(blocks, s4, gs)                              # (out, nb, 16)
+        values = E2M1_VALUES.to(w.device)
+
+        def sq_error(c, sc):                                             # (out, nb)
+            return (values[c.long()] * (sc / gs).unsqueeze(-1) - blocks).pow(2).sum(-1)
+        fits = gs * amax_b / (FP4_MAX / 1.5) <= FP8_MAX
+        use4 = fits & (sq_error(code4, s4) < sq_error(code, s))          # (out, nb); ties keep max -> 6
+        code, s = torch.where(use4.unsqueeze(-1), code4, code), torch.where(use4, s4, s)
+    code = code.view(out_f, k_pad)                                       # (out, K_pad)
     packed = code[:, 0::2] | (code[:, 1::2] << 4)                        # (out, K_pad/2), even elt low nibble
     return packed.contiguous(), s.to(torch.float8_e4m3fn), gs
 
@@ -219,8 +255,8 @@ class NVFP4Linear(_QuantLinear):
                          weight_global_scale=torch.ones(1, dtype=torch.float32, device=device))
 
     @classmethod
-    def from_linear(cls, linear, global_scale=None, name="weight"):
-        return cls._from_linear(linear, quantize_nvfp4(linear.weight, global_scale, name=name))
+    def from_linear(cls, linear, global_scale=None, name="weight", method="rtn"):
+        return cls._from_linear(linear, quantize_nvfp4(linear.weight, global_scale, name=name, method=method))
 
     def dequantized_weight(self, dtype=torch.float32):
         w = dequantize_nvfp4(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
@@ -244,8 +280,10 @@ class NF4Linear(_QuantLinear):
         self.blocksize = blocksize
 
     @classmethod
-    def from_linear(cls, linear, global_scale=None, name="weight", blocksize=64):
-        # global_scale is NVFP4's: NF4 has none (its absmax per block is all the scale), so it is ignored
+    def from_linear(cls, linear, global_scale=None, name="weight", method="rtn", blocksize=64):
+        # global_scale and method are NVFP4's: NF4's absmax per block is all its scale, and it rounds one way
+        if method != "rtn":
+            raise ValueError(f"{name}: method {method!r} is an NVFP4 rounding; NF4 has only 'rtn'")
         return cls._from_linear(linear, quantize_nf4(linear.weight, blocksize, name=name), blocksize=blocksize)
 
     def dequantized_weight(self, dtype=torch.float32):
@@ -267,7 +305,7 @@ def fused_group(name):
 
 
 # The weight formats, in one registry that every --quant choice, loader and quantize_model reads. A new
-# format is a _QuantLinear subclass with from_linear(linear, global_scale, name) and one line here.
+# format is a _QuantLinear subclass with from_linear(linear, global_scale, name, method) and one line here.
 WEIGHT_FORMATS = {"nvfp4": NVFP4Linear, "nf4": NF4Linear}
 QUANT_CHOICES = ("none", *WEIGHT_FORMATS)  # what --quant takes: "none" keeps the float weights
 
@@ -280,8 +318,9 @@ def weight_format(fmt):
 
 
 @torch.no_grad()
-def quantize_model(model, fmt="nvfp4", skip=("lm_head",)):
-    """Replace every nn.Linear (names containing a `skip` entry excepted) in place; returns model."""
+def quantize_model(model, fmt="nvfp4", skip=("lm_head",), method="rtn"):
+    """Replace every nn.Linear (names containing a `skip` entry excepted) in place; returns model.
+    method: NVFP4's rounding, "rtn" (compressed-tensors) or "4over6" (see quantize_nvfp4)."""
     linear_cls = weight_format(fmt)
     linears = {n: m for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and not any(s in n for s in skip)}
@@ -289,9 +328,9 @@ def quantize_model(model, fmt="nvfp4", skip=("lm_head",)):
     for n, m in linears.items():
         _check_weight(m.weight, n)
         groups.setdefault(fused_group(n), []).append(m.weight)
-    scales = {g: nvfp4_global_scale(ws) for g, ws in groups.items()}
+    scales = {g: nvfp4_global_scale(ws, method) for g, ws in groups.items()}
     for n, m in linears.items():
-        replace_module(model, n, linear_cls.from_linear(m, scales[fused_group(n)], name=n))
+        replace_module(model, n, linear_cls.from_linear(m, scales[fused_group(n)], name=n, method=method))
     return model
 
 
@@ -359,6 +398,11 @@ def _check_weight(w, name, global_scale=None):
     gs = None if global_scale is None else torch.as_tensor(global_scale, dtype=torch.float32).reshape(1)
     if gs is not None and not (torch.isfinite(gs).all() and gs.item() > 0):
         raise ValueError(f"{name}: global_scale must be a finite positive number, got {gs.item()}")
+
+
+def _check_method(method):
+    if method not in NVFP4_METHODS:
+        raise ValueError(f"unknown NVFP4 method {method!r}: choose one of {', '.join(NVFP4_METHODS)}")
 
 
 def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
@@ -508,7 +552,7 @@ def _plan_shards(model_dir, weight_map, config):
     return headers, where, groups
 
 
-def _shard_tensors(model_dir, s, plan, device, log, progress):
+def _shard_tensors(model_dir, s, plan, device, log, progress, method="rtn"):
     """Output shard s as {name: tensor}: its other tensors as they are, its weights quantized one fused
     group at a time (progress: [weights done, weights in all])."""
     from safetensors import safe_open
@@ -529,9 +573,9 @@ def _shard_tensors(model_dir, s, plan, device, log, progress):
             with safe_open(os.path.join(model_dir, where[k]), framework="pt") as f:
                 ws[k] = f.get_tensor(k).to(device)
             _check_weight(ws[k], k)  # before the group scale: an Inf would make it 0 and blame a sibling
-        gs = nvfp4_global_scale(ws.values())
+        gs = nvfp4_global_scale(ws.values(), method)
         for k in (k for k in members if where[k] == s):
-            packed, scale, gs_k = quantize_nvfp4(ws[k], gs, name=k)
+            packed, scale, gs_k = quantize_nvfp4(ws[k], gs, name=k, method=method)
             tensors.update({k + "_packed": packed.cpu(), k + "_scale": scale.cpu(), k + "_global_scale": gs_k.cpu()})
             w32 = ws[k].float()
             err = (dequantize_nvfp4(packed, scale, gs_k) - w32).norm() / w32.norm().clamp(min=1e-30)
@@ -542,10 +586,12 @@ def _shard_tensors(model_dir, s, plan, device, log, progress):
     return tensors
 
 
-def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=None, log=print):
+def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=None, log=print, method="rtn"):
     """Write the compressed-tensors NVFP4 version of the HF folder model_dir to out_dir. Everything goes
-    to a hidden temporary folder renamed into place at the end (atomic_write): nothing half-written."""
+    to a hidden temporary folder renamed into place at the end (atomic_write): nothing half-written.
+    method ("rtn" or "4over6") is recorded in each shard's safetensors metadata; readers ignore it."""
     from safetensors.torch import save_file
+    _check_method(method)
     config, weight_map, has_index, device = _check_checkpoint_args(model_dir, out_dir, fmt, force, device)
     plan = headers, where, groups = _plan_shards(model_dir, weight_map, config)
     n_quant = sum(map(len, groups.values()))
@@ -554,8 +600,8 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
     def write(tmp):
         os.makedirs(tmp)
         for s in headers:
-            tensors = _shard_tensors(model_dir, s, plan, device, log, progress)
-            save_file(tensors, os.path.join(tmp, s), metadata={"format": "pt"})
+            tensors = _shard_tensors(model_dir, s, plan, device, log, progress, method)
+            save_file(tensors, os.path.join(tmp, s), metadata={"format": "pt", "nvfp4_method": method})
             sizes.append(sum(t.numel() * t.element_size() for t in tensors.values()))
             new_map.update(dict.fromkeys(tensors, s))
         write_json(os.path.join(tmp, "config.json"), dict(config, quantization_config=NVFP4_QUANT_CONFIG))
@@ -589,16 +635,18 @@ def demo(seed=0):
     for label, shapes in suites.items():
         ws = [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in shapes]  # bf16, like checkpoints
         flat = torch.cat([w.float().reshape(-1) for w in ws])                            # (numel,)
-        for fmt, quantize in (("nvfp4", quantize_nvfp4), ("nf4", quantize_nf4)):
+        for fmt, quantize in (("nvfp4", quantize_nvfp4), ("4over6", functools.partial(quantize_nvfp4, method="4over6")),
+                              ("nf4", quantize_nf4)):
             t0 = time.perf_counter()
             qs = [quantize(w) for w in ws]
             ms = (time.perf_counter() - t0) * 1e3
             nbytes = sum(t.numel() * t.element_size() for q in qs for t in q)  # codes, scales, NVFP4's global scale
-            d = torch.cat([(dequantize_nvfp4(*q) if fmt == "nvfp4" else dequantize_nf4(*q, w.shape)).reshape(-1)
+            d = torch.cat([(dequantize_nf4(*q, w.shape) if fmt == "nf4" else dequantize_nvfp4(*q)).reshape(-1)
                            for w, q in zip(ws, qs)]) - flat                                # (numel,)
             print(f"{label:<20}| {fmt:<6}| {8 * nbytes / flat.numel():>11.4f} | {nbytes / (2 * flat.numel()):>13.5f} | "
                   f"{(d.norm() / flat.norm()).item():>11.4f} | {d.abs().max().item():>11.2e} | {ms:>11.1f}")
-    print("NVFP4: 4-bit code + one 8-bit scale per 16 + 4 bytes/tensor (fp32 global scale). NF4 without double\n"
+    print("NVFP4: 4-bit code + one 8-bit scale per 16 + 4 bytes/tensor (fp32 global scale); 4over6 is the same\n"
+          "bytes with each block's scale chosen between max -> 6 and max -> 4. NF4 without double\n"
           "quantization: 4-bit code + one fp32 absmax per 64; QLoRA's double quantization brings it to ~4.127 bits.")
 
 
@@ -607,6 +655,8 @@ def main(argv=None):
     p.add_argument("--model", help="Hugging Face model folder (config.json + safetensors)")
     p.add_argument("--out", help="output folder for the quantized checkpoint")
     p.add_argument("--format", default="nvfp4", choices=["nvfp4"], help="checkpoint format")
+    p.add_argument("--quant-method", default="rtn", choices=NVFP4_METHODS,
+                   help="NVFP4 rounding: rtn (compressed-tensors) or 4over6 (per block, max -> 6 or 4)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--device", default=None, help="where to quantize (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="demo seed")
@@ -617,7 +667,7 @@ def main(argv=None):
     if not (args.model and args.out):
         p.error("--model and --out go together")
     try:
-        quantize_checkpoint(args.model, args.out, args.format, args.force, args.device)
+        quantize_checkpoint(args.model, args.out, args.format, args.force, args.device, method=args.quant_method)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

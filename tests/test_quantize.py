@@ -497,3 +497,89 @@ def test_checkpoint_truncated_or_misshaped_tensor_is_one_line(tmp_path):
                                          r"shape \(\d+, \d+\), config.json implies"):
         q.quantize_checkpoint(str(src), str(out), log=lambda s: None)
     assert sorted(os.listdir(tmp_path)) == ["src"]  # nothing half-written
+
+
+# ---------------------------------------------------------------------------------------------------
+# Four Over Six: per block, the max -> 6 or the max -> 4 scale, whichever reconstructs it better
+
+
+def block_sq_error(w, packed, scale, gs):
+    d = q.dequantize_nvfp4(packed, scale, gs)[:, : w.shape[1]] - w.float()
+    return d.pow(2).view(w.shape[0], -1, 16).sum(-1)                    # (out, nb)
+
+
+def test_4over6_choice_per_block_matches_hand_computation():
+    # global scale 1: block 0 (max 6, fifteen 5s) has scales 1 (max -> 6) and 1.5 (max -> 4). At scale 1
+    # each 5 is an E2M1 tie that rounds to even (4): squared error 15 x 1. At 1.5, 5/1.5 = 3.33 -> 3, which
+    # decodes to 4.5: 15 x 0.25 = 3.75, so 4/6 keeps 1.5. Block 1 (6, 0.5, zeros) is exact at scale 1 and
+    # not at 1.5 (0.5/1.5 = 0.33 -> 0.5, decodes to 0.75), so it keeps 1.
+    w = torch.tensor([[6.0] + [5.0] * 15 + [6.0, 0.5] + [0.0] * 14])
+    gs = torch.ones(1)
+    rtn = q.quantize_nvfp4(w, gs)
+    four = q.quantize_nvfp4(w, gs, method="4over6")
+    assert rtn[1].float().tolist() == [[1.0, 1.0]] and four[1].float().tolist() == [[1.5, 1.0]]
+    deq = q.dequantize_nvfp4(*four)
+    assert deq[0, :16].tolist() == [6.0] + [4.5] * 15 and deq[0, 16:18].tolist() == [6.0, 0.5]
+    assert block_sq_error(w, *rtn).tolist() == [[15.0, 0.0]]
+    assert block_sq_error(w, *four).tolist() == [[3.75, 0.0]]
+    # with a global scale that leaves no E4M3 room (the rtn one puts the largest block at 448), that
+    # block's max -> 4 scale (672) cannot be stored: it stays at max -> 6
+    gs_rtn = q.nvfp4_global_scale([w])
+    assert torch.equal(q.quantize_nvfp4(w, gs_rtn, method="4over6")[1].float()[0, 0], torch.tensor(448.0))
+
+
+@pytest.mark.parametrize("dist", ["gauss", "laplace", "student_t3"])
+def test_4over6_never_worse_than_rtn_per_block_and_lower_rms(dist):
+    g = torch.Generator().manual_seed(7)
+    shape = (256, 1024)
+    if dist == "gauss":
+        w = torch.randn(shape, generator=g)
+    elif dist == "laplace":
+        u = torch.rand(shape, generator=g) - 0.5
+        w = -u.sign() * torch.log1p(-2 * u.abs())
+    else:
+        z, chi2 = torch.randn(shape, generator=g), torch.randn((3,) + shape, generator=g).pow(2).sum(0)
+        w = z / (chi2 / 3).sqrt()
+    w = w * 0.02
+    gs = q.nvfp4_global_scale([w], "4over6")
+    rtn, four = q.quantize_nvfp4(w, gs), q.quantize_nvfp4(w, gs, method="4over6")
+    e_rtn, e_four = block_sq_error(w, *rtn), block_sq_error(w, *four)
+    assert (e_four <= e_rtn).all()                                       # same global scale: never worse
+    chosen4 = (four[1].float() != rtn[1].float()).float().mean().item()
+    assert 0.2 < chosen4 < 0.6                                           # both candidates are really used
+    # each with its own global scale (what a user gets): 4/6's RMS error is lower; >= 5% on Gaussian
+    rel = (block_sq_error(w, *q.quantize_nvfp4(w, method="4over6")).sum()
+           / block_sq_error(w, *q.quantize_nvfp4(w)).sum()).sqrt().item()
+    assert rel < (0.95 if dist == "gauss" else 1.0)
+
+
+def test_4over6_rtn_bytes_unchanged_and_bad_method(nvfp4_golden):
+    w = nvfp4_golden["gauss_fp32.weight"]
+    for name, t in zip(NAMES, q.quantize_nvfp4(w, method="rtn")):
+        assert same_bytes(t, nvfp4_golden[f"gauss_fp32.ct.{name}"]), name
+    with pytest.raises(ValueError, match="unknown NVFP4 method 'awq'.*rtn, 4over6"):
+        q.quantize_nvfp4(w, method="awq")
+    with pytest.raises(ValueError, match="NF4 has only 'rtn'"):
+        q.quantize_model(tiny_model(), fmt="nf4", method="4over6")
+
+
+def test_4over6_checkpoint_loads_to_our_weights(tmp_path):
+    from safetensors import safe_open
+    model = tiny_model(seed=5)
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    write_hf_folder(src, model)
+    q.quantize_checkpoint(src, out, log=lambda s: None, method="4over6")
+    path = os.path.join(out, "model.safetensors")
+    with safe_open(path, "pt") as f:
+        assert f.metadata()["nvfp4_method"] == "4over6"
+    tensors = load_file(path)
+    ref = q.quantize_model(copy.deepcopy(model), method="4over6")
+    rtn = q.quantize_model(copy.deepcopy(model))
+    differs = 0
+    for name, mod in ref.named_modules():
+        if isinstance(mod, q.NVFP4Linear):
+            for k in NAMES:
+                assert same_bytes(tensors[f"{name}.{k}"], getattr(mod, k)), f"{name}.{k}"
+            differs += not same_bytes(mod.weight_scale, rtn.get_submodule(name).weight_scale)
+    assert differs == 14                                                 # every tensor has max -> 4 blocks
+    assert json.load(open(os.path.join(out, "config.json")))["quantization_config"]["format"] == "nvfp4-pack-quantized"
