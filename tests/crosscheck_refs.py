@@ -13,6 +13,8 @@ depend on them); without them it prints "skipped" and exits 0:
    odd sizes, zeros, ties at code midpoints).
 3. A tiny random Qwen2 model saved by transformers -> `01_quantize.py --out` -> loaded back by
    transformers + compressed-tensors (decompressed): every weight equals our dequantized weight.
+4. `4over6`: the same with `--quant-method 4over6`. compressed-tensors cannot write these bytes (it
+   rounds to nearest), so only the decoding is compared: its decompressed weights equal ours.
 """
 import importlib
 import os
@@ -140,7 +142,7 @@ def check_nf4():
     return bad == 0
 
 
-def check_checkpoint():
+def check_checkpoint(method="rtn"):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig, Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -149,7 +151,7 @@ def check_checkpoint():
     with tempfile.TemporaryDirectory() as d:
         src, out = os.path.join(d, "src"), os.path.join(d, "out")
         model.save_pretrained(src, max_shard_size="100KB")  # sharded: exercises the index path
-        q.quantize_checkpoint(src, out, log=lambda s: None)
+        q.quantize_checkpoint(src, out, log=lambda s: None, method=method)
         from safetensors.torch import load_file
         tensors = {k: v for f in sorted(os.listdir(out)) if f.endswith(".safetensors")
                    for k, v in load_file(os.path.join(out, f)).items()}
@@ -164,8 +166,8 @@ def check_checkpoint():
                                           tensors[base + ".weight_global_scale"], torch.bfloat16)
                 # and our bytes equal compressed-tensors quantizing the original weight with our shared gs
                 ref = ct_nvfp4(p, tensors[base + ".weight_global_scale"])
-                same_bytes = torch.equal(ref[0], tensors[base + ".weight_packed"]) and torch.equal(
-                    ref[1].view(torch.uint8), tensors[base + ".weight_scale"].view(torch.uint8))
+                same_bytes = method != "rtn" or (torch.equal(ref[0], tensors[base + ".weight_packed"]) and torch.equal(
+                    ref[1].view(torch.uint8), tensors[base + ".weight_scale"].view(torch.uint8)))
             else:
                 ours, same_bytes = p, True
             n += 1
@@ -175,13 +177,15 @@ def check_checkpoint():
         gs = {k: v.item() for k, v in tensors.items() if k.endswith("weight_global_scale")}
         shared = all(gs[f"model.layers.{i}.self_attn.{a}_proj.weight_global_scale"] ==
                      gs[f"model.layers.{i}.self_attn.q_proj.weight_global_scale"] for i in range(2) for a in "kv")
-        print(f"checkpoint via transformers {transformers.__version__} + compressed-tensors: {n} weights compared, "
+        print(f"checkpoint ({method}) via transformers {transformers.__version__} + compressed-tensors: {n} weights compared, "
               f"mismatching {bad}, q/k/v share gs: {shared}")
         return bad == 0 and shared
 
 
 if __name__ == "__main__":
-    parts = sys.argv[1:] or ["nvfp4", "nf4", "checkpoint"]  # or name the parts to run
-    ok = [{"nvfp4": check_nvfp4, "nf4": check_nf4, "checkpoint": check_checkpoint}[p]() for p in parts]
+    parts = sys.argv[1:] or ["nvfp4", "nf4", "checkpoint", "4over6"]  # or name the parts to run
+    checks = {"nvfp4": check_nvfp4, "nf4": check_nf4, "checkpoint": check_checkpoint,
+              "4over6": lambda: check_checkpoint("4over6")}
+    ok = [checks[p]() for p in parts]
     print("ALL OK" if all(ok) else "FAILURES")
     sys.exit(0 if all(ok) else 1)
