@@ -202,7 +202,7 @@ TASKS = {"arithmetic": ArithmeticTask, "gsm8k": JsonlTask}
 
 # -----------------------------------------------------------------------------
 # Sampling under AQN: G completions per prompt from the policy with noise on its RMSNorm gains (stage
-# 04); their log-probs are pi_old in the loss.
+# 04); their log-probs are pi_old in the loss. On a CPU it samples from merged weights (Part 2).
 
 
 def sample_groups(model, tok, prompts, step, sigma, *, rank=0, group=8, max_new_tokens=42, temperature=1.0,
