@@ -6,15 +6,21 @@ on the RMSNorm gains, raises sampling entropy, which helps exploration. One step
 drawn under AQN (their log-probs are pi_old) -> rewards -> group-normalised advantages -> clipped
 surrogate on the clean policy -> AdamW on the adapters.
 
-Run it (2 CPU cores, < 10 min: the bundled tiny model learns synthetic arithmetic; README "Results"):
+Run it (2 CPU cores, < 10 min: the bundled tiny model learns synthetic arithmetic; the numbers are in
+README's "Results" section and docs/experiments.md):
     python 05_grpo.py
     python 05_grpo.py --quant none --no-aqn --steps 200 --out runs/lora-only
     python 05_grpo.py --resume runs/qerl/checkpoint-000200
+    python 05_grpo.py --task gsm8k --data train.jsonl --eval-data test.jsonl --model Qwen2.5-7B-Instruct
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 05_grpo.py --out runs/dp2   # data parallel
 Qwen2.5-7B + GSM8K on one GPU or eight: README "One GPU at 7B".
+
+To change the task, add a class to TASKS (or pass any task object to `train(args, task=...)`); to change
+the loss, add a field to LossOptions and its flag to build_parser.
 """
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import importlib
 import json
@@ -39,9 +45,10 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL = os.path.join(ROOT, "assets", "tiny-qwen")
 
 # -----------------------------------------------------------------------------
-# The task: one class with `problems(seed, step, n)` (a pure function of (seed, step), so a resumed run
+# The task: one object with `problems(seed, step, n)` (a pure function of (seed, step), so a resumed run
 # draws what an uninterrupted one would), `held` (the held-out problems), `prompt`, `correct` and `reward`.
-# The loop only calls these (GSM8K's task is in Part 2; tests add another).
+# The loop only calls these. Two tasks ship, chosen by --task from TASKS: synthetic arithmetic and a
+# GSM8K-style JSONL file (tests add a third).
 
 # The paper's instruction (App. E). The bundled tiny model learned the format in pretraining, so its
 # prompt is the bare problem ("qerl_prompt": "bare" in its config.json).
@@ -85,16 +92,21 @@ def answer_correct(completion, gold):
     return pred is not None and want is not None and pred == want
 
 
+def format_ok(completion):
+    """Whether a completion is exactly <think>...</think><answer>number</answer>: one block of each, in
+    that order, whitespace allowed around them, a decoded stop token ignored."""
+    return _FORMAT.fullmatch(_strip_eos(completion)) is not None and extract_answer(completion) is not None
+
+
 def reward_fn(completion, gold):
-    """1.0 if correct, plus 0.1 if the completion is exactly <think>...</think><answer>number</answer>.
-    Never raises: malformed text just scores lower."""
-    formatted = _FORMAT.fullmatch(_strip_eos(completion)) is not None and extract_answer(completion) is not None
-    return float(answer_correct(completion, gold)) + (FORMAT_REWARD if formatted else 0.0)
+    """1.0 if correct, plus 0.1 if format_ok. Never raises: malformed text just scores lower."""
+    return float(answer_correct(completion, gold)) + (FORMAT_REWARD if format_ok(completion) else 0.0)
 
 
 class AnswerTask:
     """Problems {"question", "answer"} answered as <think>...</think><answer>number</answer>."""
     system = False  # whether prompts carry PAPER_INSTRUCTION as the system message
+    reads_data = False  # whether the task trains on the --data file
 
     def prompt(self, problem):
         return rollout.chat_prompt(problem["question"], system=PAPER_INSTRUCTION if self.system else None)
@@ -145,11 +157,90 @@ class ArithmeticTask(AnswerTask):
         pool = arithmetic_problems(max(EVAL_POOL, eval_size), EVAL_SEED, digits, nops)
         self.held, self.exclude = pool[:eval_size], frozenset(p["question"] for p in pool)
 
+    @classmethod
+    def from_args(cls, args, system):
+        return cls(args.digits, args.nops, args.eval_size, system)
+
     def problems(self, seed, step, n):
         return arithmetic_problems(n, seed * 1_000_003 + step, self.digits, self.nops, self.exclude)
 
+
+class JsonlTask(AnswerTask):
+    """A GSM8K-style file (read by load_jsonl); the held-out set is --eval-data, or a fixed random slice
+    of the file."""
+    reads_data = True
+
+    def __init__(self, path, eval_path=None, eval_size=500, system=True):
+        train, self.system = load_jsonl(path), system
+        if eval_path:
+            held = load_jsonl(eval_path)[:eval_size]
+        else:
+            n_eval = min(eval_size, len(train) // 2)
+            random.Random(EVAL_SEED).shuffle(train)
+            held, train = train[:n_eval], train[n_eval:]
+        self.held, held_q = held, {p["question"] for p in held}
+        self.train = [p for p in train if p["question"] not in held_q]  # eval problems never train
+        if not self.train:
+            raise ValueError(f"no training problems left in {path!r} after removing the evaluation set")
+
+    @classmethod
+    def from_args(cls, args, system):
+        return cls(args.data, args.eval_data, args.eval_size, system)
+
+    def problems(self, seed, step, n):  # walk epoch-wise seeded shuffles of the file
+        out = []
+        for i in range(step * n, step * n + n):
+            epoch, j = divmod(i, len(self.train))
+            order = list(range(len(self.train)))
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+            out.append(self.train[order[j]])
+        return out
+
+
+# --task NAME -> its class; make_task builds it with `from_args(args, system)`
+TASKS = {"arithmetic": ArithmeticTask, "gsm8k": JsonlTask}
+
 # -----------------------------------------------------------------------------
-# Advantages and loss
+# Sampling under AQN: G completions per prompt from the policy with noise on its RMSNorm gains (stage
+# 04); their log-probs are pi_old in the loss. On a CPU it samples from merged weights (Part 2).
+
+
+def sample_groups(model, tok, prompts, step, sigma, *, rank=0, group=8, max_new_tokens=42, temperature=1.0,
+                  seed=0, compile=False):
+    """`group` completions of each prompt (token id lists), drawn under AQN noise `sigma` -> (stage 03's
+    Rollout, rows prompt-major; the RMS of the noise really applied)."""
+    # One generator per step, derived from (seed, step): a resumed run samples what an uninterrupted one would.
+    device, gen_seed = quantize.model_device(model), seed * 1_000_003 + step
+    gen = torch.Generator(device=device).manual_seed(gen_seed)
+    with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen) as noise, \
+            merged_sampling_weights(model, merge_for_sampling(device)):
+        # The rank's sampling stream forks here, after aqn_noise drew the noise from `gen` on entering the
+        # `with`: every rank seeded `gen` alike, so every rank perturbs the model with the same noise. Rank 0
+        # samples on from that stream, the others from a stream of their own (different completions).
+        if rank > 0:
+            gen = torch.Generator(device=device).manual_seed(gen_seed + rank * 2 ** 40)
+        samples = rollout.generate(model, prompts, num_samples=group, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=gen,
+                                   tokenizer=tok, compile=compile)
+    return samples, noise["applied_std"]
+
+
+def truncated_rows(ids, mask, eos_token_ids):
+    """(N,) bool: the rows whose completion has no EOS token, i.e. that max_new_tokens cut off."""
+    eos = torch.tensor(list(eos_token_ids), dtype=ids.dtype, device=ids.device)
+    return ~(torch.isin(ids, eos) & (mask > 0)).any(1)
+
+# -----------------------------------------------------------------------------
+# Rewards and advantages
+
+
+def score(task, problems, texts, group):
+    """The task's reward of each completion (N,) and how many are correct; `texts` are prompt-major,
+    `group` per problem (the rollout's row order)."""
+    rows = [p for p in problems for _ in range(group)]  # (N,) the problem of each row
+    rewards = torch.tensor([task.reward(p, text) for p, text in zip(rows, texts)])  # (N,)
+    correct = sum(task.correct(p, text) for p, text in zip(rows, texts))
+    return rewards, correct
 
 
 def group_advantages(rewards, group, scale_std=True, eps=1e-4):
@@ -161,6 +252,9 @@ def group_advantages(rewards, group, scale_std=True, eps=1e-4):
         std = r.std(dim=1, keepdim=True) if group > 1 else torch.zeros_like(r[:, :1])  # (B, 1)
         adv = adv / (std + eps)
     return adv.reshape(-1)  # (B*G,)
+
+# -----------------------------------------------------------------------------
+# The loss
 
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -187,12 +281,28 @@ def aggregate(values, mask, mode, max_new_tokens=None, denom=None):
                      f"seq-mean-token-sum-norm")
 
 
-def grpo_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="token-mean", max_new_tokens=None,
-              ref_logp=None, beta=0.0, entropy=None, entropy_coef=0.0, denom=None):
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    """The options of grpo_loss. Each field is the flag of the same name (eps_low: --eps-low), which
+    from_args reads and whose default is the field's: a new option is a field here and a flag in build_parser."""
+    eps_low: float = 0.2  # the ratio pi_theta / pi_old is clipped to [1 - eps_low, 1 + eps_high]; the higher
+    eps_high: float = 0.28  # upper bound (DAPO's clip-higher) leaves rare tokens room to rise
+    loss_agg: str = "token-mean"  # one of LOSS_AGGS (see aggregate)
+    beta: float = 0.0  # weight of the k3 KL to the reference policy (the base); 0 in the paper
+    entropy_coef: float = 0.0  # weight of the entropy bonus
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def grpo_loss(logp, old_logp, adv, mask, options=LossOptions(), *, max_new_tokens=None, ref_logp=None,
+              entropy=None, denom=None):
     """The clipped surrogate (to minimise) and its statistics.
     logp (N, T) current policy, with gradients; old_logp (N, T) the sampler's (pi_old); adv (N,);
-    mask (N, T) 1 on completion tokens; ref_logp (N, T) the reference policy (for beta > 0);
-    entropy (N, T) with gradients (for entropy_coef > 0); denom: see aggregate."""
+    mask (N, T) 1 on completion tokens; ref_logp (N, T) the reference policy (for options.beta > 0);
+    entropy (N, T) with gradients (for options.entropy_coef > 0); max_new_tokens, denom: see aggregate."""
+    eps_low, eps_high = options.eps_low, options.eps_high
     mask = mask.float()
     ratio = torch.exp(logp - old_logp)  # (N, T) pi_theta / pi_old per token
     a = adv.view(-1, 1)  # (N, 1)
@@ -202,11 +312,11 @@ def grpo_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="token-
     if ref_logp is not None:
         d = ref_logp - logp  # (N, T)
         kl = torch.exp(d) - d - 1  # (N, T) k3 estimate of KL(pi_theta || pi_ref), >= 0
-        if beta:
-            per_tok = per_tok + beta * kl
-    if entropy is not None and entropy_coef:
-        per_tok = per_tok - entropy_coef * entropy  # a bonus: higher entropy lowers the loss
-    loss = aggregate(per_tok, mask, agg, max_new_tokens, denom)
+        if options.beta:
+            per_tok = per_tok + options.beta * kl
+    if entropy is not None and options.entropy_coef:
+        per_tok = per_tok - options.entropy_coef * entropy  # a bonus: higher entropy lowers the loss
+    loss = aggregate(per_tok, mask, options.loss_agg, max_new_tokens, denom)
     with torch.no_grad():
         # a token is clipped when the clamp, not the raw ratio, sets the surrogate (zero gradient)
         clipped = ((ratio < 1 - eps_low) & (a < 0)) | ((ratio > 1 + eps_high) & (a > 0))  # (N, T)
@@ -225,56 +335,59 @@ def grpo_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="token-
 # single process would compute on all rows, and micro-batches are exact for the same reason.
 
 
-def _slice_loss(model, prompts, ids, mask, old_logp, adv, denom, temperature, beta, **loss_kw):
+def micro_batch_loss(model, prompts, ids, mask, old_logp, adv, denom, temperature, max_new_tokens, options):
     """Loss and statistics of one micro-batch (its share of the step's loss: denom is global)."""
     logp, ent = rollout.sequence_logprobs(model, prompts, ids, mask, temperature=temperature)  # (mb, t) each
     ref_logp = None
-    if beta > 0:
+    if options.beta > 0:
         with torch.no_grad(), lora.lora_disabled(model):  # the reference policy is the base
             ref_logp, _ = rollout.sequence_logprobs(model, prompts, ids, mask, temperature=temperature)
-    return grpo_loss(logp.float(), old_logp, adv, mask, ref_logp=ref_logp, beta=beta, entropy=ent.float(),
-                     denom=denom, **loss_kw)
+    return grpo_loss(logp.float(), old_logp, adv, mask, options, max_new_tokens=max_new_tokens, ref_logp=ref_logp,
+                     entropy=ent.float(), denom=denom)
 
 
 def policy_update(model, opt, params, prompt_ids, ids, mask, old_logp, rewards, *, group, max_new_tokens,
-                  temperature=1.0, mu=1, micro_batch=0, loss_agg="token-mean", eps_low=0.2, eps_high=0.28,
-                  beta=0.0, entropy_coef=0.0, grad_clip=1.0, scale_std=True):
+                  loss_options=LossOptions(), temperature=1.0, mu=1, micro_batch=0, grad_clip=1.0, scale_std=True):
     """`mu` optimizer steps on this process's rows: prompt_ids (N lists), ids, mask, old_logp (N, T) from
-    the sampler, rewards (N,) in whole groups. Returns the global loss, gradient norm and statistics, the
-    kept/flat/all row counts, and "skipped" (why no step was taken: a non-finite loss or gradient)."""
+    the sampler, rewards (N,) in whole groups; the loss is grpo_loss under `loss_options`. Returns the
+    global loss, gradient norm and statistics, the kept/flat/all row counts, and "skipped" (why no step
+    was taken: a non-finite loss or gradient)."""
     adv = group_advantages(rewards, group, scale_std).to(quantize.model_device(model))  # (N,)
     # Groups of equal rewards have zero advantage: the update (the larger half of a step) skips them, and
     # rows without a token in the loss (--mask-truncated) too.
-    signal = (rewards.view(-1, group).std(1) > 0).repeat_interleave(group)  # (N,)
-    rows = (signal & (mask.sum(1) > 0)).nonzero().squeeze(1).tolist()
-    t_max = int(mask[rows].sum(1).max()) if rows else 0  # the kept rows may all be shorter than T
-    k_ids, k_mask, k_old = ids[rows, :t_max], mask[rows, :t_max], old_logp[rows, :t_max]  # (n, t_max) each
-    k_adv, k_prompts, k_tok = adv[rows], [prompt_ids[i] for i in rows], float(k_mask.sum())
-    g_tok, g_seqs, g_kept, g_rows, g_flat = global_sum([k_tok, float((k_mask.sum(1) > 0).sum()), len(rows),
-                                                        mask.shape[0], float((~signal).sum())])
-    denom = {"token-mean": max(g_tok, 1.0), "seq-mean-token-mean": max(g_seqs, 1.0),
-             "seq-mean-token-sum-norm": g_rows * max_new_tokens}[loss_agg]
-    loss_kw = dict(eps_low=eps_low, eps_high=eps_high, agg=loss_agg, max_new_tokens=max_new_tokens,
-                   entropy_coef=entropy_coef)
+    has_signal = (rewards.view(-1, group).std(1) > 0).repeat_interleave(group)  # (N,)
+    kept_rows = (has_signal & (mask.sum(1) > 0)).nonzero().squeeze(1).tolist()  # indices of the rows that train
+    t_max = int(mask[kept_rows].sum(1).max()) if kept_rows else 0  # the kept rows may all be shorter than T
+    kept_ids, kept_mask = ids[kept_rows, :t_max], mask[kept_rows, :t_max]  # (n, t_max) each
+    kept_old_logp, kept_adv = old_logp[kept_rows, :t_max], adv[kept_rows]  # (n, t_max), (n,)
+    kept_prompts = [prompt_ids[i] for i in kept_rows]
+    total_tokens, total_sequences, total_kept_rows, total_rows, total_flat_rows = global_sum([
+        float(kept_mask.sum()), float((kept_mask.sum(1) > 0).sum()), len(kept_rows), mask.shape[0],
+        float((~has_signal).sum())])
+    denom = {"token-mean": max(total_tokens, 1.0), "seq-mean-token-mean": max(total_sequences, 1.0),
+             "seq-mean-token-sum-norm": total_rows * max_new_tokens}[loss_options.loss_agg]
     out = {"loss": 0.0, "grad_norm": 0.0, "skipped": "", "clip": 0.0, "kl": float("nan"), "kl_old": float("nan"),
-           "ratio_max": 1.0, "kept_rows": len(rows), "kept_rows_all": g_kept, "rows_all": g_rows, "flat_all": g_flat}
-    if g_kept == 0:  # no process has a group with signal: nobody updates (a global decision)
+           "ratio_max": 1.0, "kept_rows": len(kept_rows), "kept_rows_all": total_kept_rows, "rows_all": total_rows,
+           "flat_all": total_flat_rows}
+    if total_kept_rows == 0:  # no process has a group with signal: nobody updates (a global decision)
         return out
-    mb = micro_batch or max(len(rows), 1)  # rows per forward/backward: one slice's activations are alive
+    slice_rows = micro_batch or max(len(kept_rows), 1)  # rows per forward/backward (one slice's activations live)
     for _ in range(mu):
         opt.zero_grad(set_to_none=True)
         loss_sum, stats, out["ratio_max"] = 0.0, {"clip": 0.0, "kl": 0.0, "kl_old": 0.0}, 1.0
-        for i in range(0, len(rows), mb):
-            j, t = slice(i, i + mb), int(k_mask[i:i + mb].sum(1).max())  # t: this slice's longest completion
-            loss, st = _slice_loss(model, k_prompts[j], k_ids[j, :t], k_mask[j, :t], k_old[j, :t], k_adv[j],
-                                   denom, temperature, beta, **loss_kw)
+        for i in range(0, len(kept_rows), slice_rows):
+            part = slice(i, i + slice_rows)
+            t = int(kept_mask[part].sum(1).max())  # this slice's longest completion
+            loss, slice_stats = micro_batch_loss(model, kept_prompts[part], kept_ids[part, :t], kept_mask[part, :t],
+                                                 kept_old_logp[part, :t], kept_adv[part], denom, temperature,
+                                                 max_new_tokens, loss_options)
             if torch.isfinite(loss):  # a non-finite loss skips the step below; its backward is wasted work
                 loss.backward()  # the slices' gradients add up in .grad
             loss_sum += float(loss.detach())
-            w = float(k_mask[j].sum()) / max(g_tok, 1.0)  # statistics are token means over all processes
+            token_share = float(kept_mask[part].sum()) / max(total_tokens, 1.0)  # statistics: global token means
             for key in stats:
-                stats[key] += st[key] * w
-            out["ratio_max"] = max(out["ratio_max"], st["ratio_max"])
+                stats[key] += slice_stats[key] * token_share
+            out["ratio_max"] = max(out["ratio_max"], slice_stats["ratio_max"])
         loss_sum, out["clip"], out["kl"], out["kl_old"] = global_sum([loss_sum, *stats.values()])
         if not math.isfinite(loss_sum):  # the same verdict on every process
             out["skipped"] = f"loss is {loss_sum}"
@@ -293,59 +406,151 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, old_logp, rewards, 
 # One GRPO step
 
 
-def truncated_rows(ids, mask, eos_token_ids):
-    """(N,) bool: the rows whose completion has no EOS token, i.e. that max_new_tokens cut off."""
-    eos = torch.tensor(list(eos_token_ids), dtype=ids.dtype, device=ids.device)
-    return ~(torch.isin(ids, eos) & (mask > 0)).any(1)
-
-
 def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, max_new_tokens=42,
-              temperature=1.0, seed=0, mask_truncated=False, compile=False, **update):
-    """Sample this process's share of the step's groups under AQN noise `sigma`, score them, update
-    (`update`: policy_update's options). Returns the step's metrics, summed over processes."""
+              temperature=1.0, seed=0, mask_truncated=False, compile=False, **update_kw):
+    """This process's share of the step's `batch` problems, `group` completions each sampled under AQN
+    noise `sigma`, scored, and one policy_update (`update_kw`: its options). Returns the step's metrics,
+    summed over processes."""
     t0 = time.time()
     rank, world = rank_and_world()
     problems = shard(task.problems(seed, step, batch), rank, world)  # whole groups: advantages need all G
     prompts = [tok.encode(task.prompt(p)) for p in problems]
-    # One generator per step, derived from (seed, step): a resumed run samples what an uninterrupted one
-    # would. Every process draws the same AQN noise, then samples from a stream of its own.
-    device, gen_seed = quantize.model_device(model), seed * 1_000_003 + step
-    gen = torch.Generator(device=device).manual_seed(gen_seed)
-    with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen) as noise, \
-            merged_sampling_weights(model, merge_for_sampling(device)):
-        if rank > 0:
-            gen = torch.Generator(device=device).manual_seed(gen_seed + rank * 2 ** 40)
-        ro = rollout.generate(model, prompts, num_samples=group, max_new_tokens=max_new_tokens,
-                              temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=gen,
-                              tokenizer=tok, compile=compile)
+    samples, sigma_applied = sample_groups(model, tok, prompts, step, sigma, rank=rank, group=group,
+                                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                           compile=compile)
     t_sample = time.time() - t0
-    rows = [p for p in problems for _ in range(group)]  # (N,) prompt-major, like the rollout's rows
-    rewards = torch.tensor([task.reward(p, text) for p, text in zip(rows, ro.texts)])  # (N,)
-    correct = sum(task.correct(p, text) for p, text in zip(rows, ro.texts))
-    mask = ro.completion_mask.float().clone()  # (N, T) plain copies: inference-mode tensors cannot train
-    trunc = truncated_rows(ro.completion_ids, mask, tok.eos_token_ids)  # (N,) hit max_new_tokens, no EOS
+    rewards, correct = score(task, problems, samples.texts, group)  # (N,), a count
+    mask = samples.completion_mask.float().clone()  # (N, T) plain copies: inference-mode tensors cannot train
+    truncated = truncated_rows(samples.completion_ids, mask, tok.eos_token_ids)  # (N,) hit max_new_tokens, no EOS
     # --mask-truncated: those rows keep their reward (their group's advantages need it) but leave the loss
-    loss_mask = mask * (~trunc).float()[:, None] if mask_truncated else mask  # (N, T)
-    upd = policy_update(model, opt, params, ro.prompt_ids, ro.completion_ids.clone(), loss_mask,
-                        ro.logprobs.float().clone(), rewards, group=group, max_new_tokens=max_new_tokens,
-                        temperature=temperature, **update)
-    if upd["skipped"]:
-        print(f"step {step + 1} | {upd['skipped']} | skipping this update (no weights changed)")
-    reward_sum, correct_sum, ent_sum, tok_sum, trunc_sum = global_sum([
-        float(rewards.sum()), correct, float((ro.entropy.float() * mask).sum()), float(mask.sum()),
-        float(trunc.sum())])
-    t_sample_max, ratio_max = global_sum([t_sample, upd["ratio_max"]], op="max")
-    n = upd["rows_all"]
-    return {"step": step + 1, "reward": reward_sum / n, "acc": correct_sum / n, "entropy": ent_sum / max(tok_sum, 1),
-            "kl": upd["kl"], "clip": upd["clip"], "len": tok_sum / n, "sigma": sigma,
-            "sigma_applied": noise["applied_std"], "tok/s": tok_sum / max(t_sample_max, 1e-9),
-            "s/step": time.time() - t0, "t_sample": t_sample_max, "loss": upd["loss"], "grad_norm": upd["grad_norm"],
-            "kl_old": upd["kl_old"], "ratio_max": ratio_max, "frac_zero_std": upd["flat_all"] / n,
-            "truncated": trunc_sum / n, "skipped": int(bool(upd["skipped"]))}
+    loss_mask = mask * (~truncated).float()[:, None] if mask_truncated else mask  # (N, T)
+    report = policy_update(model, opt, params, samples.prompt_ids, samples.completion_ids.clone(), loss_mask,
+                           samples.logprobs.float().clone(), rewards, group=group, max_new_tokens=max_new_tokens,
+                           temperature=temperature, **update_kw)
+    if report["skipped"]:
+        print(f"step {step + 1} | {report['skipped']} | skipping this update (no weights changed)")
+    total_reward, total_correct, total_entropy, total_tokens, total_truncated = global_sum([
+        float(rewards.sum()), correct, float((samples.entropy.float() * mask).sum()), float(mask.sum()),
+        float(truncated.sum())])
+    t_sample_max, ratio_max = global_sum([t_sample, report["ratio_max"]], op="max")
+    rows = report["rows_all"]
+    return {"step": step + 1, "reward": total_reward / rows, "acc": total_correct / rows,
+            "entropy": total_entropy / max(total_tokens, 1), "kl": report["kl"], "clip": report["clip"],
+            "len": total_tokens / rows, "sigma": sigma, "sigma_applied": sigma_applied,
+            "tok/s": total_tokens / max(t_sample_max, 1e-9), "s/step": time.time() - t0, "t_sample": t_sample_max,
+            "loss": report["loss"], "grad_norm": report["grad_norm"], "kl_old": report["kl_old"],
+            "ratio_max": ratio_max, "frac_zero_std": report["flat_all"] / rows, "truncated": total_truncated / rows,
+            "skipped": int(bool(report["skipped"]))}
+
+# -----------------------------------------------------------------------------
+# The loop: the policy (a frozen, quantized base, LoRA adapters and their AdamW), then for every step its
+# LR and AQN noise level, one grpo_step, the log line, evaluations and checkpoints at their intervals.
+# Part 2 holds what it calls by name: processes, checkpoints, evaluation, the run log, the arguments.
 
 
-# ============ Part 2: plumbing (data, evaluation, processes, checkpoints, the run, command line) ============
-# GSM8K-style data: a JSONL file of {"question", "answer": "... #### n"} lines
+def build_policy(args, device):
+    """The frozen (quantized) base with fresh LoRA adapters and their AdamW -> (model, tok, params, opt).
+    The adapter initialisation depends on --seed alone, so every rank builds the same one."""
+    default = "bfloat16" if str(device).startswith("cuda") or args.gpu_path else "float32"
+    dtype = getattr(torch, args.dtype or default)
+    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
+    model.grad_checkpoint = args.grad_checkpoint  # acts in the update's forward only (it needs gradients)
+    lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
+    params = lora.lora_parameters(model)
+    if args.train_norms:  # fp32 master copies of every layer's pre-norm gains, as the official code trains
+        for _, norm in aqn.aqn_norms(model):
+            norm.weight = torch.nn.Parameter(norm.weight.detach().float())
+            params.append(norm.weight)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    return model, tok, params, opt
+
+
+def lr_factor(step, warmup, total, min_ratio):
+    """The LR multiplier at `step`: linear warmup over `warmup` steps, then cosine decay to min_ratio at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    u = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * u))
+
+
+def step_sigma(args, step, feedback=None):
+    """AQN's noise level at `step`: none with --no-aqn, the feedback controller's current one with
+    --aqn-kind feedback, else the schedule's (stage 04)."""
+    if not args.aqn:
+        return 0.0
+    if feedback is not None:
+        return feedback.sigma
+    return aqn.sigma_schedule(step, args.steps, args.sigma_start, args.sigma_end, args.num_stages, args.aqn_kind)
+
+
+def train(args, task=None):
+    """The GRPO run: grpo_step over --steps with evaluations, checkpoints and the time budget. `task`, any
+    object with the task interface, replaces the one --task names. Returns the summary (also written
+    to <out>/summary.json)."""
+    t_start = time.time()
+    rank, world, device = init_distributed(args.device or quantize.autodetect_device())
+    if rank > 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors still reach stderr
+    ckpt, state = resume_args(args)  # --resume: the checkpoint's hyper-parameters replace the flags
+    check_args(args, world)
+    if args.gpu_path:
+        use_gpu_path(device)
+    task = task or make_task(args)  # bad data fails here, before the model loads
+    args.out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    model, tok, params, opt = build_policy(args, device)
+    feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
+        else None
+    start = restore(ckpt, state, model, opt, feedback) if state else 0
+    log = RunLog(args, rank, start, t_start, model, world)
+    options = step_options(args)  # grpo_step's keyword arguments, the LossOptions among them
+    evaluating = rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
+
+    def run_eval(step, k):
+        if not evaluating:
+            return None
+        t0 = time.time()
+        res = evaluate(model, tok, task, task.held, args.max_new_tokens, k, args.temperature, EVAL_SEED,
+                       args.eval_chunk, args.compile)
+        return log.eval(res, step, k, time.time() - t0)
+
+    def save():  # the new checkpoint, or the last one if the adapter is not finite
+        return save_checkpoint(args.out, done, model, opt, params, args, feedback, {"first_eval": first_eval}) \
+            or last_ckpt
+
+    first_eval = (state or {}).get("first_eval") or run_eval(start, args.eval_k)  # gains count from step 0
+    last_eval, done, skipped, stopped, last_ckpt, recent = first_eval, start, 0, "steps", None, []
+    for step in range(start, args.steps):
+        if log.out_of_time(recent, first_eval):
+            stopped = "time budget"
+            break
+        lr = args.lr * lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
+        for param_group in opt.param_groups:
+            param_group["lr"] = lr
+        sigma = step_sigma(args, step, feedback)
+        rec = grpo_step(model, tok, opt, params, task, step, sigma, **options)
+        if feedback is not None:
+            feedback.update(rec["entropy"])  # the same global entropy on every rank: sigma stays in step
+        skipped += rec.pop("skipped")
+        recent.append(rec["s/step"])
+        log.step(rec, lr=lr)
+        done = step + 1
+        if args.eval_every and done % args.eval_every == 0 and done < args.steps:
+            last_eval = run_eval(done, 0) or last_eval
+        if rank == 0 and ((args.save_every and done % args.save_every == 0) or done == args.stop_at):
+            last_ckpt = save()
+        if args.stop_at and done >= args.stop_at:
+            stopped = "stop-at"
+            break
+    if stopped != "stop-at" and rank == 0:  # the run's end: a last checkpoint and the full evaluation
+        if done > start and (last_ckpt is None or not last_ckpt.endswith(f"{done:06d}")):
+            last_ckpt = save()
+        if last_eval is None or last_eval["step"] != done or "k" not in last_eval:
+            last_eval = run_eval(done, args.eval_k) or last_eval
+    return log.summary(done, stopped, skipped, first_eval, last_eval, last_ckpt)
+
+
+# ============ Part 2: plumbing (data files, evaluation, processes, checkpoints, the run log, command line) ============
+# GSM8K-style data (--task gsm8k): a JSONL file of {"question", "answer": "... #### n"} lines, and make_task
 
 
 def _gsm8k_problem(line):
@@ -366,7 +571,7 @@ def load_jsonl(path):
     counted (one line of output), a file without one usable line is an error."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path!r} not found (expected JSONL lines with 'question' and "
-                                f"'answer' ending in '#### <number>', or use --data arith)")
+                                f"'answer' ending in '#### <number>', or use --task arithmetic)")
     with open(path, encoding="utf-8", errors="replace") as f:  # undecodable bytes -> a malformed line
         parsed = [(n, _gsm8k_problem(line)) for n, line in enumerate(f, 1) if line.strip()]
     problems, bad = [p for _, p in parsed if p], [n for n, p in parsed if not p]
@@ -378,39 +583,21 @@ def load_jsonl(path):
     return problems
 
 
-class JsonlTask(AnswerTask):
-    """A problem file; the held-out set is --eval-data, or a fixed random slice of the file."""
-
-    def __init__(self, path, eval_path=None, eval_size=500, system=True):
-        train, self.system = load_jsonl(path), system
-        if eval_path:
-            held = load_jsonl(eval_path)[:eval_size]
-        else:
-            n_eval = min(eval_size, len(train) // 2)
-            random.Random(EVAL_SEED).shuffle(train)
-            held, train = train[:n_eval], train[n_eval:]
-        self.held, held_q = held, {p["question"] for p in held}
-        self.train = [p for p in train if p["question"] not in held_q]  # eval problems never train
-        if not self.train:
-            raise ValueError(f"no training problems left in {path!r} after removing the evaluation set")
-
-    def problems(self, seed, step, n):  # walk epoch-wise seeded shuffles of the file
-        out = []
-        for i in range(step * n, step * n + n):
-            epoch, j = divmod(i, len(self.train))
-            order = list(range(len(self.train)))
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)
-            out.append(self.train[order[j]])
-        return out
-
-
 def make_task(args):
-    """The task --data names, its prompts with or without the paper's instruction as --system says."""
+    """The task --task names, built from its flags (`from_args`); its prompts carry the paper's instruction
+    as --system says. --data is the file of a task that reads one (gsm8k), and only of such a task."""
+    if args.task not in TASKS:
+        raise ValueError(f"unknown task {args.task!r}: choose one of {', '.join(TASKS)}")
+    cls, file_tasks = TASKS[args.task], " or ".join(f"--task {n}" for n, c in TASKS.items() if c.reads_data)
+    if cls.reads_data and not args.data:
+        raise ValueError(f"--task {args.task} needs --data FILE (JSONL lines with 'question' and 'answer' ending in "
+                         f"'#### <number>')")
+    if args.data and not cls.reads_data:
+        raise ValueError(f"--data is the file of {file_tasks}, but the task is {args.task}: add {file_tasks} to "
+                         f"train on {args.data!r}, or drop --data")
     system = args.system == "paper" or (args.system == "auto" and
                                         quantize.find_weight_files(args.model)[0].get("qerl_prompt") != "bare")
-    if args.data == "arith":
-        return ArithmeticTask(args.digits, args.nops, args.eval_size, system)
-    return JsonlTask(args.data, args.eval_data, args.eval_size, system)
+    return cls.from_args(args, system)
 
 # -----------------------------------------------------------------------------
 # Sampling weights and evaluation
@@ -485,7 +672,7 @@ def init_distributed(device):
 def leave_distributed(code=0):
     """End a torchrun process. On success the ranks leave together (one that tears gloo down while another
     still works aborts), and every rank skips the interpreter's teardown, where gloo's worker threads can
-    still free tensors after Python is gone and abort the process (a torch issue, ~1 exit in 3 here)."""
+    still free tensors after Python is gone and abort the process."""
     if code == 0:
         dist.barrier()
     dist.destroy_process_group()
@@ -592,107 +779,7 @@ def restore(ckpt, state, model, opt, feedback):
     return state["step"]
 
 # -----------------------------------------------------------------------------
-# The run
-
-
-def build_policy(args, device):
-    """The frozen (quantized) base with fresh LoRA adapters and their AdamW -> (model, tok, params, opt).
-    The adapter initialisation depends on --seed alone, so every rank builds the same one."""
-    default = "bfloat16" if str(device).startswith("cuda") or args.gpu_path else "float32"
-    dtype = getattr(torch, args.dtype or default)
-    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
-    model.grad_checkpoint = args.grad_checkpoint  # acts in the update's forward only (it needs gradients)
-    lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
-    params = lora.lora_parameters(model)
-    if args.train_norms:  # fp32 master copies of every layer's pre-norm gains, as the official code trains
-        for _, norm in aqn.aqn_norms(model):
-            norm.weight = torch.nn.Parameter(norm.weight.detach().float())
-            params.append(norm.weight)
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    return model, tok, params, opt
-
-
-def lr_factor(step, warmup, total, min_ratio):
-    """The LR multiplier at `step`: linear warmup over `warmup` steps, then cosine decay to min_ratio at `total`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    u = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * u))
-
-
-def update_options(args):
-    """policy_update's keyword arguments from the command line."""
-    names = ("group", "max_new_tokens", "temperature", "mu", "micro_batch", "loss_agg", "eps_low", "eps_high",
-             "beta", "entropy_coef", "grad_clip")
-    return {**{k: getattr(args, k) for k in names}, "scale_std": not args.no_std_scale}
-
-
-def step_options(args):
-    """grpo_step's keyword arguments from the command line."""
-    return {**update_options(args), "batch": args.batch, "seed": args.seed, "mask_truncated": args.mask_truncated,
-            "compile": args.compile}
-
-
-def train(args, task=None):
-    """The GRPO run: grpo_step over --steps with evaluations, checkpoints and the time budget. `task`
-    replaces the one --data names. Returns the summary (also written to <out>/summary.json)."""
-    t_start = time.time()
-    rank, world, device = init_distributed(args.device or quantize.autodetect_device())
-    if rank > 0:
-        sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors still reach stderr
-    ckpt, state = resume_args(args)
-    _check_args(args, world)
-    if args.gpu_path:
-        use_gpu_path(device)
-    task = task or make_task(args)  # bad data fails here, before the model loads
-    args.out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    model, tok, params, opt = build_policy(args, device)
-    feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
-        else None
-    start = restore(ckpt, state, model, opt, feedback) if state else 0
-    log = RunLog(args, rank, start, t_start, model, world)
-    evaluating = rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
-
-    def run_eval(step, k):
-        if not evaluating:
-            return None
-        t0 = time.time()
-        res = evaluate(model, tok, task, task.held, args.max_new_tokens, k, args.temperature, EVAL_SEED,
-                       args.eval_chunk, args.compile)
-        return log.eval(res, step, k, time.time() - t0)
-
-    first_eval = (state or {}).get("first_eval") or run_eval(start, args.eval_k)  # gains count from step 0
-    last_eval, done, skipped, stopped, last_ckpt, recent = first_eval, start, 0, "steps", None, []
-    save = lambda: save_checkpoint(args.out, done, model, opt, params, args, feedback,  # noqa: E731
-                                   {"first_eval": first_eval}) or last_ckpt
-    for step in range(start, args.steps):
-        if log.out_of_time(recent, first_eval):
-            stopped = "time budget"
-            break
-        for group in opt.param_groups:
-            group["lr"] = args.lr * lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
-        sigma = 0.0 if not args.aqn else feedback.sigma if feedback else aqn.sigma_schedule(
-            step, args.steps, args.sigma_start, args.sigma_end, args.num_stages, args.aqn_kind)
-        rec = grpo_step(model, tok, opt, params, task, step, sigma, **step_options(args))
-        if feedback is not None:
-            feedback.update(rec["entropy"])  # the same global entropy on every rank: sigma stays in step
-        skipped += rec.pop("skipped")
-        recent.append(rec["s/step"])
-        log.step(rec, lr=opt.param_groups[0]["lr"])
-        done = step + 1
-        if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-            last_eval = run_eval(done, 0) or last_eval
-        if rank == 0 and ((args.save_every and done % args.save_every == 0) or done == args.stop_at):
-            last_ckpt = save()
-        if args.stop_at and done >= args.stop_at:
-            stopped = "stop-at"
-            break
-    if stopped != "stop-at" and rank == 0:
-        if done > start and (last_ckpt is None or not last_ckpt.endswith(f"{done:06d}")):
-            last_ckpt = save()
-        if last_eval is None or last_eval["step"] != done or "k" not in last_eval:
-            last_eval = run_eval(done, args.eval_k) or last_eval
-    return log.summary(done, stopped, skipped, first_eval, last_eval, last_ckpt)
+# The run log
 
 
 class RunLog:
@@ -780,7 +867,7 @@ def fmt(x):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
 
 
-def _check_args(args, world):
+def check_args(args, world):
     if args.batch < 1 or args.group < 2:
         raise ValueError(f"need --batch >= 1 and --group >= 2 (got {args.batch}, {args.group}): GRPO compares "
                          f"samples within a group")
@@ -801,14 +888,29 @@ def _check_args(args, world):
         raise FileNotFoundError(f"--model {args.model!r} is not a model folder ({e})") from None
 
 
+def update_options(args):
+    """policy_update's keyword arguments from the command line (the loss's as one LossOptions)."""
+    names = ("group", "max_new_tokens", "temperature", "mu", "micro_batch", "grad_clip")
+    return {**{k: getattr(args, k) for k in names}, "loss_options": LossOptions.from_args(args),
+            "scale_std": not args.no_std_scale}
+
+
+def step_options(args):
+    """grpo_step's keyword arguments from the command line."""
+    return {**update_options(args), "batch": args.batch, "seed": args.seed, "mask_truncated": args.mask_truncated,
+            "compile": args.compile}
+
+
 def build_parser():
     p = argparse.ArgumentParser(description="GRPO with LoRA on a quantized base and AQN (QeRL)")
     # model and data
     p.add_argument("--model", default=TINY_MODEL, help="Hugging Face model folder (default: the bundled tiny model)")
-    p.add_argument("--data", default="arith", help="'arith' (synthetic) or a GSM8K-style JSONL file")
-    p.add_argument("--eval-data", default=None, help="held-out JSONL (default: a slice of --data is held out)")
-    p.add_argument("--digits", type=int, default=3, help="arith: max digits per operand")
-    p.add_argument("--nops", type=int, default=2, help="arith: number of operations")
+    p.add_argument("--task", choices=list(TASKS), default="arithmetic", help="arithmetic (synthetic) or gsm8k "
+                   "(the --data file)")
+    p.add_argument("--data", default=None, help="gsm8k: the GSM8K-style JSONL file to train on")
+    p.add_argument("--eval-data", default=None, help="gsm8k: held-out JSONL (default: a slice of --data is held out)")
+    p.add_argument("--digits", type=int, default=3, help="arithmetic: max digits per operand")
+    p.add_argument("--nops", type=int, default=2, help="arithmetic: number of operations")
     p.add_argument("--system", choices=("auto", "paper", "none"), default="auto",
                    help="system prompt: the paper's instruction, none, or auto (the instruction unless "
                    "config.json says \"qerl_prompt\": \"bare\", as the bundled model's does)")
@@ -831,13 +933,13 @@ def build_parser():
     p.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--max-new-tokens", type=int, default=42)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--eps-low", type=float, default=0.2)
-    p.add_argument("--eps-high", type=float, default=0.28)
-    p.add_argument("--loss-agg", default="token-mean", choices=LOSS_AGGS)
+    p.add_argument("--eps-low", type=float, default=LossOptions.eps_low)
+    p.add_argument("--eps-high", type=float, default=LossOptions.eps_high)
+    p.add_argument("--loss-agg", default=LossOptions.loss_agg, choices=LOSS_AGGS)
     p.add_argument("--no-std-scale", action="store_true", help="advantage r - mean only (Dr. GRPO)")
     p.add_argument("--mu", type=int, default=1, help="policy updates per batch")
-    p.add_argument("--beta", type=float, default=0.0, help="k3 KL to the base (reference) policy")
-    p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
+    p.add_argument("--beta", type=float, default=LossOptions.beta, help="k3 KL to the base (reference) policy")
+    p.add_argument("--entropy-coef", type=float, default=LossOptions.entropy_coef, help="entropy bonus coefficient")
     # memory (the update at real scale; README "Scaling out")
     p.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward of the update, "
                    "gradients accumulated before the one optimizer step (0: all rows at once)")

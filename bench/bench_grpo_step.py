@@ -76,7 +76,7 @@ def measure(bench_args, train_argv):
     runs = {}
     for q in bench_args.quants:
         args = grpo.build_parser().parse_args(train_argv + ["--quant", q])
-        grpo._check_args(args, 1)
+        grpo.check_args(args, 1)
         runs[q] = (args, setup(args), [])
     timer = PhaseTimer()
     orig = grpo.reward_fn, grpo.group_advantages
@@ -87,10 +87,8 @@ def measure(bench_args, train_argv):
                 timer.reset()
                 for group in s["opt"].param_groups:  # as 05's train() does before each step
                     group["lr"] = args.lr * grpo.lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
-                sigma = grpo.aqn.sigma_schedule(step, args.steps, args.sigma_start, args.sigma_end, args.num_stages,
-                                                args.aqn_kind) if args.aqn else 0.0
-                rec = grpo.grpo_step(s["model"], s["tok"], s["opt"], s["params"], s["task"], step, sigma,
-                                     **grpo.step_options(args))
+                rec = grpo.grpo_step(s["model"], s["tok"], s["opt"], s["params"], s["task"], step,
+                                     grpo.step_sigma(args, step), **grpo.step_options(args))
                 if step >= bench_args.warmup:
                     total, roll, rew = rec["s/step"], rec["t_sample"], timer.seconds
                     rows.append({"rollout": roll, "reward": rew, "update": total - roll - rew, "total": total,

@@ -1,5 +1,5 @@
-"""Stage 05: the task, reward, advantages, loss aggregations, clipping, evaluation counts, data loading,
-and short GRPO runs on the bundled tiny model (smoke, exact resume, bad input)."""
+"""Stage 05: the task, its registry and the reward, advantages, loss aggregations, clipping and LossOptions,
+evaluation counts, data loading, and short GRPO runs on the bundled tiny model (smoke, exact resume, bad input)."""
 import importlib
 import json
 import math
@@ -51,6 +51,25 @@ def test_problem_is_worked_left_to_right():
 ])
 def test_reward(text, gold, want):
     assert grpo.reward_fn(text, gold) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("text, want", [
+    ("<think>1+2=3</think><answer>3</answer>", True),
+    (" <think>a</think>\n<answer> -4.5 </answer> <|im_end|>", True),  # whitespace, a decoded stop token
+    ("<think></think><answer>0</answer>", True),                # an empty think block is still the format
+    ("<answer>3</answer>", False),                              # no think block
+    ("<think>a</think><answer>3</answer>tail", False),          # text after the answer
+    ("<think>a</think><think>b</think><answer>3</answer>", False),  # two think blocks
+    ("<answer>3</answer><think>a</think>", False),              # wrong order
+    ("<think>a</think><answer>three</answer>", False),          # no number in the answer
+    ("<think>a <answer>3</answer>", False),                     # unclosed think
+    ("", False),
+    (None, False),
+])
+def test_format_ok(text, want):
+    assert grpo.format_ok(text) is want
+    # the reward's format bonus is exactly format_ok (gold "7" is never right here)
+    assert grpo.reward_fn(text, "7") == pytest.approx(0.1 if want else 0.0)
 
 
 def test_splits_exclude_eval_and_are_pure_functions_of_seed_and_step():
@@ -108,14 +127,51 @@ def test_gsm8k_loader(tmp_path, capsys):
 
 def test_jsonl_splits_hold_out_eval(tmp_path):
     rows = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(20)]
-    args = grpo.build_parser().parse_args(["--data", write_jsonl(tmp_path / "d.jsonl", rows), "--eval-size", "5"])
+    args = grpo.build_parser().parse_args(["--task", "gsm8k", "--data", write_jsonl(tmp_path / "d.jsonl", rows),
+                                           "--eval-size", "5"])
     task = grpo.make_task(args)
+    assert isinstance(task, grpo.JsonlTask) and task.system is False  # --system auto: the bundled model's is bare
     train, held = task.train, task.held
     assert len(held) == 5 and len(train) == 15 and not hasattr(task, "exclude")  # a file's split is disjoint
     assert not {p["question"] for p in held} & {p["question"] for p in train}
     # every training problem is visited once per epoch, in a seeded order
     seen = [p["question"] for s in range(5) for p in task.problems(0, s, 3)]
     assert sorted(seen) == sorted(p["question"] for p in train)
+
+
+def test_task_registry_and_its_flags(tmp_path, monkeypatch, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(8)])
+    assert set(grpo.TASKS) == {"arithmetic", "gsm8k"} and parse().task == "arithmetic"  # the default
+    arith = grpo.make_task(parse("--digits", "2", "--nops", "1", "--eval-size", "7"))
+    assert type(arith) is grpo.ArithmeticTask and (arith.digits, arith.nops, len(arith.held)) == (2, 1, 7)
+    assert type(grpo.make_task(parse("--task", "gsm8k", "--data", data))) is grpo.JsonlTask
+    # --task's choices are the registry: an unknown name is argparse's error, and make_task's without the parser
+    with pytest.raises(SystemExit):
+        parse("--task", "mnist")
+    assert "invalid choice: 'mnist'" in capsys.readouterr().err
+    args = parse()
+    args.task = "mnist"
+    with pytest.raises(ValueError, match=r"unknown task 'mnist': choose one of arithmetic, gsm8k"):
+        grpo.make_task(args)
+    # --data belongs to gsm8k, and gsm8k needs it: each a one-line error from train, before the model loads
+    with pytest.raises(ValueError, match=r"^--data is the file of --task gsm8k, but the task is arithmetic: add "
+                                         r"--task gsm8k to train on '\S+d.jsonl', or drop --data$"):
+        grpo.train(parse("--data", data, "--out", tmp_path / "o1"))
+    with pytest.raises(ValueError, match=r"^--task gsm8k needs --data FILE \(JSONL lines"):
+        grpo.train(parse("--task", "gsm8k", "--out", tmp_path / "o2"))
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--data", data, "--out", str(tmp_path / "o3")],
+                       capture_output=True, text=True, timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line]
+    assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: --data is the file of --task gsm8k")
+    # a forker's task: one registry entry, and --task offers it (its flags read in from_args)
+    class Sum(grpo.ArithmeticTask):
+        @classmethod
+        def from_args(cls, args, system):
+            return cls(digits=2, nops=1, eval_size=args.eval_size, system=system)
+    monkeypatch.setitem(grpo.TASKS, "sum", Sum)
+    task = grpo.make_task(parse("--task", "sum", "--eval-size", "3"))
+    assert type(task) is Sum and len(task.held) == 3 and (task.digits, task.nops) == (2, 1)
 
 # -----------------------------------------------------------------------------
 # Advantages and loss
@@ -164,7 +220,7 @@ def test_clipping_acts_only_where_it_should():
     logp = torch.log(torch.tensor([[1.5], [1.5], [0.5], [0.5]])).requires_grad_(True)
     adv = torch.tensor([1.0, -1.0, -1.0, 1.0])
     m = torch.ones(4, 1)
-    loss, st = grpo.grpo_loss(logp, old, adv, m, eps_low=0.2, eps_high=0.28)
+    loss, st = grpo.grpo_loss(logp, old, adv, m, grpo.LossOptions(eps_low=0.2, eps_high=0.28))
     # per token surrogate: min(r A, clip(r) A) = 1.28, -1.5, -0.8, 0.5
     assert loss.item() == pytest.approx(-(1.28 - 1.5 - 0.8 + 0.5) / 4)
     loss.backward()
@@ -181,9 +237,41 @@ def test_kl_and_entropy_terms():
     adv = torch.zeros(1)
     d = ref - logp.detach()
     k3 = (torch.exp(d) - d - 1).mean().item()
-    loss, st = grpo.grpo_loss(logp, logp.detach(), adv, m, ref_logp=ref, beta=0.1, entropy=ent, entropy_coef=0.01)
+    loss, st = grpo.grpo_loss(logp, logp.detach(), adv, m, grpo.LossOptions(beta=0.1, entropy_coef=0.01), ref_logp=ref,
+                              entropy=ent)
     assert st["kl"] == pytest.approx(k3)
     assert loss.item() == pytest.approx(0.1 * k3 - 0.01 * 0.5, abs=1e-6)
+
+def test_loss_options_come_from_the_flags_and_reach_grpo_loss(lora_policy, monkeypatch):
+    # the flags' defaults are the dataclass's, and from_args carries every field
+    assert grpo.LossOptions.from_args(parse()) == grpo.LossOptions()
+    flags = ("--eps-low", "0.1", "--eps-high", "0.5", "--loss-agg", "seq-mean-token-mean", "--beta", "0.05",
+             "--entropy-coef", "0.01")
+    want = grpo.LossOptions(eps_low=0.1, eps_high=0.5, loss_agg="seq-mean-token-mean", beta=0.05, entropy_coef=0.01)
+    assert grpo.update_options(parse(*flags))["loss_options"] == want
+    # a changed eps changes the loss: ratio 1.5 with A > 0 is clipped at 1 + eps_high
+    logp, old, adv, m = torch.log(torch.tensor([[1.5]])), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1)
+    assert grpo.grpo_loss(logp, old, adv, m)[0].item() == pytest.approx(-1.28)
+    assert grpo.grpo_loss(logp, old, adv, m, grpo.LossOptions(eps_high=0.4))[0].item() == pytest.approx(-1.4)
+    # through policy_update: what grpo_loss receives is the LossOptions built from the flags, and a
+    # narrower clip range clips more tokens and moves the adapter differently
+    model, params, start = lora_policy
+    seen, real = [], grpo.grpo_loss
+    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **kw: seen.append(a[4]) or real(*a, **kw))
+    moved, clip = {}, {}
+    for eps in ("0.2", "0.01"):
+        with torch.no_grad():
+            for p, p0 in zip(params, start):
+                p.copy_(p0)
+        args = parse("--group", 4, "--max-new-tokens", 9, "--grad-clip", 1e9, "--eps-low", eps, "--eps-high", eps)
+        out = grpo.policy_update(model, torch.optim.SGD(params, lr=0.2), params, *update_batch(model.config.vocab_size),
+                                 **grpo.update_options(args))
+        assert seen[-1] == grpo.LossOptions(eps_low=float(eps), eps_high=float(eps))
+        moved[eps], clip[eps] = torch.cat([(p.detach() - p0).reshape(-1) for p, p0 in zip(params, start)]), out["clip"]
+    assert clip["0.01"] > clip["0.2"] and not torch.allclose(moved["0.01"], moved["0.2"])
+    with torch.no_grad():
+        for p, p0 in zip(params, start):
+            p.copy_(p0)
 
 # -----------------------------------------------------------------------------
 # Evaluation counts (generate replaced by a scripted fake)
@@ -451,7 +539,7 @@ def test_bad_model_folder_is_one_clear_line(tmp_path):
     with pytest.raises(ValueError, match="config.json is not valid JSON"):
         grpo.train(parse("--model", tmp_path / "broken", "--out", tmp_path / "o4"))
     with pytest.raises(FileNotFoundError, match="data file"):
-        grpo.train(parse("--data", tmp_path / "none.jsonl", "--out", tmp_path / "o3"))
+        grpo.train(parse("--task", "gsm8k", "--data", tmp_path / "none.jsonl", "--out", tmp_path / "o3"))
 
 # -----------------------------------------------------------------------------
 # The update at real scale: micro-batches, activation checkpointing
