@@ -535,10 +535,11 @@ def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temper
 # ---------------------------------------------------------------------------------------------------
 # Loader: a meta-device model, filled from safetensors one tensor at a time (peak: about the model's size)
 
-def load_model(path, quant="none", dtype=None, device=None):
+def load_model(path, quant="none", dtype=None, device=None, method="rtn"):
     """Load a Hugging Face folder -> (CausalLM in eval mode, Tokenizer). quant="nvfp4"/"nf4" quantizes the
-    decoder Linears with stage 01, layer by layer as they arrive; a folder written by `01_quantize.py --out`
-    loads as NVFP4 whatever `quant` says. dtype: bf16 on CUDA, fp32 on CPU; device: stage 01's autodetect."""
+    decoder Linears with stage 01, layer by layer as they arrive (method: NVFP4's rounding, "rtn" or
+    "4over6"); a folder written by `01_quantize.py --out` loads as NVFP4 whatever `quant` says. dtype: bf16
+    on CUDA, fp32 on CPU; device: stage 01's autodetect."""
     path = Path(path)
     raw, weight_map, _ = quantize.find_weight_files(str(path))  # checks the folder: config.json, shards
     files = {name: path / f for name, f in weight_map.items()}  # tensor name -> safetensors file
@@ -557,7 +558,7 @@ def load_model(path, quant="none", dtype=None, device=None):
     missing = [n for n in expected if n not in files]
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), first: {missing[0]}")
-    _fill(model, expected, files, quant, device, dtype)
+    _fill(model, expected, files, quant, device, dtype, method)
     extra = sorted(set(files) - set(expected) - {"lm_head.weight"})
     extra = [n for n in extra if not n.endswith(("rotary_emb.inv_freq", "input_global_scale"))]
     if extra:
@@ -581,7 +582,7 @@ def _load_format(path, raw, quant):
     return "none", True  # its Linear layers arrive quantized
 
 
-def _fill(model, names, files, quant, device, dtype):
+def _fill(model, names, files, quant, device, dtype, method="rtn"):
     """Read `names` from their files into the meta model: non-layer tensors, then layer 0, 1, ...; with
     quant != "none", layer i is quantized (and its full-precision weights dropped) once it is complete."""
     def layer_of(name):
@@ -604,7 +605,7 @@ def _fill(model, names, files, quant, device, dtype):
         _put(model, n, t.to(device=device, dtype=None if keep else dtype), files[n])
         i = layer_of(n)
         if quant != "none" and i >= 0 and (j + 1 == len(order) or layer_of(order[j + 1]) != i):
-            quantize.quantize_model(model.model.layers[i], fmt=quant, skip=())  # layer i complete: shrink it
+            quantize.quantize_model(model.model.layers[i], fmt=quant, skip=(), method=method)  # layer i complete
 
 
 def _put(model, name, t, file="the checkpoint"):

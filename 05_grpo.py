@@ -453,7 +453,7 @@ def build_policy(args, device):
     The adapter initialisation depends on --seed alone, so every rank builds the same one."""
     default = "bfloat16" if str(device).startswith("cuda") or args.gpu_path else "float32"
     dtype = getattr(torch, args.dtype or default)
-    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device)
+    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device, method=args.quant_method)
     model.grad_checkpoint = args.grad_checkpoint  # acts in the update's forward only (it needs gradients)
     lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
     params = lora.lora_parameters(model)
@@ -876,6 +876,9 @@ def check_args(args, world):
                          f"{args.steps}, {args.mu}, {args.micro_batch}")
     if args.aqn and args.aqn_kind != "feedback":
         aqn.check_sigma_range(args.sigma_start, args.sigma_end, args.aqn_kind)
+    if args.quant_method != "rtn" and args.quant != "nvfp4":
+        raise ValueError(f"--quant-method {args.quant_method} is a rounding of NVFP4 weights: it needs --quant nvfp4 "
+                         f"(got --quant {args.quant})")
     if args.train_norms and args.beta > 0:
         raise ValueError("--train-norms with --beta > 0 is not supported: the KL reference (the base under "
                          "lora_disabled) would keep the trained gains; drop one of the two")
@@ -915,6 +918,8 @@ def build_parser():
                    help="system prompt: the paper's instruction, none, or auto (the instruction unless "
                    "config.json says \"qerl_prompt\": \"bare\", as the bundled model's does)")
     p.add_argument("--quant", choices=quantize.QUANT_CHOICES, default="nvfp4")
+    p.add_argument("--quant-method", choices=quantize.NVFP4_METHODS, default="rtn",
+                   help="NVFP4 rounding: rtn (compressed-tensors) or 4over6 (per block, max -> 6 or 4)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: autodetect)")
     p.add_argument("--compile", action="store_true", help="sample with stage 03's torch.compile'd decode step "
                    "(compiles once per batch/length bucket: tens of seconds on a CPU; pays off on long runs and GPUs)")

@@ -525,6 +525,21 @@ def test_unknown_quant_name_is_an_error_in_every_stage(capsys):
         quantize.quantize_model(rollout.load_model(grpo.TINY_MODEL)[0], fmt="mxfp4")
 
 
+def test_quant_method_reaches_the_loaded_weights(tmp_path):
+    quantize = importlib.import_module("01_quantize")
+    four = rollout.load_model(grpo.TINY_MODEL, quant="nvfp4", method="4over6")[0]
+    ref = quantize.quantize_model(rollout.load_model(grpo.TINY_MODEL)[0], method="4over6")
+    rtn = rollout.load_model(grpo.TINY_MODEL, quant="nvfp4")[0]
+    (a, b), c = [m.model.layers[1].mlp.up_proj for m in (four, ref)], rtn.model.layers[1].mlp.up_proj
+    assert torch.equal(a.weight_packed, b.weight_packed) and torch.equal(a.weight_scale.view(torch.uint8),
+                                                                           b.weight_scale.view(torch.uint8))
+    assert not torch.equal(a.weight_scale.view(torch.uint8), c.weight_scale.view(torch.uint8))
+    assert grpo.build_parser().parse_args([]).quant_method == "rtn"
+    with pytest.raises(ValueError, match="--quant-method 4over6 is a rounding of NVFP4 weights: it needs --quant nvfp4"):
+        grpo.train(parse("--quant", "nf4", "--quant-method", "4over6", "--out", tmp_path / "o"))
+    assert not (tmp_path / "o").exists()
+
+
 def test_bad_model_folder_is_one_clear_line(tmp_path):
     (tmp_path / "notamodel").mkdir()
     with pytest.raises(FileNotFoundError, match="not a model folder"):
