@@ -7,7 +7,7 @@ kernel. This file adds what generation needs, for 16-bit x with at most 16 rows:
 1. A decode kernel. At decode each weight byte serves at most 16 rows of x, so the matmul is fast
    only if the instructions spent per weight stay under what the memory bus delivers: about 3.9
    thread instructions per weight on an H200 (computed from its published 4.8 TB/s, 132 SMs and
-   1.98 GHz; bench/kernel_sass.py shows the arithmetic). Part one's loop spends 10-12 on its bf16
+   1.98 GHz; bench/kernel_sass.py shows the arithmetic). Part one's loop spends ~10-12 on its bf16
    tiles; this one's 3.0-3.5. Both counts are read from the sm_90 machine code by
    bench/kernel_sass.py (docs/kernel.md has the table, its command and date); no GPU has run these
    kernels yet, so no time is known.
