@@ -14,7 +14,9 @@
 #   7. kernel_ncu     Nsight Compute on the decode kernel, 8192x8192, M = 1 (only when `ncu` exists)
 #   8. rollout_7b     bench/bench_rollout.py --shape qwen2.5-7b   (generate() tok/s, bf16 vs NVFP4, random 7B)
 #   9. memory         bench/bench_memory.py                       (LoRA step peak memory, none/nf4/nvfp4)
-#  10. kernel_sass    bench/kernel_sass.py --out $OUT/sass        (the machine code this Triton makes, sm_90)
+#  10. kernel_tutorial kernels/nvfp4_matmul.py                    (part one's demo: general kernel vs dequantize
+#                                                                  + matmul, then vs bf16 torch.matmul, 8192^2)
+#  11. kernel_sass    bench/kernel_sass.py --out $OUT/sass        (the machine code this Triton makes, sm_90)
 # then prints one summary. Logs go to $OUT (if set) or ./gpu_check_out/. It always exits 0: a part that
 # fails or times out is listed as such. Without a CUDA GPU it says so and exits 0.
 # The tests run the general kernel with fixed tiles (QERL_NVFP4_TILES) instead of autotuning every test
@@ -197,6 +199,9 @@ run_part rollout_7b 170 "$PY" bench/bench_rollout.py --shape qwen2.5-7b --quants
     --prompt-len 128 --decode-steps 32 --repeats 2
 run_part memory 60 "$PY" bench/bench_memory.py --configs none,nf4,nvfp4 --shape 350m --dtype bf16
 
+# Part one of the kernel tutorial as a reader runs it (autotunes: one tuning per dtype and shape).
+run_part kernel_tutorial 120 "$PY" kernels/nvfp4_matmul.py
+
 # CPU-only and reproducible anywhere, so last: the machine code this Triton version makes for sm_90.
 run_part kernel_sass 40 "$PY" bench/kernel_sass.py --out "$OUT_DIR/sass"
 
@@ -227,6 +232,10 @@ run_part kernel_sass 40 "$PY" bench/kernel_sass.py --out "$OUT_DIR/sass"
     echo ""
     echo "-- kernel machine code (sm_90, this machine's Triton)"
     [ -f "$(part_log kernel_sass)" ] && grep -E "^(kernel_sass|decode|general|worst)" "$(part_log kernel_sass)" | cut -c1-160
+
+    echo ""
+    echo "-- kernel tutorial (kernels/nvfp4_matmul.py: the general kernel alone)"
+    [ -f "$(part_log kernel_tutorial)" ] && grep -E "^(check|timing) +\|" "$(part_log kernel_tutorial)" | cut -c1-200
 
     echo ""
     echo "-- autotuner picks"

@@ -1,11 +1,12 @@
-"""What the fused NVFP4 kernel costs on Hopper, read from its machine code, without a GPU.
+"""What the fused NVFP4 kernels cost on Hopper, read from their machine code, without a GPU.
 
-Every CUDA configuration of kernels/nvfp4_matmul.py is compiled ahead of time for sm_90 with the
-`ptxas` that ships in Triton's wheel, for the signature the wrapper launches on an 8192x8192 bf16
-weight (decode configurations with a small M, the others with M = 4096). The cubin is read back with
-`cuobjdump -res-usage` (registers, stack) and `nvdisasm` (SASS), and the main loop (the largest
-backward branch holding the MMA instructions) is counted. x is bf16 except for the general kernel's
-16-row tiles, which now only serve fp32 x (their rows say "fp32 x").
+Every CUDA configuration of kernels/nvfp4_decode.py (the decode kernel) and kernels/nvfp4_matmul.py
+(the general kernel) is compiled ahead of time for sm_90 with the `ptxas` that ships in Triton's
+wheel, for the signature the wrapper launches on an 8192x8192 weight (decode configurations with a
+small M, the others with M = 4096). The cubin is read back with `cuobjdump -res-usage` (registers,
+stack) and `nvdisasm` (SASS), and the main loop (the largest backward branch holding the MMA
+instructions) is counted. x is bf16 except for the general kernel's 16-row tiles, which only serve
+fp32 x (their rows say "fp32 x"; 16-bit x at M <= 16 takes the decode kernel).
 
 Why instructions per weight. At decode the kernel must stream the weight at memory speed. An H200
 issues 132 SMs x 4 schedulers x 1.98 GHz warp instructions per second (x 32 = thread instructions)
@@ -15,12 +16,10 @@ instructions per weight. Above that the kernel is bound by issue, not by memory.
     loop instructions x warps x 32 / weights one program handles per loop iteration
 
 One line per configuration (`|`-separated fields); the last line names the worst decode figure.
+These are counts read from machine code, not timings: bench/bench_kernel.py times on a GPU.
 
     python bench/kernel_sass.py                   # ~1-3 minutes on one CPU core
     python bench/kernel_sass.py --out /tmp/sass   # also writes NAME.cubin, NAME.sass, NAME.json
-
-The figures before issue 12 come from commit 8947f01 (this script with a description of the old
-kernel's launches): `git archive 8947f01 | tar -x -C /tmp/before && python /tmp/before/bench/kernel_sass.py`.
 """
 import argparse
 import importlib
@@ -40,6 +39,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+# The package attribute `kernels.nvfp4_matmul` is the entry point (a function that shadows the
+# submodule of the same name), so the modules come from the import system.
+general = importlib.import_module("kernels.nvfp4_matmul")  # part one: the general kernel
+decode = importlib.import_module("kernels.nvfp4_decode")  # part two: the decode kernel
+
 N = K = 8192  # the problem the signature is built for
 ISSUE_LIMIT = 132 * 4 * 1.98e9 * 32 / (4.8e12 / 0.5625)  # thread instructions per weight at 4.8 TB/s
 
@@ -52,13 +56,54 @@ def _tool(name):
 
 
 # -----------------------------------------------------------------------------
+# What to compile: every CUDA configuration, with the signature the wrappers launch
+
+
+def sass_jobs():
+    """One dict per configuration: name, kernel ("decode" / "general"), warps, stages, tiles, and
+    the weights one program handles per loop iteration."""
+    jobs = []
+    for bm, tiles in sorted(decode.DECODE_TILES.items()):
+        for bn, bk, warps, stages in tiles:
+            jobs.append(dict(name=f"decode_{bm}x{bn}x{bk}_w{warps}_s{stages}", kernel="decode", num_warps=warps,
+                             num_stages=stages, weights_per_step=bn * bk, decode=True,
+                             tiles=dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)))
+    for c in general.CUDA_CONFIGS:
+        bm, bn, bk = (c.kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        jobs.append(dict(name=f"general_{bm}x{bn}x{bk}_w{c.num_warps}_s{c.num_stages}", kernel="general",
+                         num_warps=c.num_warps, num_stages=c.num_stages, weights_per_step=bn * bk,
+                         decode=False, role="fp32 x" if bm == 16 else "prefill", tiles=dict(c.kwargs)))
+    return jobs
+
+
+def sass_launch(job, n, k):
+    """(kernel, pointer dtypes, int arguments, constexprs) as the wrapper would launch `job` for a
+    bf16 x (fp32 for the "fp32 x" tiles) and an n x k weight."""
+    if job["kernel"] == "decode":
+        m = 4  # not 1 (Triton would specialise it) and not a multiple of 16
+        ptrs = dict(x_ptr="bf16", w_ptr="i32", s_ptr="u8", gs_ptr="fp32", b_ptr="fp32", y_ptr="bf16",
+                    part_ptr="fp32", cnt_ptr="i32")
+        ints = dict(M=m, N=n, K=k, KW=k // 8, stride_xm=k, stride_wn=k // 8, stride_sn=k // 16, stride_ym=n)
+        consts = dict(HAS_BIAS=False, USE_ASM=True, SCALE_FAST=True, IS_F16=False, EVEN_K=True, SPLIT_K=1,
+                      **job["tiles"])
+        return decode._nvfp4_decode_kernel, ptrs, ints, consts
+    fp32 = job["role"] == "fp32 x"
+    m, xdt = (4, "fp32") if fp32 else (4096, "bf16")
+    ptrs = dict(x_ptr=xdt, w_ptr="u8", s_ptr="u8", gs_ptr="fp32", b_ptr="fp32", y_ptr=xdt)
+    ints = dict(M=m, N=n, K=k, KB=k // 2, stride_xm=k, stride_wn=k // 2, stride_sn=k // 16, stride_ym=n,
+                stride_ysplit=0, M_BUCKET=general._m_bucket(m))
+    consts = dict(HAS_BIAS=False, DOT_FP32=fp32, FP8_NATIVE=True, SPLIT_K=1, GROUP_M=8, **job["tiles"])
+    return general._nvfp4_matmul_kernel, ptrs, ints, consts
+
+
+# -----------------------------------------------------------------------------
 # Compiling one configuration
 
 
-def signature(kmod, job):
+def signature(job):
     """(signature, constexprs, attrs) for ASTSource, as the launcher specializes them: pointers and
     ints that are multiples of 16 carry tt.divisibility 16 (M, which is small at decode, does not)."""
-    kernel, ptr_types, ints, consts = kmod.sass_launch(job, N, K)
+    kernel, ptr_types, ints, consts = sass_launch(job, N, K)
     names = kernel.arg_names
     sig, attrs = {}, {}
     for i, name in enumerate(names):
@@ -74,8 +119,8 @@ def signature(kmod, job):
     return kernel, sig, consts, attrs
 
 
-def compile_config(kmod, job):
-    kernel, sig, consts, attrs = signature(kmod, job)
+def compile_config(job):
+    kernel, sig, consts, attrs = signature(job)
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     opts = dict(num_warps=job["num_warps"], num_stages=job["num_stages"])
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
@@ -150,8 +195,7 @@ def main(argv=None):
     parser.add_argument("--ops", action="store_true", help="also print the loop's commonest opcodes")
     args = parser.parse_args(argv)
 
-    kmod = importlib.import_module("kernels.nvfp4_matmul")  # its sass_jobs() / sass_launch() say what to compile
-    jobs = [j for j in kmod.sass_jobs() if args.only is None or args.only in j["name"]]
+    jobs = [j for j in sass_jobs() if args.only is None or args.only in j["name"]]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     tmp = args.out or os.path.join("/tmp", f"kernel_sass_{os.getpid()}")
@@ -162,7 +206,7 @@ def main(argv=None):
     for job in jobs:
         t0 = time.time()
         try:
-            compiled = compile_config(kmod, job)
+            compiled = compile_config(job)
         except Exception as e:  # a configuration that does not compile is a finding, not a crash
             print(f"{job['name']:<28} | COMPILE FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue

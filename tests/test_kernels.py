@@ -1,4 +1,5 @@
-"""The fused NVFP4 matmul kernel against a plain-torch reference.
+"""The fused NVFP4 matmul kernels (kernels/nvfp4_matmul.py, part one; kernels/nvfp4_decode.py, part
+two) against a plain-torch reference.
 
 Without a GPU these run the real kernel code through Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 before triton is imported); on a CUDA machine the same tests run on the GPU.
@@ -17,8 +18,9 @@ pytest.importorskip("triton")
 from kernels import nvfp4_matmul  # noqa: E402
 
 # The package attribute `kernels.nvfp4_matmul` is the function (it shadows the submodule of the
-# same name), so fetch the module itself from the import system.
-kmod = importlib.import_module("kernels.nvfp4_matmul")
+# same name), so fetch the modules themselves from the import system.
+kmod = importlib.import_module("kernels.nvfp4_matmul")  # part one: the general kernel
+dmod = importlib.import_module("kernels.nvfp4_decode")  # part two: the decode kernel, the weight cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -72,7 +74,7 @@ def test_identity_input_reproduces_the_dequantized_weight_exactly(fp8_native, mo
 # The decode kernel's bit manipulation, proven without a GPU
 #
 # On the GPU the decode kernel turns each int32 word of packed codes into bf16/fp16 lanes with the
-# inline PTX `kmod.DECODE_ASM` (the interpreter cannot run PTX; it runs a tl copy of the same bits).
+# inline PTX `dmod.DECODE_ASM` (the interpreter cannot run PTX; it runs a tl copy of the same bits).
 # Here a small emulator executes that PTX text itself, instruction by instruction, in torch.
 
 
@@ -132,7 +134,7 @@ def test_decode_ptx_is_exact_for_every_code_and_scale_byte(kind):
     lane = (scale * (2.0 ** 119 if kind == "bf16" else 2.0 ** 7)).to(half).view(torch.int16).to(torch.int64) & 0xFFFF
     pair = lane | (lane << 16)
     w, p = torch.broadcast_tensors(word[:, None], pair[None, :])  # (64, 256)
-    outs = run_ptx(kmod.DECODE_ASM[kind], w, p, kind)
+    outs = run_ptx(dmod.DECODE_ASM[kind], w, p, kind)
     codes = torch.stack([(code_bytes >> sh) & 0xF for sh in (0, 4)], -1).reshape(64, 8)  # (64, 8) code i of each word
     for q in range(8):
         code = codes[:, q // 2 + 4 * (q % 2)]  # output q holds code q // 2 + 4 * (q % 2)
@@ -147,7 +149,7 @@ def test_decode_ptx_is_exact_for_every_code_and_scale_byte(kind):
 def test_fast_scale_route_matches_the_exact_one():
     # For the positive normal scale bytes (what checkpoints hold) the kernel builds the scale pair
     # with one integer multiply-add; it must equal the exactly rounded scale * 2**k in both lanes.
-    lo, hi = kmod.FAST_SCALE_BYTES
+    lo, hi = dmod.FAST_SCALE_BYTES
     b = torch.arange(lo, hi + 1)
     scale = b.to(torch.uint8).view(torch.float8_e4m3fn).double()
     for half, mul, add, exp in ((torch.bfloat16, 0x00100010, 0x77807780, 119), (torch.float16, 0x00800080, 0x3C003C00, 7)):
@@ -162,14 +164,14 @@ def test_decode_kernel_reproduces_the_dequantized_weight_exactly(dtype, scale_ro
     # time. "exact": every finite scale byte, zero, subnormal and negative ones included (the fp32
     # route); "fast": only positive normal bytes (the integer route). Bit-exact in the 16-bit type.
     gen = torch.Generator().manual_seed(10)
-    lo, hi = kmod.FAST_SCALE_BYTES
+    lo, hi = dmod.FAST_SCALE_BYTES
     pool = torch.arange(lo, hi + 1) if scale_route == "fast" else torch.cat([torch.arange(0, 0x7F), torch.arange(0x80, 0xFF)])
     scale_bytes = pool[torch.arange(64 * 4) % len(pool)].reshape(64, 4)  # (N=64, 4 blocks)
     packed, scale, gs = to_device(*make_nvfp4(64, 64, gen, scale_bytes=scale_bytes, global_scale=1234.5))
     ref = dequant_ref(packed, scale, gs).T.to(dtype)  # (K, N)
     eye = torch.eye(64, device=DEVICE, dtype=dtype)
     y = torch.cat([nvfp4_matmul(eye[c:c + 16], packed, scale, gs) for c in range(0, 64, 16)])
-    assert kmod._cached_info(packed).scale_fast() == (scale_route == "fast")
+    assert dmod._cached_info(packed).scale_fast() == (scale_route == "fast")
     assert torch.equal(y, ref)  # equal values (a sum cannot keep the sign of -0.0)
 
 
@@ -212,12 +214,12 @@ def test_weight_checks_are_cached_and_invalidated_by_changes():
     packed, scale, gs = to_device(*make_nvfp4(40, 64, gen))
     x = torch.randn(2, 64, generator=gen, device=DEVICE).to(torch.bfloat16)
     nvfp4_matmul(x, packed, scale, gs)
-    info = kmod._cached_info(packed)
+    info = dmod._cached_info(packed)
     nvfp4_matmul(x, packed, scale, gs)
-    assert kmod._cached_info(packed) is info
+    assert dmod._cached_info(packed) is info
     scale.view(torch.uint8).fill_(0x38)  # 1.0 everywhere, in place
     y = nvfp4_matmul(x, packed, scale, gs)
-    assert kmod._cached_info(packed) is not info
+    assert dmod._cached_info(packed) is not info
     torch.testing.assert_close(y, (x.float() @ dequant_ref(packed, scale, gs).T).to(torch.bfloat16))
     with pytest.raises(ValueError, match="scale must be"):
         nvfp4_matmul(x, packed, scale[:, :-1], gs)
@@ -227,7 +229,7 @@ def test_weight_checks_are_cached_and_invalidated_by_changes():
     ref, key = weakref.ref(packed), id(packed)
     del packed, info
     gc.collect()
-    assert ref() is None and key not in kmod._WEIGHTS
+    assert ref() is None and key not in dmod._WEIGHTS
 
 
 # -----------------------------------------------------------------------------
@@ -337,6 +339,27 @@ def test_01_quantize_output_feeds_the_kernel():
     torch.testing.assert_close(nvfp4_matmul(x, packed, scale, gs).cpu(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_tutorial_main_checks_the_general_kernel_against_the_reference():
+    # `python kernels/nvfp4_matmul.py` (part one's demo) asserts its wrapper against dequantize +
+    # matmul for fp32, bf16 and fp16 x. Without a GPU it must say so and re-run itself under the
+    # interpreter (here: TRITON_INTERPRET unset); with one, the interpreter is forced (no timing).
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    result = subprocess.run([sys.executable, os.path.join(root, "kernels", "nvfp4_matmul.py")], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    checks = [line for line in result.stdout.splitlines() if line.startswith("check ")]
+    assert len(checks) == 3 and all("matches dequantize + matmul" in line for line in checks), result.stdout
+    assert "timing | skipped" in result.stdout
+    if not torch.cuda.is_available():
+        assert "No CUDA GPU: re-running under Triton's interpreter" in result.stdout
+
+
 # -----------------------------------------------------------------------------
 # The kernel compiles for real GPUs (no GPU needed)
 #
@@ -345,7 +368,7 @@ def test_01_quantize_output_feeds_the_kernel():
 # bundles; this runs in a subprocess because TRITON_INTERPRET=1 (set by conftest) is read at import.
 
 AOT_SCRIPT = r"""
-import importlib, sys
+import importlib, os, sys
 sys.path.insert(0, sys.argv[1])
 import triton
 try:
@@ -353,8 +376,9 @@ try:
     from triton.compiler import ASTSource
 except ImportError as e:
     print("SKIP", e); sys.exit(0)
-kmod = importlib.import_module("kernels.nvfp4_matmul")
-jobs = {j["name"]: j for j in kmod.sass_jobs()}
+sys.path.insert(0, os.path.join(sys.argv[1], "bench"))
+kernel_sass = importlib.import_module("kernel_sass")  # sass_jobs() / sass_launch(): what the wrappers launch
+jobs = {j["name"]: j for j in kernel_sass.sass_jobs()}
 dec16 = next(j for j in jobs.values() if j["kernel"] == "decode" and j["tiles"]["BLOCK_M"] == 16)
 # (job, capability, overrides of the constexprs the wrapper would pass): the decode kernel with
 # split-K, bias and a K tail, in bf16 and fp16 (with the exact scale route) on Hopper and Ampere;
@@ -366,7 +390,7 @@ cases = [(dec16, 90, dict(SPLIT_K=4, HAS_BIAS=True, EVEN_K=False), None),
          (gen, 90, dict(HAS_BIAS=True), None),
          (gen16, 80, dict(DOT_FP32=True, FP8_NATIVE=False, SPLIT_K=2), "fp32")]
 for job, cap, over, xdt in cases:
-    kernel, ptrs, ints, consts = kmod.sass_launch(job, 512, 512)
+    kernel, ptrs, ints, consts = kernel_sass.sass_launch(job, 512, 512)
     consts = {**consts, **over}
     if xdt:
         ptrs = {**ptrs, "x_ptr": xdt, "y_ptr": xdt if consts.get("SPLIT_K", 1) == 1 or "part_ptr" in ptrs else "fp32"}
