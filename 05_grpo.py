@@ -13,7 +13,7 @@ README's "Results" section and docs/experiments.md):
     python 05_grpo.py --resume runs/qerl/checkpoint-000200
     python 05_grpo.py --task gsm8k --data train.jsonl --eval-data test.jsonl --model Qwen2.5-7B-Instruct
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 05_grpo.py --out runs/dp2   # data parallel
-Qwen2.5-7B + GSM8K on one GPU or eight: README "One GPU at 7B".
+Qwen2.5-7B + GSM8K on one GPU or eight: docs/scaling.md, "One GPU at 7B".
 
 To change the task, add a class to TASKS (or pass any task object to `train(args, task=...)`); to change
 the loss, add a field to LossOptions and its flag to build_parser.
@@ -945,7 +945,7 @@ def build_parser():
     p.add_argument("--mu", type=int, default=1, help="policy updates per batch")
     p.add_argument("--beta", type=float, default=LossOptions.beta, help="k3 KL to the base (reference) policy")
     p.add_argument("--entropy-coef", type=float, default=LossOptions.entropy_coef, help="entropy bonus coefficient")
-    # memory (the update at real scale; README "Scaling out")
+    # memory (the update at real scale; docs/scaling.md)
     p.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward of the update, "
                    "gradients accumulated before the one optimizer step (0: all rows at once)")
     p.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per decoder layer "

@@ -9,7 +9,7 @@ rollout's share, and the speed-up of the ranks over the single process. The two 
 (--repeats times), so a slow spell of a shared machine hits both.
 
 On a CPU the question is whether N processes use N cores better than one process with N threads
-(measured on 2 cores: no, 0.94x, see the README's "Scaling out"); on N GPUs data parallelism is the
+(measured on 2 cores: no, 0.94x, see docs/scaling.md); on N GPUs data parallelism is the
 only way to use them all. Run on a quiet machine:
     python bench/bench_data_parallel.py                        # 2 ranks vs 1 process x 2 threads, ~2 min
     python bench/bench_data_parallel.py --ranks 4 --steps 40 --repeats 1

@@ -21,7 +21,7 @@ peak then measures the allocator's leftovers as much as the tensors (`--default-
 
 `--per-token` counts the bytes autograd saves for backward (saved_tensors_hooks) in one decoder layer
 with rank-32 LoRA at Qwen2.5-7B's widths (bf16), at two sequence lengths, and reports the slope: the
-activation memory per token per layer with and without `--grad-checkpoint`. The README's 7B estimate is
+activation memory per token per layer with and without `--grad-checkpoint`. The 7B estimate in docs/scaling.md is
 built from it. `--smoke` is bench/gpu_check.sh's CUDA run of 05: a random model's rewards are all 0 (no
 group would have signal, so no update would run), so it replaces the reward by 0, 1, 0, 1, ... and
 reports s/step and the peak GPU memory of sampling and of the update.
