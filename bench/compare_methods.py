@@ -22,8 +22,9 @@ and metrics.jsonl and writes:
                 files, 1.3 MB packed)
 runs/ is the working area and git ignores it; runs.tar.xz is its committed copy, written after the
 report of every command that trains (--pack writes only it). --from-results reads runs/, or
-runs.tar.xz when runs/ is absent (a fresh checkout); a command that trains first unpacks runs.tar.xz
-into an absent runs/, so it reuses the finished runs and the next pack still holds them. By hand:
+runs.tar.xz when runs/ holds no run folder (a fresh checkout); a command that trains first unpacks
+runs.tar.xz into such a runs/, so it reuses the finished runs and the next pack still holds them. To
+drop a run from the pack: delete its folder in runs/, then --pack. By hand:
 `tar -xJf bench/results/runs.tar.xz -C bench/results` (Python's tarfile and lzma read it too).
 
 Run it (from the repository root; 15 runs of 300 steps took 45 min on 2 cores with --parallel 2):
@@ -453,15 +454,24 @@ def read_pack(path):
     return runs
 
 
+def run_names(runs_root):
+    """The <method>-s<seed> folders in runs_root (none if it does not exist)."""
+    if not os.path.isdir(runs_root):
+        return []
+    return sorted(d for d in os.listdir(runs_root) if RUN_DIR.match(d) and os.path.isdir(os.path.join(runs_root, d)))
+
+
 def stored_runs(out):
     """(where, {run name: {file name: text}}) of every <method>-s<seed> run of a results folder: from
-    <out>/runs/, or when that folder is absent (a fresh checkout) from <out>/runs.tar.xz; (None, {}) if
-    neither exists."""
+    <out>/runs/, or from <out>/runs.tar.xz when runs/ holds no run folder (a fresh checkout; leftovers
+    such as .code/ do not count); (None, {}) if neither exists."""
     runs_root, pack = os.path.join(out, "runs"), os.path.join(out, PACK)
+    names = run_names(runs_root)
+    if os.path.isfile(pack) and not names:
+        return pack, read_pack(pack)
     if os.path.isdir(runs_root):
-        return runs_root, {d: run_files(os.path.join(runs_root, d)) for d in sorted(os.listdir(runs_root))
-                           if RUN_DIR.match(d) and os.path.isdir(os.path.join(runs_root, d))}
-    return (pack, read_pack(pack)) if os.path.isfile(pack) else (None, {})
+        return runs_root, {d: run_files(os.path.join(runs_root, d)) for d in names}
+    return None, {}
 
 
 def pack_runs(out):
@@ -469,10 +479,9 @@ def pack_runs(out):
     same runs give the same bytes (sorted members, zero times and owners): repacking unchanged runs
     leaves git nothing to commit."""
     runs_root, path = os.path.join(out, "runs"), os.path.join(out, PACK)
-    if not os.path.isdir(runs_root):
-        raise FileNotFoundError(f"--pack: no folder {runs_root} to pack")
-    names = sorted(d for d in os.listdir(runs_root)
-                   if RUN_DIR.match(d) and os.path.isfile(os.path.join(runs_root, d, "summary.json")))
+    names = [d for d in run_names(runs_root) if os.path.isfile(os.path.join(runs_root, d, "summary.json"))]
+    if not names:  # never replace a pack with an empty one
+        raise FileNotFoundError(f"--pack: no finished run in {runs_root} to pack")
     tmp = path + f".tmp{os.getpid()}"
     with tarfile.open(tmp, "w:xz", format=tarfile.USTAR_FORMAT, preset=9 | lzma.PRESET_EXTREME) as tar:
         for name in names:
@@ -486,29 +495,26 @@ def pack_runs(out):
     os.replace(tmp, path)
     print(f"pack | {len(names)} finished run(s) of {short(runs_root)} -> {short(path)} "
           f"({os.path.getsize(path) / 1024:.0f} KB)")
-    return path
 
 
 def unpack_runs(out):
-    """Recreate <out>/runs/ from <out>/runs.tar.xz when runs/ is absent, so that training skips the
-    finished runs and the pack written after it still holds them. Returns how many runs it unpacked."""
+    """Recreate the run folders of <out>/runs/ from <out>/runs.tar.xz when runs/ holds none, so that
+    training skips the finished runs and the pack written after it still holds them."""
     runs_root, pack = os.path.join(out, "runs"), os.path.join(out, PACK)
-    if os.path.isdir(runs_root) or not os.path.isfile(pack):
-        return 0
+    if run_names(runs_root) or not os.path.isfile(pack):
+        return
     runs = read_pack(pack)
-    tmp = runs_root + f".tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     for name, files in runs.items():
-        os.makedirs(os.path.join(tmp, name))
-        for file, text in files.items():
-            write_text(os.path.join(tmp, name, file), text)
-    try:
-        os.replace(tmp, runs_root)
-    except OSError:  # a second copy of this script, started at the same moment, unpacked it first
+        tmp = os.path.join(runs_root, f".{name}.tmp{os.getpid()}")  # a whole folder or none
         shutil.rmtree(tmp, ignore_errors=True)
-        return 0
+        os.makedirs(tmp)
+        for file, text in files.items():
+            write_text(os.path.join(tmp, file), text)
+        try:
+            os.replace(tmp, os.path.join(runs_root, name))
+        except OSError:  # a second copy of this script, started at the same moment, unpacked it first
+            shutil.rmtree(tmp, ignore_errors=True)
     print(f"unpack | {len(runs)} finished run(s) from {short(pack)} into {short(runs_root)} (reused unless --force)")
-    return len(runs)
 
 # ---------------------------------------------------------------------------------------------------
 # Reading one run
@@ -606,7 +612,7 @@ def read_versions(text):
 
 def collect(args, jobs=None):
     """Records of the finished runs: the requested (method, seed) pairs, or with jobs=None every
-    <method>-s<seed> run under <out>/runs, or in <out>/runs.tar.xz without it (the --from-results mode)."""
+    <method>-s<seed> run under <out>/runs, or in <out>/runs.tar.xz (stored_runs; the --from-results mode)."""
     runs_root = os.path.join(args.out, "runs")
     where, runs = stored_runs(args.out)
     if jobs is None:
@@ -1061,7 +1067,7 @@ def build_parser():
     p.add_argument("--out", help=f"results folder (runs go to <out>/runs/<method>-s<seed>; default "
                    f"{short(DEFAULT_OUT)}, or {short(DEFAULT_OUT)}/<study>)")
     p.add_argument("--from-results", action="store_true", help="only re-render results/table/plot from the runs in "
-                   f"<out>/runs/, or in <out>/{PACK} when runs/ is absent")
+                   f"<out>/runs/, or in <out>/{PACK} when runs/ holds none")
     p.add_argument("--pack", action="store_true", help=f"only pack the finished runs of <out>/runs/ into <out>/{PACK} "
                    "(training does it after its report; with --from-results: re-render, then pack)")
     p.add_argument("--force", action="store_true", help="retrain runs that are already done")
