@@ -11,26 +11,38 @@ slower on a CPU, and a time budget would hand the unquantized runs more training
 the same held-out set. Each run is a separate `python 05_grpo.py` process with one thread, several
 at a time, writing to bench/results/runs/<method>-s<seed>/. Then it reads every run's summary.json
 and metrics.jsonl and writes:
-  results.json  one record per run (final greedy accuracy, pass@k, steps to reach +threshold points,
-                entropy over the first and last fifth of training, wall time, the eval curve)
+  results.json  one record per run, one line each (final greedy accuracy, pass@k, steps to reach
+                +threshold points, entropy over the first and last fifth of training, wall time, the
+                eval curve), and per method the mean +- std over seeds
   table.md      per method: mean +- std over seeds, and whether the paper's ordering holds
   curves.png    reward, held-out accuracy and entropy vs step, a band across seeds (needs
                 matplotlib, an optional extra: without it the plot is skipped and the rest still works)
+  runs.tar.xz   the finished runs' args.json, metrics.jsonl, summary.json and versions.txt (not
+                train.log): what the three files above are rebuilt from (bench/results/: 8.9 MB of run
+                files, 1.3 MB packed)
+runs/ is the working area and git ignores it; runs.tar.xz is its committed copy, written after the
+report of every command that trains (--pack writes only it). --from-results reads runs/, or
+runs.tar.xz when runs/ holds no run folder (a fresh checkout); a command that trains first unpacks
+runs.tar.xz into such a runs/, so it reuses the finished runs and the next pack still holds them. To
+drop a run from the pack: delete its folder in runs/, then --pack. By hand:
+`tar -xJf bench/results/runs.tar.xz -C bench/results` (Python's tarfile and lzma read it too).
 
 Run it (from the repository root; 15 runs of 300 steps took 45 min on 2 cores with --parallel 2):
     python bench/compare_methods.py                                  # 5 methods x seeds 0 1 2, 300 steps
     python bench/compare_methods.py --steps 200 --seeds 0 1 2 3 4 --parallel 2
     python bench/compare_methods.py --methods lora qerl --steps 4 --seeds 0 --eval-size 20 --out /tmp/cmp
-    python bench/compare_methods.py --from-results                   # only re-render table and plot
+    python bench/compare_methods.py --from-results                   # only re-render table and plot (seconds)
+    python bench/compare_methods.py --from-results --pack            # ... then repack runs/ (after deleting a run)
     python bench/compare_methods.py -- --lr 5e-4                     # arguments after -- go to 05_grpo.py
 A second copy started later with the same arguments (e.g. once the machine has a free core) trains
 the runs the first has not taken yet; rerun with --from-results at the end to report all of them.
 
 Issue #16's studies (--study): where, if anywhere, does noise help exploration? Each is one command
 with the same machinery, 3 seeds x 300 steps, evaluated on 1000 held-out problems (500 move by +-3
-points between seeds), writing runs/, results.json, table.md, curves.png and invocations.jsonl (each
-command and its wall time) to bench/results/<study>/. Wall times: the script's estimate for 2 cores
-at --parallel 2, printed when it starts.
+points between seeds), writing runs/, runs.tar.xz, results.json, table.md, curves.png and
+invocations.jsonl (each command and its wall time) to bench/results/<study>/ (re-render one with
+`--study <study> --from-results`). Wall times: the script's estimate for 2 cores at --parallel 2,
+printed when it starts.
     python bench/compare_methods.py --study noise      # 18 runs, ~60 min
     python bench/compare_methods.py --study scheduler  # 15 runs, ~53 min
     python bench/compare_methods.py --study hard       # 12 runs, ~40 min (after the noise study)
@@ -59,7 +71,9 @@ the finished ones. Study runs keep a compact metrics.jsonl (what the table and t
 """
 import argparse
 import hashlib
+import io
 import json
+import lzma
 import math
 import os
 import re
@@ -69,6 +83,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -246,12 +261,12 @@ def short(path):
     return os.path.relpath(full, ROOT) if full.startswith(ROOT + os.sep) else path
 
 
-def is_done(run_dir, steps):
-    """A finished run of the same budget is reused instead of trained again (unless --force)."""
+def is_done(files, steps):
+    """A finished run of the same budget is reused instead of trained again (unless --force). files:
+    {file name: text} of the run (run_files, or one run of stored_runs), None if it never started."""
     try:
-        with open(os.path.join(run_dir, "summary.json")) as f:
-            s = json.load(f)
-    except (OSError, ValueError):
+        s = json.loads((files or {})["summary.json"])
+    except (KeyError, ValueError):
         return False
     return s.get("steps_done") == steps and s.get("args", {}).get("steps") == steps
 
@@ -285,10 +300,11 @@ def run_all(args, methods=None):
     runs_root = os.path.join(args.out, "runs")
     # seed-major order: if the runs are stopped early, every method has the same number of seeds
     jobs = [(m, s) for s in args.seeds for m in (methods or args.methods)]
+    _, stored = stored_runs(args.out)  # the pack only in a --dry-run without runs/ (else main unpacked it)
     todo = []
     for m, s in jobs:
         run_dir = os.path.join(runs_root, f"{m}-s{s}")
-        if not args.force and is_done(run_dir, args.steps):
+        if not args.force and is_done(stored.get(f"{m}-s{s}"), args.steps):
             print(f"skip | {m}-s{s} | already done with {args.steps} steps (--force to retrain)")
         else:
             todo.append((m, s, run_dir))
@@ -324,7 +340,7 @@ def run_all(args, methods=None):
                     pending, args.stopped = [], True
                     break
                 m, s, run_dir = pending.pop(0)
-                if (not args.force and is_done(run_dir, args.steps)) or not claim(runs_root, f"{m}-s{s}"):
+                if (not args.force and is_done(run_files(run_dir), args.steps)) or not claim(runs_root, f"{m}-s{s}"):
                     print(f"skip | {m}-s{s} | done or being trained by another copy of this script")
                     continue
                 shutil.rmtree(run_dir, ignore_errors=True)  # 05 appends to metrics.jsonl: start clean
@@ -367,7 +383,7 @@ def run_all(args, methods=None):
 def finish_line(i, n, method, seed, run_dir, rc, args, elapsed):
     head, threshold = f"run {i}/{n} | {method}-s{seed}", args.threshold
     try:
-        r = load_run(run_dir, method, seed, threshold, args.table)
+        r = load_run(run_files(run_dir), run_dir, method, seed, threshold, args.table)
     except (OSError, ValueError) as e:
         return f"{head} | FAILED (exit {rc}): {e} | see {os.path.join(run_dir, 'train.log')}"
     stt = r["steps_to_threshold"]
@@ -407,17 +423,110 @@ def compact_metrics(run_dir):
     write_text(path, "\n".join(lines) + "\n")
 
 # ---------------------------------------------------------------------------------------------------
-# Reading one run folder
+# Where the runs are kept: <out>/runs/, the working area, and <out>/runs.tar.xz, its committed copy
+# (which command reads and writes which: the docstring)
+
+PACK = "runs.tar.xz"
+PACKED_FILES = ("args.json", "metrics.jsonl", "summary.json", "versions.txt")  # train.log repeats the evals
 
 
-def read_metrics(run_dir):
-    """(step records, eval records) from metrics.jsonl."""
+def run_files(run_dir):
+    """{file name: text} of one run folder's PACKED_FILES (None if there is no such folder)."""
+    if not os.path.isdir(run_dir):
+        return None
+    files = {}
+    for name in PACKED_FILES:
+        if os.path.isfile(os.path.join(run_dir, name)):
+            with open(os.path.join(run_dir, name)) as f:
+                files[name] = f.read()
+    return files
+
+
+def read_pack(path):
+    """{run name: {file name: text}} from a runs.tar.xz (members runs/<method>-s<seed>/<file>)."""
+    runs = {}
+    with tarfile.open(path, "r:xz") as tar:
+        for member in tar:
+            parts = member.name.split("/")
+            if (member.isfile() and len(parts) == 3 and parts[0] == "runs" and RUN_DIR.match(parts[1])
+                    and parts[2] in PACKED_FILES):
+                runs.setdefault(parts[1], {})[parts[2]] = tar.extractfile(member).read().decode()
+    return runs
+
+
+def run_names(runs_root):
+    """The <method>-s<seed> folders in runs_root (none if it does not exist)."""
+    if not os.path.isdir(runs_root):
+        return []
+    return sorted(d for d in os.listdir(runs_root) if RUN_DIR.match(d) and os.path.isdir(os.path.join(runs_root, d)))
+
+
+def stored_runs(out):
+    """(where, {run name: {file name: text}}) of every <method>-s<seed> run of a results folder: from
+    <out>/runs/, or from <out>/runs.tar.xz when runs/ holds no run folder (a fresh checkout; leftovers
+    such as .code/ do not count); (None, {}) if neither exists."""
+    runs_root, pack = os.path.join(out, "runs"), os.path.join(out, PACK)
+    names = run_names(runs_root)
+    if os.path.isfile(pack) and not names:
+        return pack, read_pack(pack)
+    if os.path.isdir(runs_root):
+        return runs_root, {d: run_files(os.path.join(runs_root, d)) for d in names}
+    return None, {}
+
+
+def pack_runs(out):
+    """Write <out>/runs.tar.xz from the finished runs (those with a summary.json) in <out>/runs/. The
+    same runs give the same bytes (sorted members, zero times and owners): repacking unchanged runs
+    leaves git nothing to commit."""
+    runs_root, path = os.path.join(out, "runs"), os.path.join(out, PACK)
+    names = [d for d in run_names(runs_root) if os.path.isfile(os.path.join(runs_root, d, "summary.json"))]
+    if not names:  # never replace a pack with an empty one
+        raise FileNotFoundError(f"--pack: no finished run in {runs_root} to pack")
+    tmp = path + f".tmp{os.getpid()}"
+    with tarfile.open(tmp, "w:xz", format=tarfile.USTAR_FORMAT, preset=9 | lzma.PRESET_EXTREME) as tar:
+        for name in names:
+            for file in PACKED_FILES:
+                if os.path.isfile(os.path.join(runs_root, name, file)):
+                    with open(os.path.join(runs_root, name, file), "rb") as f:
+                        data = f.read()
+                    info = tarfile.TarInfo(f"runs/{name}/{file}")  # mtime 0, owner 0, mode 0o644
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    os.replace(tmp, path)
+    print(f"pack | {len(names)} finished run(s) of {short(runs_root)} -> {short(path)} "
+          f"({os.path.getsize(path) / 1024:.0f} KB)")
+
+
+def unpack_runs(out):
+    """Recreate the run folders of <out>/runs/ from <out>/runs.tar.xz when runs/ holds none, so that
+    training skips the finished runs and the pack written after it still holds them."""
+    runs_root, pack = os.path.join(out, "runs"), os.path.join(out, PACK)
+    if run_names(runs_root) or not os.path.isfile(pack):
+        return
+    runs = read_pack(pack)
+    for name, files in runs.items():
+        tmp = os.path.join(runs_root, f".{name}.tmp{os.getpid()}")  # a whole folder or none
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for file, text in files.items():
+            write_text(os.path.join(tmp, file), text)
+        try:
+            os.replace(tmp, os.path.join(runs_root, name))
+        except OSError:  # a second copy of this script, started at the same moment, unpacked it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"unpack | {len(runs)} finished run(s) from {short(pack)} into {short(runs_root)} (reused unless --force)")
+
+# ---------------------------------------------------------------------------------------------------
+# Reading one run
+
+
+def read_metrics(text):
+    """(step records, eval records) from the text of a metrics.jsonl."""
     steps, evals = [], []
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            if line.strip():
-                rec = json.loads(line)
-                (evals if "eval" in rec else steps).append(rec.get("eval", rec))
+    for line in text.splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            (evals if "eval" in rec else steps).append(rec.get("eval", rec))
     return steps, evals
 
 
@@ -452,20 +561,21 @@ def same_value(got, want):
         return str(got) == want
 
 
-def load_run(run_dir, method, seed, threshold, table=METHODS):
-    """One run's record for results.json. Raises ValueError for an unfinished or foreign run."""
-    path = os.path.join(run_dir, "summary.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"no summary.json in {run_dir} (the run did not finish)" if os.path.isdir(run_dir) else
+def load_run(files, run_dir, method, seed, threshold, table=METHODS):
+    """One run's record for results.json, from its files ({file name: text}, None if never started;
+    run_dir: the folder they are or were unpacked in). Raises ValueError for an unfinished or foreign run."""
+    if not files or "summary.json" not in files:
+        raise ValueError(f"no summary.json in {run_dir} (the run did not finish)" if files is not None else
                          "not trained yet")
-    with open(path) as f:
-        summary = json.load(f)
+    if "metrics.jsonl" not in files:
+        raise ValueError(f"no metrics.jsonl in {run_dir}")
+    summary = json.loads(files["summary.json"])
     a = summary.get("args", {})
     wrong = [k for k, v in flag_values(table[method][1]).items() if not same_value(a.get(k), v)]
     if wrong:
         raise ValueError(f"{run_dir} was trained with " + ", ".join(f"{k} {a.get(k)}" for k in wrong) +
                          f", not as {method!r}: delete or rename the folder")
-    steps, evals = read_metrics(run_dir)
+    steps, evals = read_metrics(files["metrics.jsonl"])
     first, final = summary.get("first_eval"), summary.get("final_eval")
     if not first or not final or not steps:
         raise ValueError(f"{run_dir} has no evaluation or no steps (was it run with --eval-size 0?)")
@@ -487,42 +597,41 @@ def load_run(run_dir, method, seed, threshold, table=METHODS):
             "reward_first_fifth": fifth_mean(reward, last=False), "reward_last_fifth": fifth_mean(reward, last=True),
             "s_per_step": statistics.mean(r["s/step"] for r in steps), "wall_s": summary["wall_s"],
             "eval_curve": [[e["step"], e["greedy"]] for e in evals],
-            "skipped_updates": summary.get("skipped_updates", 0), **read_versions(run_dir)}
+            "skipped_updates": summary.get("skipped_updates", 0), **read_versions(files.get("versions.txt", ""))}
 
 
-def read_versions(run_dir):
-    """{"code_md5", "model_md5"} from versions.txt (None where unknown)."""
+def read_versions(text):
+    """{"code_md5", "model_md5"} from the text of a versions.txt (None where unknown)."""
     out = {"code_md5": None, "model_md5": None}
-    try:
-        with open(os.path.join(run_dir, "versions.txt")) as f:
-            for line in f:
-                key, _, value = line.strip().partition(" ")
-                if key in ("code", "model"):
-                    out[f"{key}_md5"] = value
-    except OSError:
-        pass
+    for line in text.splitlines():
+        key, _, value = line.strip().partition(" ")
+        if key in ("code", "model"):
+            out[f"{key}_md5"] = value
     return out
 
 
 def collect(args, jobs=None):
     """Records of the finished runs: the requested (method, seed) pairs, or with jobs=None every
-    <method>-s<seed> folder under <out>/runs (the --from-results mode)."""
+    <method>-s<seed> run under <out>/runs, or in <out>/runs.tar.xz (stored_runs; the --from-results mode)."""
     runs_root = os.path.join(args.out, "runs")
+    where, runs = stored_runs(args.out)
     if jobs is None:
-        if not os.path.isdir(runs_root):
-            raise FileNotFoundError(f"--from-results: no folder {runs_root} (train first, or pass --out)")
+        if where is None:
+            raise FileNotFoundError(f"--from-results: neither {runs_root} nor {os.path.join(args.out, PACK)} exists "
+                                    f"(train first, or pass --out)")
         jobs = []
-        for d in os.listdir(runs_root):
+        for d in runs:
             m = RUN_DIR.match(d)
             if m and m["method"] in args.table:
                 jobs.append((m["method"], int(m["seed"])))
         jobs.sort(key=lambda j: (list(args.table).index(j[0]), j[1]))  # the table's order, not the alphabet's
         if not jobs:
-            raise FileNotFoundError(f"--from-results: no <method>-s<seed> run folders in {runs_root}")
+            raise FileNotFoundError(f"--from-results: no <method>-s<seed> runs in {where}")
     records = []
     for method, seed in jobs:
+        name = f"{method}-s{seed}"
         try:
-            records.append(load_run(os.path.join(runs_root, f"{method}-s{seed}"), method, seed, args.threshold,
+            records.append(load_run(runs.get(name), os.path.join(runs_root, name), method, seed, args.threshold,
                                     args.table))
         except (OSError, ValueError) as e:
             print(f"missing | {method}-s{seed} | {e}")
@@ -533,7 +642,7 @@ def collect(args, jobs=None):
                   f"the comparison mixes them")
     budgets = sorted({r["steps"] for r in records})
     if len(budgets) > 1:
-        raise ValueError(f"runs in {runs_root} have different step counts {budgets}: an unequal budget is not a "
+        raise ValueError(f"runs in {where} have different step counts {budgets}: an unequal budget is not a "
                          f"fair comparison (move the odd ones away or retrain them with --force)")
     return records
 
@@ -718,7 +827,7 @@ def band(curves):
     return ([statistics.mean(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols])
 
 
-def render_plot(records, summary, out_dir, path, table=METHODS):
+def render_plot(records, summary, runs, path, table=METHODS):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -732,7 +841,7 @@ def render_plot(records, summary, out_dir, path, table=METHODS):
     for m in summary:
         rs = [r for r in records if r["method"] == m]
         colour, label = table[m][2], f"{table[m][0]} (n={len(rs)})"
-        per_run = [read_metrics(os.path.join(ROOT, r["dir"]))[0] for r in rs]
+        per_run = [read_metrics(runs[f"{m}-s{r['seed']}"]["metrics.jsonl"])[0] for r in rs]
         n = min(len(p) for p in per_run)
         x = [rec["step"] for rec in per_run[0][:n]]
         for ax, key in ((axes[0], "reward"), (axes[2], "entropy")):
@@ -771,6 +880,18 @@ def write_text(path, text):
     os.replace(tmp, path)
 
 
+def json_lines(obj, expand=2, indent=""):
+    """JSON with the first `expand` levels one item per line and everything deeper on its item's line:
+    one line per run, per method and per question, so that results.json stays short and diffs by run."""
+    if expand == 0 or not isinstance(obj, (dict, list)) or not obj:
+        return json.dumps(obj)
+    inner = indent + " "
+    items = ([f"{inner}{json.dumps(k)}: {json_lines(v, expand - 1, inner)}" for k, v in obj.items()]
+             if isinstance(obj, dict) else [inner + json_lines(v, expand - 1, inner) for v in obj])
+    brackets = "{}" if isinstance(obj, dict) else "[]"
+    return brackets[0] + "\n" + ",\n".join(items) + "\n" + indent + brackets[1]
+
+
 def clean(obj):
     """NaN -> None so results.json is strict JSON; (mean, std, n) tuples -> dicts."""
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -790,8 +911,9 @@ def report(args, records):
     order = [m for m in args.table if any(r["method"] == m for r in records)]
     summary = summarize(records, order)
     checks = [compare(summary, a, b) for a, b in PAPER_PAIRS + CONTROL_PAIRS] if not args.study else []
-    first_args = os.path.join(ROOT, records[0]["dir"], "args.json")
-    train_args = json.load(open(first_args)) if os.path.isfile(first_args) else {}
+    _, runs = stored_runs(args.out)
+    first = runs[f"{records[0]['method']}-s{records[0]['seed']}"]
+    train_args = json.loads(first["args.json"]) if "args.json" in first else {}
     varied = {k for m in order for k in flag_values(args.table[m][1])}  # what the methods set differs per run
     for key in {"out", "seed", "quant", "aqn", "model"} | varied:
         train_args.pop(key, None)
@@ -807,10 +929,10 @@ def report(args, records):
     else:
         table = render_table(summary, records, args, checks)
     os.makedirs(args.out, exist_ok=True)
-    write_text(os.path.join(args.out, "results.json"), json.dumps(clean(results), indent=1) + "\n")
+    write_text(os.path.join(args.out, "results.json"), json_lines(clean(results)) + "\n")
     write_text(os.path.join(args.out, "table.md"), table)
     print(table)
-    plot = render_plot(records, summary, args.out, os.path.join(args.out, "curves.png"), args.table)
+    plot = render_plot(records, summary, runs, os.path.join(args.out, "curves.png"), args.table)
     print(f"wrote | {os.path.join(args.out, 'results.json')} | {os.path.join(args.out, 'table.md')}"
           + (f" | {plot}" if plot else ""))
 
@@ -866,8 +988,8 @@ def study_best(args, summary=None):
                 return json.load(f).get("best_noise_level")
         except (OSError, ValueError):
             return None
-    runs_root = os.path.join(args.out, "runs")
-    if not all(is_done(os.path.join(runs_root, f"{m}-s{s}"), args.steps) for m in study["first"] for s in args.seeds):
+    _, runs = stored_runs(args.out)
+    if not all(is_done(runs.get(f"{m}-s{s}"), args.steps) for m in study["first"] for s in args.seeds):
         return None
     if summary is None:
         summary = summarize(collect(args, [(m, s) for s in args.seeds for m in study["first"]]), study["first"])
@@ -944,7 +1066,10 @@ def build_parser():
     p.add_argument("--threshold", type=float, default=10.0, help="points above the start for steps-to-threshold")
     p.add_argument("--out", help=f"results folder (runs go to <out>/runs/<method>-s<seed>; default "
                    f"{short(DEFAULT_OUT)}, or {short(DEFAULT_OUT)}/<study>)")
-    p.add_argument("--from-results", action="store_true", help="only re-render results/table/plot from run folders")
+    p.add_argument("--from-results", action="store_true", help="only re-render results/table/plot from the runs in "
+                   f"<out>/runs/, or in <out>/{PACK} when runs/ holds none")
+    p.add_argument("--pack", action="store_true", help=f"only pack the finished runs of <out>/runs/ into <out>/{PACK} "
+                   "(training does it after its report; with --from-results: re-render, then pack)")
     p.add_argument("--force", action="store_true", help="retrain runs that are already done")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final adapter checkpoint")
     p.add_argument("--max-wall", type=float, default=0, help="start no new run after this many seconds "
@@ -1000,8 +1125,11 @@ def interrupted(signum, frame):
 def main(argv):
     signal.signal(signal.SIGTERM, interrupted)
     args = parse_args(argv)
-    if args.from_results:
-        report(args, collect(args))
+    if args.from_results or args.pack:
+        if args.from_results:
+            report(args, collect(args))
+        if args.pack:
+            pack_runs(args.out)
         return
     if not os.path.isfile(GRPO):
         raise FileNotFoundError(f"{GRPO} not found (run this from a checkout of the repository)")
@@ -1009,10 +1137,13 @@ def main(argv):
         raise FileNotFoundError(f"no model folder {short(model_dir(args))}" + (
             f": build it with `python assets/make_tiny_model.py --target 0.07 --out {short(HARD_MODEL)}` (about "
             f"8 minutes on one core; assets/README.md)" if model_dir(args) == HARD_MODEL else ""))
+    if not args.dry_run:
+        unpack_runs(args.out)
     if not args.study:
         jobs = run_all(args)
         if not args.dry_run:
             report(args, collect(args, jobs))
+            pack_runs(args.out)
         return
     study = STUDIES[args.study]
     n_runs = len(args.seeds) * (len(study["first"]) + len(study["after_best"]))
@@ -1027,6 +1158,7 @@ def main(argv):
             log_invocation(args, len(jobs))
     if not args.dry_run:
         report(args, collect(args, jobs))
+        pack_runs(args.out)
 
 
 if __name__ == "__main__":
