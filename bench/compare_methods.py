@@ -37,7 +37,7 @@ Run it (from the repository root; 15 runs of 300 steps took 45 min on 2 cores wi
 A second copy started later with the same arguments (e.g. once the machine has a free core) trains
 the runs the first has not taken yet; rerun with --from-results at the end to report all of them.
 
-Issue #16's studies (--study): where, if anywhere, does noise help exploration? Each is one command
+The studies (--study): where, if anywhere, does noise help exploration, and does the rounding matter? Each is one command
 with the same machinery, 3 seeds x 300 steps, evaluated on 1000 held-out problems (500 move by +-3
 points between seeds), writing runs/, runs.tar.xz, results.json, table.md, curves.png and
 invocations.jsonl (each command and its wall time) to bench/results/<study>/ (re-render one with
@@ -46,6 +46,7 @@ printed when it starts.
     python bench/compare_methods.py --study noise      # 18 runs, ~60 min
     python bench/compare_methods.py --study scheduler  # 15 runs, ~53 min
     python bench/compare_methods.py --study hard       # 12 runs, ~40 min (after the noise study)
+    python bench/compare_methods.py --study rounding   # 6 runs, ~20 min
     python bench/compare_methods.py --study noise --steps 4 --seeds 0 --eval-size 20 --eval-every 2 --out /tmp/noise
   noise      NVFP4 + LoRA with AQN sigma_start 0 (no AQN), 1e-2, 3e-2, 1e-1 and sigma_end = sigma_start / 20;
              then, as a second phase, the fp32 base without AQN and at the best nonzero NVFP4 level (the
@@ -62,6 +63,8 @@ printed when it starts.
              the bundled model's own pretraining stopped at 7% instead of 25% (NVFP4 on 1000 held-out
              problems: 6.8% greedy, 17.0% pass@8). The best level comes from bench/results/noise/results.json
              (the noise folder next to --out) or --noise-level; a best level of 1e-2 is QeRL itself.
+  rounding   QeRL (NVFP4 + LoRA + AQN 1e-2 -> 5e-4) with the NVFP4 base rounded to nearest (compressed-
+             tensors) vs Four Over Six (05's --quant-method 4over6: per block the max -> 6 or max -> 4 scale).
 The methods, phases and questions are data (STUDIES); --methods restricts a study to some of its
 methods. Every question is a - b of two methods: the table gives the difference of means of final
 greedy accuracy (the verdict: helps / hurts / within noise, the latter under two standard errors of the
@@ -110,7 +113,7 @@ OWNED_FLAGS = ("--out", "--seed", "--steps", "--quant", "--aqn", "--no-aqn", "--
 RUN_DIR = re.compile(r"^(?P<method>[a-z0-9-]+)-s(?P<seed>\d+)$")
 
 # ---------------------------------------------------------------------------------------------------
-# The studies of issue #16 (--study): where, if anywhere, does noise help exploration? Each study is
+# The studies (--study): where, if anywhere, does noise help exploration? Each study is
 # data: its methods (same shape as METHODS), the runs of its first phase, the runs that need the best
 # noise level (known only once the NVFP4 sweep is done: "{best}" in a key), the 05 flags every run
 # shares, and its questions as (a, b, question): a verdict on a - b per question.
@@ -175,6 +178,13 @@ STUDIES = {
                       ("qerl", "nvfp4-lora", "does AQN 1e-2 help from a hard start?"),
                       ("qerl-{best}", "nvfp4-lora", "does the noise study's best level help from a hard start?"),
                       ("qerl", "lora", "QeRL vs LoRA from a hard start")]},
+    "rounding": {
+        "title": "NVFP4 rounding for QeRL: round to nearest (compressed-tensors) vs Four Over Six (per-block max -> 6 or 4)",
+        "methods": {"qerl-rtn": ("QeRL, NVFP4 round to nearest", noise_flags("nvfp4", 1e-2), "tab:red"),
+                    "qerl-4over6": ("QeRL, NVFP4 Four Over Six", noise_flags("nvfp4", 1e-2) + ["--quant-method", "4over6"],
+                                    "tab:green")},
+        "first": ["qerl-rtn", "qerl-4over6"], "after_best": [], "best_from": None, "train_args": [],
+        "questions": [("qerl-4over6", "qerl-rtn", "does Four Over Six rounding help QeRL?")]},
 }
 
 # ---------------------------------------------------------------------------------------------------
@@ -1050,7 +1060,7 @@ def invocation_lines(out):
 def build_parser():
     p = argparse.ArgumentParser(description="Train LoRA / QLoRA / NVFP4-LoRA / QeRL / LoRA+AQN with identical "
                                 "budgets and compare them (arguments after -- go to 05_grpo.py)")
-    p.add_argument("--study", choices=list(STUDIES), help="one of issue #16's studies instead of the paper's "
+    p.add_argument("--study", choices=list(STUDIES), help="one of the ablation studies instead of the paper's "
                    "comparison: its own methods, 1000 held-out problems, results under bench/results/<study>/")
     p.add_argument("--methods", nargs="+", help="a subset of the methods (default: all of the comparison's, or "
                    "of the study's)")
