@@ -20,7 +20,7 @@ update runs on the clean policy (README, "Notes on the paper").
 Run it (the schedule of a 600-step run, then the exploration table: entropy and KL to the unquantized base, per
 sampled token, of fp32 / NF4 / NVFP4 and of base / NVFP4 under AQN, on the bundled model):
     python 04_aqn.py                # fp32, 32 problems x 8 samples x 2 draws: ~45 s on a shared 2-core CPU
-    python 04_aqn.py --full         # fp32 and bf16, 64 x 8 x 2, three sigmas: ~5 min
+    python 04_aqn.py --full         # fp32 and bf16, 64 x 8 x 2, three sigmas: 3-5 min
     python 04_aqn.py --model path/to/hf-folder --samples 8 --sigmas 1e-2 5e-2
 Measured tables and what they show: docs/aqn.md.
 """
@@ -287,7 +287,7 @@ def build_parser():
     parser.add_argument("--rounds", type=int, default=2, help="noise draws per row")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default); the "
-                        "bundled model's matmuls are too small to share: on a busy 2-core CPU, 2 threads ran 3.6x slower")
+                        "bundled model's matmuls are too small to gain from more, and a busy CPU stalls them")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
                         help="activation dtypes to measure in (default float32)")
     return parser
