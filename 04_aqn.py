@@ -1,24 +1,28 @@
-"""Stage 04: Adaptive Quantization Noise (AQN), its schedule, and the exploration it buys.
+"""Stage 04: Adaptive Quantization Noise (AQN): its schedule, the noise in the RMSNorm gains, and the
+exploration it buys.
 
-QeRL's claim is that a 4-bit base model's rounding error acts as parameter noise that raises sampling
-entropy and so helps RL explore. AQN adds *extra* noise early in training and decays it, without
-touching the packed NVFP4 weights: a Gaussian vector Z is added to each RMSNorm gain w, and since
+QeRL's idea: a 4-bit base's rounding error acts like parameter noise that raises sampling entropy, which
+helps RL explore; AQN adds scheduled Gaussian noise Z ~ N(0, sigma^2) to the RMSNorm gains w, which is
+multiplicative noise on the input columns of the Linear that reads the norm (paper Eq. 9-10, App. G):
 
-    ((w + Z) * rmsnorm(x)) @ W.T  ==  ((1 + Z / w) * rmsnorm(x)) @ W.T
+    ((w + Z) * rmsnorm(x)) @ W.T  ==  (w * rmsnorm(x)) @ (W * (1 + Z / w)).T
 
-the extra noise acts as row-wise multiplicative noise (relative std sigma / |w_i| on input channel i)
-on every matrix that reads that norm's output: q/k/v after the norm that feeds the attention, gate/up
-after the one that feeds the MLP (paper Eq. 9-10 and App. G). o_proj, down_proj and the final norm get none.
+so input column i of W gets relative noise of std sigma / |w_i|, and the packed NVFP4 weights are never
+touched. The norms are each decoder layer's input_layernorm (read by q/k/v) and post_attention_layernorm
+(read by gate/up); o_proj, down_proj, model.norm and Qwen3's q_norm/k_norm get none. `aqn_noise` only sets
+each norm's `noise` attribute: 03_rollout.py's `RMSNorm.forward` adds it to the gain there, in fp32
+((w + Z) * rmsnorm(x), rounded once to the activation dtype), so the gains themselves are never written.
 
 The noise acts only in the sampler, one draw per step: the noisy model is the behaviour policy pi_old
 (Algorithm 1 line 9), whose log-probabilities stage 05 records for the clipped surrogate, while the
-update runs on the clean policy (paper vs official code: README, "Notes on the paper"). On the bundled
-model no noise level helps (1e-1 hurts), no schedule beats the paper's exp (the entropy controller hurts),
-and from a 7% start AQN does not make up the 4-bit base's handicap (README, "Where does noise help exploration?").
+update runs on the clean policy (README, "Notes on the paper").
 
-Run it (the schedule of a 600-step run, then per dtype the exploration table on the bundled model):
-    python 04_aqn.py                # fp32 then bf16: fp32 took 14 min on a shared 2-core CPU, bf16 ~2.3x that
+Run it (the schedule of a 600-step run, then the exploration table: entropy and KL to the unquantized base, per
+sampled token, of fp32 / NF4 / NVFP4 and of base / NVFP4 under AQN, on the bundled model):
+    python 04_aqn.py                # fp32, 32 problems x 8 samples x 2 draws: ~45 s on a shared 2-core CPU
+    python 04_aqn.py --full         # fp32 and bf16, 64 x 8 x 2, three sigmas: 3-5 min
     python 04_aqn.py --model path/to/hf-folder --samples 8 --sigmas 1e-2 5e-2
+Measured tables and what they show: docs/aqn.md.
 """
 import argparse
 import contextlib
@@ -27,7 +31,6 @@ import importlib
 import math
 import os
 import time
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -96,22 +99,18 @@ class FeedbackSigma:
         self.sigma = float(state["sigma"])
 
 # -----------------------------------------------------------------------------
-# Folding the noise into the RMSNorm gains
+# The noise, in each layer's two pre-norms
 
-FEEDS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # the inputs AQN perturbs, per layer
-_found = weakref.WeakKeyDictionary()  # model -> its AQN norms: traced once, not at every step
+AQN_NORMS = ("input_layernorm", "post_attention_layernorm")  # read by q/k/v, then by gate/up
 
 
 def aqn_norms(model):
-    """The (name, RMSNorm) pairs AQN perturbs, by role: per decoder layer, the norm whose output feeds q/k/v,
-    then the one feeding gate/up; never model.norm, nor Qwen3's q_norm/k_norm inside the attention."""
+    """The (name, RMSNorm) pairs AQN perturbs, in order: per decoder layer its input_layernorm, then its
+    post_attention_layernorm (2 per layer)."""
     layers = _check_layers(model)
-    known = _found.get(model)
-    if not (known and len(known) == 2 * len(layers) and all(model.get_submodule(n) is m for n, m in known)):
-        readers = _norm_readers(model, layers)  # traced in a one-token forward
-        known = _found[model] = [(f"model.layers.{i}.{n}", getattr(layer, n))
-                                 for i, layer in enumerate(layers) for n in _check_roles(i, readers[i])]
-    return list(known)
+    for i, layer in enumerate(layers):
+        _check_layer_norms(i, layer)
+    return [(f"model.layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(layers) for n in AQN_NORMS]
 
 
 @contextlib.contextmanager
@@ -217,38 +216,33 @@ def _check_layers(model):
     return layers
 
 
-def _check_roles(i, readers):
-    """Of layer i's own norms (`readers`: each -> who reads it), the one read by q/k/v, then by gate/up."""
-    roles = [next((n for n, r in readers.items() if r == set(group)), None) for group in FEEDS]
-    extra = sorted(n for n in readers if n not in roles)
-    if None in roles or extra:
-        found = "; ".join(f"{n} feeds {', '.join(sorted(r)) or 'no projection'}" for n, r in readers.items())
-        raise ValueError(f"AQN needs one layer-level norm feeding q/k/v and another feeding gate/up, and no "
-                         f"other (Qwen2/Llama: input_layernorm, post_attention_layernorm), or its noise lands in "
-                         f"the wrong place; model.layers.{i} has: {found}; other norms: {', '.join(extra) or 'none'}")
-    return roles
+def _check_layer_norms(i, layer):
+    """Layer i has both of AQN's norms, as stage 03 RMSNorms (they read `noise`), and no other layer-level norm:
+    with more (Gemma's four), the names no longer say which norm feeds q/k/v and which gate/up."""
+    norms = {n for n, m in layer.named_children() if isinstance(m, rollout.RMSNorm)}
+    missing, other = [n for n in AQN_NORMS if n not in norms], sorted(norms - set(AQN_NORMS))
+    if missing or other:
+        raise ValueError(f"AQN perturbs each decoder layer's input_layernorm (feeding q/k/v) and "
+                         f"post_attention_layernorm (feeding gate/up), stage 03 RMSNorms, and no other norm; "
+                         f"model.layers.{i} ({type(layer).__name__}) lacks: {', '.join(missing) or 'nothing'}; "
+                         f"has other norms: {', '.join(other) or 'none'}")
 
 
-@torch.no_grad()
-def _norm_readers(model, layers):
-    """Per layer, {each of its own RMSNorms: the q/k/v/gate/up projections that read its output}, by hooks."""
-    norms = [{n: m for n, m in layer.named_children() if isinstance(m, rollout.RMSNorm)} for layer in layers]
-    outs, reads, hooks = [{} for _ in layers], [{} for _ in layers], []
-    for i, layer in enumerate(layers):
-        for name, m in norms[i].items():
-            hooks.append(m.register_forward_hook(lambda m, a, out, d=outs[i], k=name: d.__setitem__(k, out)))
-        for name, m in layer.named_modules():
-            if (key := name.rsplit(".", 1)[-1]) in sum(FEEDS, ()):
-                hooks.append(m.register_forward_pre_hook(lambda m, a, d=reads[i], k=key: d.__setitem__(k, a[0])))
-    dev = quantize.model_device(model)
-    try:  # fork_rng: a LoRA dropout in training mode must not use up the run's random numbers
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            model(torch.zeros(1, 1, dtype=torch.long, device=dev))
-    finally:
-        for h in hooks:
-            h.remove()
-    return [{n: {p for p, x in read.items() if x is out.get(n)} for n in own}
-            for own, out, read in zip(norms, outs, reads)]
+def stage_steps(total_steps, num_stages):
+    """(stage, first step, last step) of each stage that has steps: stage k starts at ceil(k T / K), the
+    inverse of sigma_stage, so the table has at most `num_stages` rows however long the run."""
+    _check_stage(0, total_steps, num_stages)
+    first = [-(-k * total_steps // num_stages) for k in range(num_stages + 1)]
+    return [(k, first[k], first[k + 1] - 1) for k in range(num_stages) if first[k] < first[k + 1]]
+
+
+def print_schedule(total, s0, s1, K):
+    w = len(str(total - 1))
+    print(f"AQN schedule for a {total}-step run ({K} stages, {s0:g} -> {s1:g})")
+    print(f"{'stage':>5} | {'steps':>{2 * w + 3}} | " + " | ".join(f"{k:>9}" for k in DECAYING_KINDS))
+    for stage, first, last in stage_steps(total, K):
+        sig = [sigma_schedule(first, total, s0, s1, K, k) for k in DECAYING_KINDS]
+        print(f"{stage:>5} | {first:>{w}} - {last:<{w}} | " + " | ".join(f"{s:>9.3e}" for s in sig))
 
 
 def demo_models(model_dir, dtype, seed, num_prompts):
@@ -271,6 +265,12 @@ def demo_models(model_dir, dtype, seed, num_prompts):
     return tok, {"base": base, "NF4": nf4, "NVFP4": nvfp4}, prompts
 
 
+# The default run is the quick one (~45 s); --full is the table measured at size (docs/aqn.md). A flag
+# given explicitly wins over either.
+QUICK = {"prompts": 32, "samples": 8, "sigmas": [1e-2, 5e-2], "dtypes": ["float32"]}
+FULL = {"prompts": 64, "samples": 8, "sigmas": [5e-4, 1e-2, 5e-2], "dtypes": ["float32", "bfloat16"]}
+
+
 def build_parser():
     parser = argparse.ArgumentParser(description="AQN schedule and exploration measurements")
     parser.add_argument("--model", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-qwen"))
@@ -278,26 +278,34 @@ def build_parser():
     parser.add_argument("--sigma-start", type=float, default=1e-2)
     parser.add_argument("--sigma-end", type=float, default=5e-4)
     parser.add_argument("--num-stages", type=int, default=10)
-    parser.add_argument("--sigmas", type=float, nargs="*", default=[5e-4, 1e-2, 5e-2])
-    parser.add_argument("--prompts", type=int, default=64, help="number of problems to sample on")
-    parser.add_argument("--samples", type=int, default=8, help="completions per problem")
+    parser.add_argument("--full", action="store_true",
+                        help=f"the table at size: {FULL} (default: {QUICK}); explicit flags override either")
+    parser.add_argument("--sigmas", type=float, nargs="*", help="AQN levels for base and NVFP4 (default 1e-2 5e-2)")
+    parser.add_argument("--prompts", type=int, help="number of problems to sample on (default 32)")
+    parser.add_argument("--samples", type=int, help="completions per problem (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2, help="noise draws per row")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
-                        help="activation dtypes to measure in")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default); the "
+                        "bundled model's matmuls are too small to gain from more, and a busy CPU stalls them")
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
+                        help="activation dtypes to measure in (default float32)")
     return parser
 
 
-def main(argv=None):
+def parse_args(argv=None):
     args = build_parser().parse_args(argv)
-    total, s0, s1, K = args.steps, args.sigma_start, args.sigma_end, args.num_stages
-    print(f"AQN schedule for a {total}-step run ({K} stages, {s0:g} -> {s1:g})")
-    print(f"{'stage':>5} | {'steps':>11} | " + " | ".join(f"{k:>9}" for k in DECAYING_KINDS))
-    for stage in sorted({sigma_stage(s, total, K) for s in range(total)}):  # stages that have steps
-        steps = [s for s in range(total) if sigma_stage(s, total, K) == stage]
-        sig = [sigma_schedule(steps[0], total, s0, s1, K, k) for k in DECAYING_KINDS]
-        print(f"{stage:>5} | {steps[0]:>4} - {steps[-1]:<4} | " + " | ".join(f"{s:>9.3e}" for s in sig))
+    for k, v in (FULL if args.full else QUICK).items():
+        if getattr(args, k) is None:
+            setattr(args, k, list(v) if isinstance(v, list) else v)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
     print()
     where = args.model if os.path.isdir(args.model) else "a random model"
     for dname in args.dtypes:

@@ -281,15 +281,8 @@ def test_bad_input():
             pass
 
 
-class SwappedLayer(rollout.DecoderLayer):
-    # the attribute names say the opposite of what each norm does: AQN must go by the role
-    def forward(self, x, cos, sin, mask, kv_cache=None):
-        x = x + self.self_attn(self.post_attention_layernorm(x), cos, sin, mask, kv_cache)  # (B, T, C)
-        return x + self.mlp(self.input_layernorm(x))
-
-
 class GemmaLikeLayer(rollout.DecoderLayer):
-    # a third norm at layer level (Gemma's post-feedforward norm): AQN's two roles do not cover it
+    # a third norm at layer level (Gemma's post-feedforward norm): the two names no longer say where noise lands
     def __init__(self, cfg, layer_idx):
         super().__init__(cfg, layer_idx)
         self.post_feedforward_layernorm = rollout.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -297,6 +290,18 @@ class GemmaLikeLayer(rollout.DecoderLayer):
     def forward(self, x, cos, sin, mask, kv_cache=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)  # (B, T, C)
         return x + self.post_feedforward_layernorm(self.mlp(self.post_attention_layernorm(x)))
+
+
+class RenamedLayer(rollout.DecoderLayer):
+    # the norm feeding gate/up under another name: AQN would find only one of its two norms
+    def __init__(self, cfg, layer_idx):
+        super().__init__(cfg, layer_idx)
+        self.pre_feedforward_layernorm = self.post_attention_layernorm
+        del self.post_attention_layernorm
+
+    def forward(self, x, cos, sin, mask, kv_cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)  # (B, T, C)
+        return x + self.mlp(self.pre_feedforward_layernorm(x))
 
 
 def with_layers(model, cls):
@@ -307,26 +312,28 @@ def with_layers(model, cls):
     return model
 
 
-def test_norms_are_found_by_the_role_they_play():
-    model = tiny_model()
-    layers = model.model.layers
+def test_norms_are_the_two_pre_norms_of_every_layer_in_order():
+    model = tiny_model(layers=3)
     got = aqn.aqn_norms(model)
-    assert [n for n, _ in got] == sorted(PRE_NORMS)  # layer 0's two, then layer 1's
-    assert all(m is want for (_, m), want in zip(got, [n for l in layers for n in (l.input_layernorm,
-                                                                                    l.post_attention_layernorm)]))
-    swapped = with_layers(tiny_model(), SwappedLayer)  # the norm feeding q_proj comes first, whatever its name
-    got = aqn.aqn_norms(swapped)
-    assert [n for n, _ in got] == [f"model.layers.{i}.{k}" for i in range(2)
-                                   for k in ("post_attention_layernorm", "input_layernorm")]
-    assert all(m is n for (_, m), n in zip(got, [n for l in swapped.model.layers
-                                                 for n in (l.post_attention_layernorm, l.input_layernorm)]))
+    assert [n for n, _ in got] == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
+                                   "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
+                                   "model.layers.2.input_layernorm", "model.layers.2.post_attention_layernorm"]
+    want = [n for l in model.model.layers for n in (l.input_layernorm, l.post_attention_layernorm)]
+    assert len(got) == 6 and all(m is w for (_, m), w in zip(got, want))
+    assert all(model.get_submodule(n) is m for n, m in got)
+    assert model.model.norm not in [m for _, m in got]
 
 
-def test_a_layer_with_another_norm_is_an_error_and_qwen3_qk_norms_are_not():
+def test_a_layer_without_both_norms_or_with_another_is_an_error_and_qwen3_qk_norms_are_not():
+    with pytest.raises(ValueError, match=r"model\.layers\.0 \(RenamedLayer\) lacks: post_attention_layernorm; "
+                                         r"has other norms: pre_feedforward_layernorm"):
+        aqn.aqn_norms(with_layers(tiny_model(), RenamedLayer))
     model = with_layers(tiny_model(), GemmaLikeLayer)
-    with pytest.raises(ValueError, match=r"model\.layers\.0 .*other norms: post_feedforward_layernorm"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0 \(GemmaLikeLayer\) lacks: nothing; "
+                                         r"has other norms: post_feedforward_layernorm"):
         with aqn.aqn_noise(model, 1e-2):
             pass
+    assert not noises(model)
     cfg = rollout.ModelConfig(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                               max_position_embeddings=128, qk_norm=True)
@@ -361,3 +368,34 @@ def test_measure_exploration_rows():
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference against itself
     assert rows[1]["kl"] > 1e-6 and rows[2]["kl"] > 1e-6
     assert all(r["entropy"] > 0 and math.isfinite(r["entropy"]) and r["len"] == 6 for r in rows)
+
+
+# -----------------------------------------------------------------------------
+# the command line's work
+
+
+@pytest.mark.parametrize("total,K", [(600, 10), (7, 10), (10, 10), (37, 4), (1, 2), (101, 3)])
+def test_stage_steps_are_the_steps_of_each_stage(total, K):
+    want = {}
+    for s in range(total):
+        want.setdefault(aqn.sigma_stage(s, total, K), []).append(s)
+    assert aqn.stage_steps(total, K) == [(k, v[0], v[-1]) for k, v in sorted(want.items())]
+
+
+def test_schedule_table_of_a_huge_run_has_one_row_per_stage(capsys):
+    total, K = 100_000_000, 10
+    assert aqn.stage_steps(total, K)[-1] == (9, 90_000_000, 99_999_999)
+    aqn.print_schedule(total, 1e-2, 5e-4, K)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + K  # title, header, one row per stage
+    assert lines[3].split("|")[1].split() == ["10000000", "-", "19999999"]
+    assert float(lines[3].split("|")[2]) == pytest.approx(1e-2) and float(lines[-1].split("|")[2]) == pytest.approx(5e-4)
+
+
+def test_default_run_is_the_quick_table_and_flags_override_the_presets():
+    args = aqn.parse_args([])
+    assert (args.prompts, args.samples, args.sigmas, args.dtypes, args.threads) == (32, 8, [1e-2, 5e-2], ["float32"], 1)
+    args = aqn.parse_args(["--full"])
+    assert (args.prompts, args.samples, args.sigmas, args.dtypes) == (64, 8, [5e-4, 1e-2, 5e-2], ["float32", "bfloat16"])
+    args = aqn.parse_args(["--full", "--dtypes", "float32", "--prompts", "5", "--sigmas"])
+    assert (args.prompts, args.samples, args.sigmas, args.dtypes) == (5, 8, [], ["float32"])
