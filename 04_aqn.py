@@ -15,7 +15,7 @@ each norm's `noise` attribute: 03_rollout.py's `RMSNorm.forward` adds it to the 
 
 The noise acts only in the sampler, one draw per step: the noisy model is the behaviour policy pi_old
 (Algorithm 1 line 9), whose log-probabilities stage 05 records for the clipped surrogate, while the
-update runs on the clean policy (README, "Notes on the paper").
+update runs on the clean policy (docs/paper-notes.md).
 
 Run it (the schedule of a 600-step run, then the exploration table: entropy and KL to the unquantized base, per
 sampled token, of fp32 / NF4 / NVFP4 and of base / NVFP4 under AQN, on the bundled model):
@@ -245,18 +245,19 @@ def print_schedule(total, s0, s1, K):
         print(f"{stage:>5} | {first:>{w}} - {last:<{w}} | " + " | ".join(f"{s:>9.3e}" for s in sig))
 
 
-def demo_models(model_dir, dtype, seed, num_prompts):
-    """The tokenizer, {base, NF4, NVFP4} in `dtype` (random without the folder), `num_prompts` problems."""
+def demo_models(model_dir, dtype, seed, num_prompts, method="rtn"):
+    """The tokenizer, {base, NF4, NVFP4} in `dtype` (random without the folder), `num_prompts` problems.
+    method: NVFP4's rounding (stage 01: "rtn" or "4over6")."""
     if os.path.isdir(model_dir):
         base, tok = rollout.load_model(model_dir, quant="none", dtype=dtype, device="cpu")
         nf4 = rollout.load_model(model_dir, quant="nf4", dtype=dtype, device="cpu")[0]
-        nvfp4 = rollout.load_model(model_dir, quant="nvfp4", dtype=dtype, device="cpu")[0]
+        nvfp4 = rollout.load_model(model_dir, quant="nvfp4", dtype=dtype, device="cpu", method=method)[0]
     else:  # no bundled model: the mechanics still run, on a random model
         print(f"note | {model_dir} not found: measuring a small RANDOM model (the numbers mean nothing)")
         tok = rollout.byte_tokenizer()
         base = rollout.random_model(tok, seed).to(dtype)
         nf4 = quantize.quantize_model(copy.deepcopy(base), fmt="nf4")
-        nvfp4 = quantize.quantize_model(copy.deepcopy(base), fmt="nvfp4")
+        nvfp4 = quantize.quantize_model(copy.deepcopy(base), fmt="nvfp4", method=method)
     gen, prompts = torch.Generator().manual_seed(seed + 1), []  # `a op b op c`; 05 owns the task
     for _ in range(num_prompts):
         a, b, c = (int(torch.randint(0, 1000, (1,), generator=gen)) for _ in range(3))
@@ -288,6 +289,8 @@ def build_parser():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default); the "
                         "bundled model's matmuls are too small to gain from more, and a busy CPU stalls them")
+    parser.add_argument("--quant-method", default="rtn", choices=quantize.NVFP4_METHODS,
+                        help="the NVFP4 row's rounding: rtn (compressed-tensors) or 4over6 (Four Over Six)")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
                         help="activation dtypes to measure in (default float32)")
     return parser
@@ -310,12 +313,13 @@ def main(argv=None):
     where = args.model if os.path.isdir(args.model) else "a random model"
     for dname in args.dtypes:
         t0 = time.time()
-        tok, variants, prompts = demo_models(args.model, getattr(torch, dname), args.seed, args.prompts)
+        tok, variants, prompts = demo_models(args.model, getattr(torch, dname), args.seed, args.prompts,
+                                             args.quant_method)
         rows = measure_exploration(variants["base"], variants, prompts, num_samples=args.samples,
                                    max_new_tokens=args.max_new_tokens, sigmas=args.sigmas, seed=args.seed,
                                    eos_token_ids=tok.eos_token_ids, rounds=args.rounds)
         print(f"exploration in {dname} on {where}: {args.prompts} prompts x {args.samples} samples x "
-              f"{args.rounds} noise draws, T=1")
+              f"{args.rounds} noise draws, T=1 | NVFP4 rounding {args.quant_method}")
         print(f"{'model':<8} | {'AQN sigma':>9} | {'entropy (nats/tok)':>18} | {'KL to base':>10} | {'len':>5}")
         for r in rows:
             print(f"{r['name']:<8} | {r['sigma']:>9.0e} | {r['entropy']:>9.4f} "

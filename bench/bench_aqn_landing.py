@@ -7,7 +7,7 @@ in steps of 2^-8 and a draw of 5e-4 mostly rounds away. For each sigma this scri
 same seed both ways), runs the prompts' tokens through the NVFP4 model, and fits per channel i, over all
 tokens, the gain change g_i that best explains y_noisy - y_clean = g_i * rmsnorm(x)_i at the output of
 every pre-norm (the input of q/k/v and gate/up), by least squares. It prints |g| / |Z| and cosine(g, Z):
-1.000 / 1.000 means all of the draw arrived. The README's table is the default run.
+1.000 / 1.000 means all of the draw arrived. docs/aqn.md's table is the default run.
 
     python bench/bench_aqn_landing.py                                  # fp32 and bf16, 16 prompts (~15 s)
     python bench/bench_aqn_landing.py --dtypes bfloat16 --sigmas 5e-4 --prompts 4

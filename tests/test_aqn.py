@@ -13,7 +13,7 @@ aqn = importlib.import_module("04_aqn")
 rollout = importlib.import_module("03_rollout")
 quantize = importlib.import_module("01_quantize")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-landing = importlib.import_module("bench_aqn_landing")  # landed_noise: the measurement behind a README table
+landing = importlib.import_module("bench_aqn_landing")  # landed_noise: the measurement behind a docs/aqn.md table
 
 
 def tiny_model(seed=0, hidden=64, layers=2, dtype=torch.float32):
@@ -399,3 +399,14 @@ def test_default_run_is_the_quick_table_and_flags_override_the_presets():
     assert (args.prompts, args.samples, args.sigmas, args.dtypes) == (64, 8, [5e-4, 1e-2, 5e-2], ["float32", "bfloat16"])
     args = aqn.parse_args(["--full", "--dtypes", "float32", "--prompts", "5", "--sigmas"])
     assert (args.prompts, args.samples, args.sigmas, args.dtypes) == (5, 8, [], ["float32"])
+
+
+def test_quant_method_picks_the_nvfp4_rows_rounding():
+    assert aqn.parse_args([]).quant_method == "rtn"
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny-qwen")
+    _, rtn, _ = aqn.demo_models(path, torch.float32, 0, 1)
+    _, four, _ = aqn.demo_models(path, torch.float32, 0, 1, method="4over6")
+    a, b = (v["NVFP4"].model.layers[0].self_attn.q_proj for v in (rtn, four))
+    torch.testing.assert_close(a.weight_global_scale * 256 / 448, b.weight_global_scale)  # 4over6: 256 * 6 / amax
+    assert not torch.equal(a.weight_scale.view(torch.uint8), b.weight_scale.view(torch.uint8))
+    assert torch.equal(rtn["NF4"].model.layers[0].mlp.up_proj.weight_packed, four["NF4"].model.layers[0].mlp.up_proj.weight_packed)
