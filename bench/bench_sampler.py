@@ -260,13 +260,13 @@ def kv_vs_recompute(args, ro, device, sync):
         for batch in map(int, args.batches.split(",")):
             ids = torch.randint(0, cfg.vocab_size, (batch, ctx + 1), device=device)  # (B, ctx+1)
             # The cache already holds `ctx` tokens (random keys/values: decode cost does not depend on
-            # them); each timed call rewinds pos so every step sees exactly ctx keys.
+            # them); each timed call rewinds pos so every step writes slot ctx after ctx keys.
             cache = ro.KVCache(cfg, batch, ctx + 1, device, dtype)
             for k, v in zip(cache.k, cache.v):
                 k.normal_(), v.normal_()
 
             def cached_step():
-                cache.pos = ctx
+                cache.pos.fill_(ctx)
                 return model.lm_head(model.hidden_states(ids[:, ctx:], kv_cache=cache)[:, -1])  # (B, V)
 
             def recompute_step():
