@@ -13,8 +13,8 @@ Run it:
     python 03_rollout.py --model DIR --quant nvfp4       # quantize on the way in (stage 01)
     python 03_rollout.py --compile                       # decode steps through torch.compile
 
-On a CPU the default run takes about 5 s (mostly importing torch); --compile adds a one-time compile of
-a few seconds with a warm inductor cache, tens of seconds cold.
+On a CPU each command takes a few seconds (3-9 s for the bundled model, mostly starting torch); --compile
+adds a one-time compile: 3-9 s with a warm inductor cache, tens of seconds cold.
 
 Simplifications: prompts are left-padded and repeated G times (no shared prefill); one preallocated KV
 cache per batch (no paged attention, no continuous batching); only SwiGLU, RMSNorm and rotate-half RoPE.
@@ -121,10 +121,10 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """Preallocated keys/values: k[i], v[i] are (B, H_kv, S, D) for layer i, and `pos` (a (1,) device tensor) is the
-    next slot to write. Left padding puts every row's next token in the same slot, so one position serves the batch.
-    Attention reads all S slots (the mask hides the ones not written yet): every decode step then has the same
-    shapes and never reads a device value on the host, so one step function runs eager or compiled."""
+    """Preallocated keys/values: k[i], v[i] are (B, H_kv, S, D) for layer i; `pos`, a (1,) device tensor, is
+    the next slot to write. Left padding puts every row's next token in the same slot, so one position
+    serves the batch. Attention reads all S slots (the mask hides those not written yet): every decode
+    step has the same shapes and never reads a device value on the host, so it runs eager or compiled."""
 
     def __init__(self, cfg, batch, max_len, device, dtype):
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
@@ -333,7 +333,7 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     """Sample `num_samples` completions for each prompt (a list of token-id lists) -> Rollout, with rows
     prompt-major. temperature=0 is greedy; each row stops at its own EOS (default: the tokenizer's). A
     seeded torch.Generator (CPU or the model's device) makes it reproducible. compile=True runs the decode
-    steps through `compiled_decode_step` (torch.compile; the first call per shape bucket compiles)."""
+    steps through torch.compile (`compiled_decode_step`; the first call per shape bucket compiles)."""
     _check_generate(model.config, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
     if eos_token_ids is None:
         eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else []
@@ -348,8 +348,9 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     S = -(-(P + N) // 64) * 64  # cache slots, rounded up: prompts of different lengths share a compiled step
     key_ok = F.pad(key_ok, (0, S - P - N))  # (B, S); the slots past P+N are never written
     sampling = (temperature, top_k, top_p, generator)
-    if compile:  # the same step compiled, with a cache kept for later calls (see compiled_decode_step)
-        step, cache, compiling = compiled_decode_step(model, B, S, (temperature, top_k, top_p, generator is None))
+    if compile:  # the same step through torch.compile, with a cache kept for later calls (see static_cache)
+        step = compiled_decode_step(dev)
+        cache, compiling = static_cache(model, B, S, (temperature, top_k, top_p, generator is None))
     else:
         step, compiling = decode_step, False
         cache = KVCache(model.config, B, S, dev, model.model.embed_tokens.weight.dtype)  # freed when we return
@@ -397,40 +398,45 @@ def left_pad(prompt_ids, completion_ids):
 # ---------------------------------------------------------------------------------------------------
 # compile=True: the same decode_step through torch.compile (the gpt-fast recipe; README, stage 03)
 
-_compiled_steps = {}  # mode -> decode_step under torch.compile: one wrapper, one compiled graph per shape
+_compiled_steps = {}  # mode -> decode_step under torch.compile; dynamo keeps one graph per shape and setting
 
 
-def compiled_decode_step(model, batch, slots, setting):
-    """-> (decode_step compiled, this model's KVCache for (batch, slots), whether `setting` (temperature, top_k,
-    top_p, generator is None) is new for that cache, so that its first step compiles). The cache is built once
-    and reused by every later call: dynamo guards on its tensors and a CUDA graph replays on their addresses."""
-    dev = quantize.model_device(model)
-    mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs; on a CPU inductor's C++ loops
+def compiled_decode_step(device):
+    """decode_step through torch.compile, built once per mode: on CUDA "reduce-overhead" replays each step
+    as one CUDA graph; on a CPU inductor fuses it into generated C++ loops."""
+    mode = "reduce-overhead" if device.type == "cuda" else None
     if mode not in _compiled_steps:
-        fn = torch.compile(decode_step, mode=mode, dynamic=False)
-
-        def step(*args):
-            if mode == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-            return fn(*args)
-        _compiled_steps[mode] = step
+        compiled = torch.compile(decode_step, mode=mode, dynamic=False)
         # One graph per (batch, cache length, sampling settings); dynamo's default allows only 8.
         c = torch._dynamo.config
         limit = "recompile_limit" if hasattr(c, "recompile_limit") else "cache_size_limit"  # older torch
         setattr(c, limit, max(getattr(c, limit), 64))
+
+        def step(*args):
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+            return compiled(*args)
+        _compiled_steps[mode] = step
+    return _compiled_steps[mode]
+
+
+def static_cache(model, batch, slots, setting):
+    """-> (this model's KVCache for (batch, slots), whether `setting` (temperature, top_k, top_p, generator is
+    None) is new for it, so that its first compiled step compiles). Built once and reused by every compiled
+    call: dynamo guards on the cache's tensors and a CUDA graph replays on their addresses."""
     w = model.model.embed_tokens.weight
     caches = model.__dict__.setdefault("_static_caches", {})  # (batch, slots, dtype, device) -> (cache, settings)
     key = (batch, slots, w.dtype, w.device)
     if key not in caches:
-        cache = KVCache(model.config, batch, slots, dev, w.dtype)
+        cache = KVCache(model.config, batch, slots, w.device, w.dtype)
         for t in (cache.pos, *cache.k, *cache.v):
             torch._dynamo.mark_static_address(t)  # CUDA graphs then read and write them in place, no copies
         caches[key] = (cache, set())
     cache, settings = caches[key]
     cache.pos.zero_()
-    compiling = setting not in settings
+    first = setting not in settings
     settings.add(setting)
-    return _compiled_steps[mode], cache, compiling
+    return cache, first
 
 
 # ---------------------------------------------------------------------------------------------------
