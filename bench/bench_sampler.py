@@ -1,4 +1,4 @@
-"""Decode speed of stage 03's sampler: the eager loop vs the torch.compile'd static-shape step, against
+"""Decode speed of stage 03's sampler: its decode step run eager vs through torch.compile, against
 Hugging Face transformers' `generate` on the same random weights.
 
 Every call is a whole greedy `generate` (prefill + N decode steps, no EOS so every row runs all N
