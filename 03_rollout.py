@@ -3,7 +3,8 @@
 In GRPO each prompt gets G sampled completions, compared within their group. Generating them
 ("rollouts") eats most of RL's wall-clock time, which is why QeRL samples from an NVFP4 policy.
 Part 1: a Qwen2 / Llama / Qwen3 decoder with the HF module names (so stages 01 and 02 find layers by
-name), a batched KV-cached sampler, its static-shape twin for torch.compile, and `sequence_logprobs`
+name), a batched sampler (`generate`: a prefill, one `decode_step` per new token over a preallocated KV
+cache, then a trim; compile=True runs that same step through torch.compile), and `sequence_logprobs`
 (the sampled tokens' log-probs again, with gradients). Part 2: the loader, the tokenizer, the CLI.
 
 Run it:
@@ -12,8 +13,11 @@ Run it:
     python 03_rollout.py --model DIR --quant nvfp4       # quantize on the way in (stage 01)
     python 03_rollout.py --compile                       # decode steps through torch.compile
 
+On a CPU each command takes a few seconds (3-9 s for the bundled model, mostly starting torch); --compile
+adds a one-time compile: 3-9 s with a warm inductor cache, tens of seconds cold.
+
 Simplifications: prompts are left-padded and repeated G times (no shared prefill); one preallocated KV
-cache per call (no paged attention, no continuous batching); only SwiGLU, RMSNorm and rotate-half RoPE.
+cache per batch (no paged attention, no continuous batching); only SwiGLU, RMSNorm and rotate-half RoPE.
 """
 import argparse
 import importlib
@@ -117,27 +121,26 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """Preallocated keys/values: k[i], v[i] are (B, H_kv, S_max, D) for layer i. Left padding puts every
-    row's next token in the same slot, so one counter is enough: the first `pos` slots are filled. With
-    `slot` set (a (1,) device tensor, see StaticDecoder) a token goes there and attention reads all slots."""
+    """Preallocated keys/values: k[i], v[i] are (B, H_kv, S, D) for layer i; `pos`, a (1,) device tensor, is
+    the next slot to write. Left padding puts every row's next token in the same slot, so one position
+    serves the batch. Attention reads all S slots (the mask hides those not written yet): every decode
+    step has the same shapes and never reads a device value on the host, so it runs eager or compiled."""
 
     def __init__(self, cfg, batch, max_len, device, dtype):
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.pos, self.max_len, self.slot = 0, max_len, None
+        self.pos, self.max_len = torch.zeros(1, dtype=torch.long, device=device), max_len
+
+    def slots(self, T):
+        return self.pos + torch.arange(T, device=self.pos.device)  # (T,) the slots the next T tokens fill
 
     def update(self, layer, k, v):
-        if self.slot is not None:  # static shapes: k (B, H_kv, 1, D) into slot `slot`
-            self.k[layer].index_copy_(2, self.slot, k)
-            self.v[layer].index_copy_(2, self.slot, v)
-            return self.k[layer], self.v[layer]  # (B, H_kv, S_max, D)
-        T = k.shape[2]
-        if self.pos + T > self.max_len:
-            raise ValueError(f"KV cache full: {self.pos} + {T} tokens > {self.max_len} slots")
-        self.k[layer][:, :, self.pos:self.pos + T] = k  # in-place write, no reallocation per step
-        self.v[layer][:, :, self.pos:self.pos + T] = v
-        return self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]  # (B, H_kv, S, D)
+        """Write k, v (B, H_kv, T, D) at the next T slots -> every slot's keys and values (B, H_kv, S, D)."""
+        slots = self.slots(k.shape[2])  # (T,)
+        self.k[layer].index_copy_(2, slots, k)  # in place: no reallocation per step
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer], self.v[layer]
 
 
 class Attention(nn.Module):
@@ -165,7 +168,7 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, H_kv, T, D)
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), S = past + T
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), all of the cache's slots
         # Grouped-query attention without copying K/V: query head h reads K/V head h // G, so fold the
         # G query heads of each group into the query-length axis, and the mask with them. (SDPA's enable_gqa
         # would too, but with a mask on CUDA it falls back to the math kernel: (B, H, T, S) in fp32.)
@@ -220,17 +223,18 @@ class CausalLM(nn.Module):
         self._inv_freq = {}  # device -> RoPE inverse frequencies, computed once (see `rope`)
 
     def hidden_states(self, input_ids, positions=None, attention_mask=None, kv_cache=None):
-        """Final-norm hidden states (B, T, C). attention_mask covers every key slot: (B, past + T)."""
+        """Final-norm hidden states (B, T, C). attention_mask (B, S) marks the real key slots: S = T without a
+        cache; with one, S is the cache's length and the T tokens fill slots kv_cache.pos ... pos + T - 1."""
         B, T = input_ids.shape
         dev = input_ids.device
-        past = kv_cache.pos if kv_cache is not None else 0
+        S = T if kv_cache is None else kv_cache.max_len
         if attention_mask is None:
-            attention_mask = torch.ones(B, past + T, dtype=torch.bool, device=dev)
+            attention_mask = torch.ones(B, S, dtype=torch.bool, device=dev)
         key_ok = attention_mask.bool()  # (B, S)
+        slots = torch.arange(T, device=dev) if kv_cache is None else kv_cache.slots(T)  # (T,) the tokens' slots
         if positions is None:  # RoPE position = number of real tokens before this one in the row
-            positions = (key_ok.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]  # (B, T)
-        q_slot = torch.arange(past, past + T, device=dev)[:, None]  # (T, 1)
-        k_slot = torch.arange(past + T, device=dev)[None, :]  # (1, S)
+            positions = (key_ok.long().cumsum(-1) - 1).clamp(min=0)[:, slots]  # (B, T)
+        q_slot, k_slot = slots[:, None], torch.arange(S, device=dev)[None, :]  # (T, 1), (1, S)
         # Causal AND key is real. Each slot may also see itself: a left-pad query has no real key before
         # it, and a softmax over nothing is NaN (its output is never used, but NaN would spread via 0*NaN).
         mask = ((k_slot <= q_slot) & key_ok[:, None, None, :]) | (k_slot == q_slot)  # (B, 1, T, S)
@@ -244,7 +248,7 @@ class CausalLM(nn.Module):
             else:
                 x = layer(x, cos, sin, mask, kv_cache)  # (B, T, C)
         if kv_cache is not None:
-            kv_cache.pos += T  # every layer has written its slots; advance once
+            kv_cache.pos.add_(T)  # every layer has written its slots; advance once
         return self.model.norm(x)  # (B, T, C)
 
     def rope(self, positions, dtype):
@@ -263,7 +267,7 @@ class CausalLM(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Sampler
+# Sampler: filter the logits and draw; generate = a prefill, one decode_step per new token, a trim
 
 def filter_logits(logits, top_k=0, top_p=1.0):
     """Set to -inf every logit (..., V) outside the top-k (ties at the k-th value stay), then outside the
@@ -309,6 +313,15 @@ class Rollout:
     stats: dict = field(default_factory=dict)  # prefill/decode token counts and seconds
 
 
+def decode_step(model, cache, tok, key_ok, temperature, top_k, top_p, generator):
+    """Feed tok (B, T) into the cache's next T slots and sample the token after the last one -> sample_next's
+    (token, logprob, entropy), each (B,). key_ok (B, S) marks the real slots of the whole cache, so the T = 1
+    steps all have one shape: torch.compile traces it once, and the sampler fuses with the model's last kernels."""
+    h = model.hidden_states(tok, attention_mask=key_ok, kv_cache=cache)  # (B, T, C)
+    logits = model.lm_head(h[:, -1]).float()  # (B, V): only the last position is needed
+    return sample_next(logits, temperature, top_k, top_p, generator)  # a generator breaks a compiled graph here
+
+
 # "Are all rows done?" is asked only every DONE_CHECK_EVERY tokens: reading a GPU value on the host waits
 # for every queued kernel (finished rows decode masked pad tokens meanwhile).
 DONE_CHECK_EVERY = 8
@@ -319,8 +332,8 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
              eos_token_ids=None, generator=None, tokenizer=None, compile=False):
     """Sample `num_samples` completions for each prompt (a list of token-id lists) -> Rollout, with rows
     prompt-major. temperature=0 is greedy; each row stops at its own EOS (default: the tokenizer's). A
-    seeded torch.Generator (CPU or the model's device) makes it reproducible. compile=True decodes through
-    `static_decoder` (torch.compile; the first call per shape bucket compiles)."""
+    seeded torch.Generator (CPU or the model's device) makes it reproducible. compile=True runs the decode
+    steps through torch.compile (`compiled_decode_step`; the first call per shape bucket compiles)."""
     _check_generate(model.config, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
     if eos_token_ids is None:
         eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else []
@@ -332,47 +345,42 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     out_ids = torch.full((B, N), pad_id, dtype=torch.long, device=dev)  # (B, N)
     out_mask, out_lp, out_ent = (torch.zeros(B, N, device=dev) for _ in range(3))  # (B, N)
     ids, key_ok, P = left_pad(rows, out_ids)  # key_ok (B, P+N): prompt tokens and every new slot
-    lens = torch.tensor([len(r) for r in rows], device=dev)  # (B,)
-    if compile:
-        dec = static_decoder(model, B, P + N)
-        cache, setting = dec.start(key_ok, P, lens), (temperature, top_k, top_p, generator is None)
+    S = -(-(P + N) // 64) * 64  # cache slots, rounded up: prompts of different lengths share a compiled step
+    key_ok = F.pad(key_ok, (0, S - P - N))  # (B, S); the slots past P+N are never written
+    sampling = (temperature, top_k, top_p, generator)
+    if compile:  # the same step through torch.compile, with a cache kept for later calls (see static_cache)
+        step = compiled_decode_step(dev)
+        cache, compiling = static_cache(model, B, S, (temperature, top_k, top_p, generator is None))
     else:
-        cache = KVCache(model.config, B, P + N, dev, model.model.embed_tokens.weight.dtype)
+        step, compiling = decode_step, False
+        cache = KVCache(model.config, B, S, dev, model.model.embed_tokens.weight.dtype)  # freed when we return
     live = torch.ones(B, dtype=torch.bool, device=dev)  # (B,) rows that have not sampled an EOS yet
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     t0 = time.perf_counter()
-    h = model.hidden_states(ids[:, :P], attention_mask=key_ok[:, :P], kv_cache=cache)  # (B, P, C)
-    logits = model.lm_head(h[:, -1]).float()  # (B, V): only the last position is needed
-    tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)  # (B,) each
+    tok, lp, ent = decode_step(model, cache, ids[:, :P], key_ok, *sampling)  # prefill: slots 0..P-1, (B,) each
     sync()
     t1 = time.perf_counter()
     compile_s = 0.0
     for t in range(N):
-        out_ids[:, t] = torch.where(live, tok, pad_id)
-        out_mask[:, t], out_lp[:, t], out_ent[:, t] = live.float(), lp * live, ent * live
+        # Finished rows keep being fed (pad tokens): their outputs are ignored, and dropping rows would
+        # mean compacting the cache.
+        tok = torch.where(live, tok, pad_id)  # (B,)
+        out_ids[:, t], out_mask[:, t], out_lp[:, t], out_ent[:, t] = tok, live.float(), lp * live, ent * live
         live = live & ~torch.isin(tok, eos)  # the EOS token itself stays in the completion
         if t == N - 1 or ((t + 1) % DONE_CHECK_EVERY == 0 and not bool(live.any())):
             break
-        # Finished rows keep being fed (pad tokens): their outputs are ignored, and dropping rows would
-        # mean compacting the cache. Next token of row b sits at RoPE position lens[b] + t.
-        if compile:
-            ts = time.perf_counter()
-            tok, lp, ent = dec.step(out_ids[:, t:t + 1], temperature, top_k, top_p, generator)  # (B,) each
-            if setting not in dec.compiled:  # the first step of a new bucket or setting compiles
-                sync()
-                compile_s = time.perf_counter() - ts
-                dec.compiled.add(setting)
-        else:
-            logits = model(out_ids[:, t:t + 1], (lens + t)[:, None], key_ok[:, :P + t + 1], cache)[:, -1]  # (B, V)
-            tok, lp, ent = sample_next(logits, temperature, top_k, top_p, generator)
+        tok, lp, ent = step(model, cache, tok[:, None], key_ok, *sampling)  # slot P+t, (B,) each
+        if compiling and t == 0:  # a new bucket or setting: this first step traced and compiled
+            sync()
+            compile_s = time.perf_counter() - t1
     steps = int(out_mask[:, :t + 1].any(0).sum())  # rows only ever stop, so the live columns are a prefix
     sync()
     t2 = time.perf_counter()
     ids, mask = out_ids[:, :steps], out_mask[:, :steps]
     texts = None if tokenizer is None else [tokenizer.decode(row[m > 0].tolist()) for row, m in zip(ids, mask)]
     return Rollout(rows, ids, mask, out_lp[:, :steps], out_ent[:, :steps], texts, dict(
-        prefill_tokens=int(lens.sum()), prefill_s=t1 - t0, decode_tokens=int(mask.sum()), decode_steps=steps,
+        prefill_tokens=sum(map(len, rows)), prefill_s=t1 - t0, decode_tokens=int(mask.sum()), decode_steps=steps,
         decode_steps_run=t + 1, decode_s=t2 - t1 - compile_s, compile_s=compile_s))
 
 
@@ -388,78 +396,47 @@ def left_pad(prompt_ids, completion_ids):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The same decode step with static shapes, for torch.compile and CUDA graphs: the eager loop's growing
-# cache view and mask would give a compiler a new graph every step (README, stage 03, has the recipe).
+# compile=True: the same decode_step through torch.compile (the gpt-fast recipe; README, stage 03)
 
-def decode_step(model, cache, tok, pos, key_ok, temperature, top_k, top_p, generator):
-    """One new token per row: tok, pos (B, 1) are the tokens and their RoPE positions, key_ok (B, S_max) the
-    real slots, cache.slot (1,) the slot being written -> sample_next's (token, logprob, entropy), each (B,).
-    Compiled together, the sampler's softmax, entropy and argmax fuse with the model's last kernels."""
-    x = model.model.embed_tokens(tok)  # (B, 1, C)
-    cos, sin = model.rope(pos, x.dtype)  # (B, 1, 1, D)
-    k_slot = torch.arange(key_ok.shape[1], device=key_ok.device)  # (S,)
-    mask = (key_ok & (k_slot <= cache.slot))[:, None, None, :]  # (B, 1, 1, S): real slots written so far
-    for layer in model.model.layers:
-        x = layer(x, cos, sin, mask, cache)  # (B, 1, C)
-    logits = model.lm_head(model.model.norm(x)[:, -1]).float()  # (B, V)
-    return sample_next(logits, temperature, top_k, top_p, generator)  # a generator breaks the graph here
+_compiled_steps = {}  # mode -> decode_step under torch.compile; dynamo keeps one graph per shape and setting
 
 
-_compiled_steps = {}  # mode -> one torch.compile wrapper, which keeps one compiled graph per shape
+def compiled_decode_step(device):
+    """decode_step through torch.compile, built once per mode: on CUDA "reduce-overhead" replays each step
+    as one CUDA graph; on a CPU inductor fuses it into generated C++ loops."""
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    if mode not in _compiled_steps:
+        compiled = torch.compile(decode_step, mode=mode, dynamic=False)
+        # One graph per (batch, cache length, sampling settings); dynamo's default allows only 8.
+        c = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(c, "recompile_limit") else "cache_size_limit"  # older torch
+        setattr(c, limit, max(getattr(c, limit), 64))
+
+        def step(*args):
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+            return compiled(*args)
+        _compiled_steps[mode] = step
+    return _compiled_steps[mode]
 
 
-class StaticDecoder:
-    """decode_step compiled, with its cache and inputs at fixed addresses, for one (batch, cache length)
-    bucket. Built once per model and bucket (see `static_decoder`) and reused by every later generate()."""
-
-    def __init__(self, model, batch, max_len):
-        dev = quantize.model_device(model)
-        mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs; on a CPU inductor's C++ loops
-        if mode not in _compiled_steps:
-            _compiled_steps[mode] = torch.compile(decode_step, mode=mode, dynamic=False)
-            # One graph per (batch, cache length, sampling settings); dynamo's default allows only 8.
-            c = torch._dynamo.config
-            limit = "recompile_limit" if hasattr(c, "recompile_limit") else "cache_size_limit"  # older torch
-            setattr(c, limit, max(getattr(c, limit), 64))
-        self.fn, self.model, self.compiled = _compiled_steps[mode], model, set()  # compiled: settings traced
-        self.cache = KVCache(model.config, batch, max_len, dev, model.model.embed_tokens.weight.dtype)
-        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1)
-        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1)
-        self.key_ok = torch.zeros(batch, max_len, dtype=torch.bool, device=dev)  # (B, S_max)
-        self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
-        for t in (self.tok, self.pos, self.key_ok, self.slot, *self.cache.k, *self.cache.v):
-            torch._dynamo.mark_static_address(t)  # CUDA graphs then read and write them in place, no copies
-
-    def start(self, key_ok, P, lens):
-        """New batch: key_ok (B, S) real slots, P padded prompt length, lens (B,) -> the prefill's cache."""
-        self.key_ok.zero_()
-        self.key_ok[:, :key_ok.shape[1]] = key_ok
-        self.slot.fill_(P)
-        self.pos.copy_(lens[:, None])
-        self.cache.pos, self.cache.slot = 0, None
-        return self.cache
-
-    def step(self, tok, temperature, top_k, top_p, generator):
-        """Feed tok (B, 1) at the current slot -> the next (token, logprob, entropy), each (B,)."""
-        self.tok.copy_(tok)
-        self.cache.slot = self.slot
-        if self.slot.is_cuda:
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-        out = self.fn(self.model, self.cache, self.tok, self.pos, self.key_ok, temperature, top_k, top_p, generator)
-        self.slot += 1
-        self.pos += 1
-        return out
-
-
-def static_decoder(model, batch, length):
-    """The StaticDecoder for (batch, length rounded up to 64) of this model, built on first use: prompts
-    of different lengths then share one compiled step."""
-    decoders = model.__dict__.setdefault("_static_decoders", {})
+def static_cache(model, batch, slots, setting):
+    """-> (this model's KVCache for (batch, slots), whether `setting` (temperature, top_k, top_p, generator is
+    None) is new for it, so that its first compiled step compiles). Built once and reused by every compiled
+    call: dynamo guards on the cache's tensors and a CUDA graph replays on their addresses."""
     w = model.model.embed_tokens.weight
-    key = (batch, -(-length // 64) * 64, w.dtype, w.device)
-    if key not in decoders:
-        decoders[key] = StaticDecoder(model, batch, key[1])
-    return decoders[key]
+    caches = model.__dict__.setdefault("_static_caches", {})  # (batch, slots, dtype, device) -> (cache, settings)
+    key = (batch, slots, w.dtype, w.device)
+    if key not in caches:
+        cache = KVCache(model.config, batch, slots, w.device, w.dtype)
+        for t in (cache.pos, *cache.k, *cache.v):
+            torch._dynamo.mark_static_address(t)  # CUDA graphs then read and write them in place, no copies
+        caches[key] = (cache, set())
+    cache, settings = caches[key]
+    cache.pos.zero_()
+    first = setting not in settings
+    settings.add(setting)
+    return cache, first
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -742,7 +719,7 @@ def build_parser():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quant", default="none", choices=quantize.QUANT_CHOICES, help="quantize on load (stage 01)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
-    ap.add_argument("--compile", action="store_true", help="decode with the torch.compile'd static-shape step "
+    ap.add_argument("--compile", action="store_true", help="run the decode steps through torch.compile "
                     "(the first call compiles: tens of seconds)")
     return ap
 

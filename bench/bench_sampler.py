@@ -1,4 +1,4 @@
-"""Decode speed of stage 03's sampler: the eager loop vs the torch.compile'd static-shape step, against
+"""Decode speed of stage 03's sampler: its decode step run eager vs through torch.compile, against
 Hugging Face transformers' `generate` on the same random weights.
 
 Every call is a whole greedy `generate` (prefill + N decode steps, no EOS so every row runs all N
@@ -260,13 +260,13 @@ def kv_vs_recompute(args, ro, device, sync):
         for batch in map(int, args.batches.split(",")):
             ids = torch.randint(0, cfg.vocab_size, (batch, ctx + 1), device=device)  # (B, ctx+1)
             # The cache already holds `ctx` tokens (random keys/values: decode cost does not depend on
-            # them); each timed call rewinds pos so every step sees exactly ctx keys.
+            # them); each timed call rewinds pos so every step writes slot ctx after ctx keys.
             cache = ro.KVCache(cfg, batch, ctx + 1, device, dtype)
             for k, v in zip(cache.k, cache.v):
                 k.normal_(), v.normal_()
 
             def cached_step():
-                cache.pos = ctx
+                cache.pos.fill_(ctx)
                 return model.lm_head(model.hidden_states(ids[:, ctx:], kv_cache=cache)[:, -1])  # (B, V)
 
             def recompute_step():

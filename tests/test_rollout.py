@@ -148,10 +148,10 @@ def test_cached_logits_equal_full_recompute(model):
     B, P = ids.shape
     steps = 6
     cache = ro.KVCache(model.config, B, P + steps, "cpu", torch.float32)
-    key_ok = torch.cat([mask, torch.ones(B, steps, dtype=torch.bool)], dim=1)
+    key_ok = torch.cat([mask, torch.ones(B, steps, dtype=torch.bool)], dim=1)  # (B, P+steps): every cache slot
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask, kv_cache=cache)[:, -1]  # prefill
+        logits = model(ids, attention_mask=key_ok, kv_cache=cache)[:, -1]  # prefill
         seq = ids
         for t in range(steps + 1):
             full = model(seq, attention_mask=key_ok[:, :seq.shape[1]])[:, -1]  # (B, V), no cache
@@ -160,8 +160,8 @@ def test_cached_logits_equal_full_recompute(model):
                 break
             nxt = torch.randint(0, model.config.vocab_size, (B, 1), generator=g)  # (B, 1)
             seq = torch.cat([seq, nxt], dim=1)
-            logits = model(nxt, attention_mask=key_ok[:, :seq.shape[1]], kv_cache=cache)[:, -1]
-    assert cache.pos == P + steps
+            logits = model(nxt, attention_mask=key_ok, kv_cache=cache)[:, -1]
+    assert int(cache.pos) == P + steps
 
 
 def test_batched_greedy_equals_each_prompt_alone(model):
