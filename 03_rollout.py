@@ -23,6 +23,7 @@ import argparse
 import importlib
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -602,10 +603,12 @@ def _put(model, name, t, file="the checkpoint"):
 # Tokenizer and the ChatML template
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` plus the ids generation needs (EOS list, pad)."""
+    """A `tokenizers.Tokenizer` plus the ids generation needs (EOS list, pad) and the system message the
+    model's chat template writes when the conversation has none (`default_system`, None if it writes none)."""
 
-    def __init__(self, tok, eos_token_ids, pad_token_id=None):
+    def __init__(self, tok, eos_token_ids, pad_token_id=None, default_system=None):
         self.tok = tok
+        self.default_system = default_system
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id if pad_token_id is not None else (self.eos_token_ids or [0])[0]
         self.vocab_size = tok.get_vocab_size()
@@ -629,12 +632,30 @@ def load_tokenizer(path, config=None):
     gen = {**(config or {}), **(json.loads(gen_file.read_text()) if gen_file.exists() else {})}
     eos = gen.get("eos_token_id")
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return Tokenizer(tok, eos, gen.get("pad_token_id"))
+    return Tokenizer(tok, eos, gen.get("pad_token_id"), template_default_system(path / "tokenizer_config.json"))
+
+
+# A ChatML template that fills in a system message when there is none holds it as a literal
+# '<|im_start|>system\n...<|im_end|>' (Qwen2.5: "You are Qwen, ...", SmolLM2: "You are a helpful AI
+# assistant named SmolLM, ..."); the block that prints the user's own system message has a quote there.
+_DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system(?:\n|\\n)([^'\"]+?)<\|im_end\|>")
+
+
+def template_default_system(config_file):
+    """The default system message of tokenizer_config.json's chat template, or None."""
+    if not config_file.exists():
+        return None
+    try:
+        template = json.loads(config_file.read_text()).get("chat_template")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{config_file} is not a JSON object ({e}); download or write it again") from None
+    found = _DEFAULT_SYSTEM.search(template) if isinstance(template, str) else None
+    return found.group(1) if found else None
 
 
 def chat_prompt(user, system=None):
-    """Qwen2.5-Instruct ChatML prompt, ending where the assistant starts talking. system=None writes no
-    system block; Qwen2.5's own template would put its default there ("You are Qwen, created by ...")."""
+    """ChatML prompt (Qwen2.5, SmolLM2), ending where the assistant starts talking. system=None writes no
+    system block; pass `tokenizer.default_system` to write what the model's own template writes."""
     head = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
     return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -710,7 +731,9 @@ def build_parser():
     ap.add_argument("--model", default=str(Path(__file__).parent / "assets" / "tiny-qwen"),
                     help="HF model folder (default: the bundled assets/tiny-qwen)")
     ap.add_argument("--prompt", default="What is 12 + 7? Answer with a number.", help="user message (ChatML-wrapped)")
-    ap.add_argument("--system", default=None, help="system message (default: none)")
+    ap.add_argument("--system", default=None, help="system message (default: the one the model's chat template "
+                    "writes when there is none, e.g. SmolLM2's; none if it writes none)")
+    ap.add_argument("--no-system", action="store_true", help="write no system block at all")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--num-samples", type=int, default=4, help="completions per prompt (GRPO's G)")
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -718,6 +741,8 @@ def build_parser():
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quant", default="none", choices=quantize.QUANT_CHOICES, help="quantize on load (stage 01)")
+    ap.add_argument("--quant-method", default="rtn", choices=quantize.NVFP4_METHODS,
+                    help="NVFP4's rounding with --quant nvfp4: rtn (compressed-tensors) or 4over6 (Four Over Six)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
     ap.add_argument("--compile", action="store_true", help="run the decode steps through torch.compile "
                     "(the first call compiles: tens of seconds)")
@@ -728,13 +753,14 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     device = torch.device(args.device or quantize.autodetect_device())
     t0 = time.perf_counter()
-    model, tok = load_model(args.model, quant=args.quant, device=device)
+    model, tok = load_model(args.model, quant=args.quant, device=device, method=args.quant_method)
     cfg = model.config
     print(f"model | {args.model} | type {cfg.model_type} | layers {cfg.num_hidden_layers} "
           f"| hidden {cfg.hidden_size} | quant {args.quant} | device {device} "
           f"| dtype {model.model.embed_tokens.weight.dtype} | load_s {time.perf_counter() - t0:.1f}")
 
-    prompt = tok.encode(chat_prompt(args.prompt, args.system))
+    system = None if args.no_system else args.system if args.system is not None else tok.default_system
+    prompt = tok.encode(chat_prompt(args.prompt, system))
     gen = torch.Generator(device=device).manual_seed(args.seed)
     r = generate(model, [prompt], num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen, tokenizer=tok,

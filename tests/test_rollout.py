@@ -339,6 +339,40 @@ def test_chat_prompt_and_tokenizer():
     assert r.texts == [tok.decode(r.completion_ids[0].tolist())]
 
 
+QWEN25_TEMPLATE = (  # the system-message part of Qwen2.5-Instruct's chat template, as its tokenizer_config.json holds it
+    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n    {%- else %}\n        {{- 'You are Qwen, created by Alibaba Cloud. "
+    "You are a helpful assistant.' }}\n    {%- endif %}\n{%- else %}\n    {%- if messages[0]['role'] == 'system' %}"
+    "\n        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}")
+SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ "
+                    "'<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                    "'<|im_end|>' + '\n'}}{% endfor %}")
+
+
+@pytest.mark.parametrize("template, want", [
+    (QWEN25_TEMPLATE, "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
+    (SMOLLM2_TEMPLATE, "You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
+    (None, None)])  # the bundled model's template writes no system block
+def test_default_system_message_comes_from_the_chat_template(tmp_path, template, want):
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(DATA / "qwen2", folder)
+    if template is None:
+        shutil.copy(ROOT / "assets" / "tiny-qwen" / "tokenizer_config.json", folder / "tokenizer_config.json")
+    else:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tok = ro.load_tokenizer(folder)
+    assert tok.default_system == want
+    if want:
+        assert ro.chat_prompt("hi", tok.default_system).startswith(f"<|im_start|>system\n{want}<|im_end|>\n")
+    (folder / "tokenizer_config.json").write_text("[1, 2")
+    with pytest.raises(ValueError, match="tokenizer_config.json is not a JSON object"):
+        ro.load_tokenizer(folder)
+
+
 def test_cli_runs_on_a_model_folder(monkeypatch, capsys):
     # In-process (runpy) rather than a subprocess: saves re-importing torch.
     monkeypatch.setattr(sys, "argv", ["03_rollout.py", "--model", str(DATA / "qwen3"), "--prompt", "hi",
