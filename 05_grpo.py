@@ -30,6 +30,7 @@ import random
 import re
 import sys
 import time
+from pathlib import Path
 from fractions import Fraction
 
 import torch
@@ -47,8 +48,8 @@ TINY_MODEL = os.path.join(ROOT, "assets", "tiny-qwen")
 # -----------------------------------------------------------------------------
 # The task: one object with `problems(seed, step, n)` (a pure function of (seed, step), so a resumed run
 # draws what an uninterrupted one would), `held` (the held-out problems), `prompt`, `correct` and `reward`.
-# The loop only calls these. Two tasks ship, chosen by --task from TASKS: synthetic arithmetic and a
-# GSM8K-style JSONL file (tests add a third).
+# The loop only calls these. Three tasks ship, chosen by --task from TASKS: synthetic arithmetic, a
+# GSM8K-style JSONL file, and chat arithmetic for a real instruct model (tests add another).
 
 # The paper's instruction (App. E). The bundled tiny model learned the format in pretraining, so its
 # prompt is the bare problem ("qerl_prompt": "bare" in its config.json).
@@ -197,8 +198,41 @@ class JsonlTask(AnswerTask):
         return out
 
 
+class ChatArithmeticTask(AnswerTask):
+    """For a real instruct model (SmolLM2-135M-Instruct, assets/smollm2.py): "What is 13 - 4?" in its own
+    chat template, system message included, answered in its own words. Correct = the last number of the
+    reply; no format bonus, since such a model writes no tags. +/- on 0..20 and x on 2..12 (1,003
+    problems): SmolLM2 solves ~22% greedily, mostly losing to long-winded replies that run out of tokens."""
+
+    def __init__(self, eval_size=200, system_message=None):
+        pool = [(f"What is {a} + {b}?", a + b) for a in range(21) for b in range(21)]
+        pool += [(f"What is {a} - {b}?", a - b) for a in range(21) for b in range(21)]
+        pool += [(f"What is {a} times {b}?", a * b) for a in range(2, 13) for b in range(2, 13)]
+        if not 0 < eval_size <= len(pool) // 2:
+            raise ValueError(f"--task chat-arithmetic has {len(pool)} problems: --eval-size must be 1..{len(pool) // 2}")
+        problems = [{"question": q, "answer": str(a)} for q, a in pool]
+        random.Random(EVAL_SEED).shuffle(problems)
+        self.held, self.train, self.system_message = problems[:eval_size], problems[eval_size:], system_message
+
+    @classmethod
+    def from_args(cls, args, system):  # the model's own default system message, not the paper's instruction
+        return cls(args.eval_size, rollout.template_default_system(Path(args.model) / "tokenizer_config.json"))
+
+    def prompt(self, problem):
+        return rollout.chat_prompt(problem["question"], system=self.system_message)
+
+    def reward(self, problem, completion):
+        return float(self.correct(problem, completion))
+
+    def correct(self, problem, completion):
+        return parse_number(_strip_eos(completion)) == parse_number(problem["answer"])
+
+    def problems(self, seed, step, n):  # a fresh seeded sample of the training problems each step
+        return random.Random(seed * 1_000_003 + step).sample(self.train, min(n, len(self.train)))
+
+
 # --task NAME -> its class; make_task builds it with `from_args(args, system)`
-TASKS = {"arithmetic": ArithmeticTask, "gsm8k": JsonlTask}
+TASKS = {"arithmetic": ArithmeticTask, "gsm8k": JsonlTask, "chat-arithmetic": ChatArithmeticTask}
 
 # -----------------------------------------------------------------------------
 # Sampling under AQN: G completions per prompt from the policy with noise on its RMSNorm gains (stage
@@ -908,8 +942,8 @@ def build_parser():
     p = argparse.ArgumentParser(description="GRPO with LoRA on a quantized base and AQN (QeRL)")
     # model and data
     p.add_argument("--model", default=TINY_MODEL, help="Hugging Face model folder (default: the bundled tiny model)")
-    p.add_argument("--task", choices=list(TASKS), default="arithmetic", help="arithmetic (synthetic) or gsm8k "
-                   "(the --data file)")
+    p.add_argument("--task", choices=list(TASKS), default="arithmetic", help="arithmetic (synthetic), gsm8k "
+                   "(the --data file) or chat-arithmetic (for a real instruct model, e.g. SmolLM2)")
     p.add_argument("--data", default=None, help="gsm8k: the GSM8K-style JSONL file to train on")
     p.add_argument("--eval-data", default=None, help="gsm8k: held-out JSONL (default: a slice of --data is held out)")
     p.add_argument("--digits", type=int, default=3, help="arithmetic: max digits per operand")

@@ -141,7 +141,7 @@ def test_jsonl_splits_hold_out_eval(tmp_path):
 
 def test_task_registry_and_its_flags(tmp_path, monkeypatch, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(8)])
-    assert set(grpo.TASKS) == {"arithmetic", "gsm8k"} and parse().task == "arithmetic"  # the default
+    assert set(grpo.TASKS) == {"arithmetic", "gsm8k", "chat-arithmetic"} and parse().task == "arithmetic"  # the default
     arith = grpo.make_task(parse("--digits", "2", "--nops", "1", "--eval-size", "7"))
     assert type(arith) is grpo.ArithmeticTask and (arith.digits, arith.nops, len(arith.held)) == (2, 1, 7)
     assert type(grpo.make_task(parse("--task", "gsm8k", "--data", data))) is grpo.JsonlTask
@@ -771,3 +771,23 @@ def test_steps_without_signal_are_reported(tmp_path, monkeypatch, capsys):
     warnings = [line for line in out.splitlines() if line.startswith("warning")]
     assert len(warnings) == 1 and "2 steps in a row without signal" in warnings[0] and "never solves" in warnings[0]
     assert all(r["frac_zero_std"] == 1 and r["loss"] == 0 for r in step_rows(tmp_path / "flat")[0])
+
+
+def test_chat_arithmetic_task_for_a_real_instruct_model(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{{ '<|im_start|>system\\nYou are SmolLM.<|im_end|>\\n' }}{% for m in messages %}...{% endfor %}")}))
+    args = grpo.build_parser().parse_args(["--task", "chat-arithmetic", "--model", str(folder), "--eval-size", "200"])
+    task = grpo.TASKS["chat-arithmetic"].from_args(args, system=True)
+    assert len(task.held) == 200 and len(task.train) == 803
+    assert not {p["question"] for p in task.held} & {p["question"] for p in task.train}  # held out never trains
+    p = {"question": "What is 13 - 4?", "answer": "9"}
+    assert task.prompt(p) == ("<|im_start|>system\nYou are SmolLM.<|im_end|>\n<|im_start|>user\nWhat is 13 - 4?"
+                              "<|im_end|>\n<|im_start|>assistant\n")
+    assert task.reward(p, "13 - 4 = 9.<|im_end|>") == 1.0 and task.correct(p, "The answer is 9")
+    assert task.reward(p, "13 - 4 is 9, and 9 + 1 = 10") == 0.0 and task.reward(p, "nine") == 0.0
+    assert task.problems(0, 5, 16) == task.problems(0, 5, 16) != task.problems(0, 6, 16)
+    assert all(q in task.train for q in task.problems(3, 1, 16))
+    with pytest.raises(ValueError, match="chat-arithmetic has 1003 problems: --eval-size must be 1..501"):
+        grpo.ChatArithmeticTask(eval_size=600)
