@@ -12,11 +12,12 @@ way. Every table is measured in one run, side by side:
 3. quantize throughput on a 4096x4096 weight (median of 3);
 4. against the unquantized model: KL(full || quantized) and the quantized model's entropy per token (nats),
    and top-1 agreement, on completions the full model samples for held-out prompts;
-5. held-out greedy accuracy of the full model and each 4-bit copy (stage 05's arithmetic task).
+5. held-out greedy accuracy of the full model and each 4-bit copy (stage 05's arithmetic task, or
+   chat-arithmetic for an instruct model).
 
     python bench/bench_quant_methods.py                      # the bundled model; ~3 min on 2 cores
     python bench/bench_quant_methods.py --parts weights      # tables 1 and 3 only (~1 min)
-    python bench/bench_quant_methods.py --model assets/smollm2-135m-instruct --parts projections,distribution
+    python bench/bench_quant_methods.py --model assets/smollm2-135m-instruct --task chat-arithmetic --eval-size 200
 """
 import argparse
 import copy
@@ -179,10 +180,19 @@ def table_accuracy(models, tok, task, max_new_tokens):
     return rows
 
 
+def make_task(args):
+    if args.task == "arithmetic":
+        return grpo.ArithmeticTask(eval_size=args.eval_size)
+    system = rollout.template_default_system(rollout.Path(args.model) / "tokenizer_config.json")
+    return grpo.ChatArithmeticTask(eval_size=args.eval_size, system_message=system)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=grpo.TINY_MODEL, help="Hugging Face folder (default: the bundled model)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--task", default="arithmetic", choices=["arithmetic", "chat-arithmetic"],
+                    help="05's task whose held-out prompts tables 4 and 5 use (chat-arithmetic for an instruct model)")
     ap.add_argument("--kl-prompts", type=int, default=128)
     ap.add_argument("--eval-size", type=int, default=1000)
     ap.add_argument("--max-new-tokens", type=int, default=42)
@@ -205,7 +215,7 @@ def main(argv=None):
         models = {"fp32": base}
         for v, (fmt, method) in VARIANTS.items():
             models[v] = quantize.quantize_model(copy.deepcopy(base), fmt=fmt, method=method)
-        task = grpo.ArithmeticTask(eval_size=args.eval_size)
+        task = make_task(args)
         if "distribution" in parts:
             out["distribution"] = table_distribution(models, tok, task, args.kl_prompts, args.max_new_tokens,
                                                      args.seed)
