@@ -202,7 +202,8 @@ class ChatArithmeticTask(AnswerTask):
     """For a real instruct model (SmolLM2-135M-Instruct, assets/smollm2.py): "What is 13 - 4?" in its own
     chat template, system message included, answered in its own words. Correct = the last number of the
     reply; no format bonus, since such a model writes no tags. +/- on 0..20 and x on 2..12 (1,003
-    problems): SmolLM2 solves ~22% greedily, mostly losing to long-winded replies that run out of tokens."""
+    problems): SmolLM2 solves 17% of the held-out ones greedily, mostly losing to long-winded replies
+    that run out of tokens."""
 
     def __init__(self, eval_size=200, system_message=None):
         pool = [(f"What is {a} + {b}?", a + b) for a in range(21) for b in range(21)]
