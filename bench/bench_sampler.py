@@ -15,6 +15,7 @@ script reports whether their greedy tokens agree.
     python bench/bench_sampler.py --device cuda --shape qwen2.5-7b --layers 2 --quants none,nvfp4 --no-hf
     python bench/bench_sampler.py --device cuda --shape qwen2.5-7b --layers 2 --quants nvfp4 --no-hf --lora 32
     python bench/bench_sampler.py --kv-vs-recompute                    # KV cache vs recomputing the prefix
+    python bench/bench_sampler.py --model assets/smollm2-135m-instruct --batch 8 --new-tokens 64 --hf-python ...
 
 Default model (CPU): random Qwen2, vocab 4096, hidden 256, 4 layers, 8 query / 2 KV heads, fp32; batch
 16, 32-token prompts, 96 new tokens, 1 thread (two busy threads on a shared 2-core machine make timings
@@ -123,22 +124,27 @@ def ours(ro, model, prompts, new_tokens, compile, sync):
 
 def compare(args, ro, br, device, sync):
     overrides = dict(num_hidden_layers=args.layers, max_position_embeddings=4096)
-    if args.shape == "small":
+    dtype = br.DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    if args.model:  # a real Hugging Face folder (e.g. SmolLM2): its own weights on both sides
+        cfg = ro.ModelConfig.from_dict(json.load(open(os.path.join(args.model, "config.json"))))
+    elif args.shape == "small":
         cfg = ro.ModelConfig(model_type="qwen2", rope_theta=1e6,
                              **{**SMALL, **{k: v for k, v in overrides.items() if v is not None}})
     else:
         cfg = br.model_config(args.shape, **overrides)
-    dtype = br.DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     B, N = args.batch, args.new_tokens
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), generator=g).tolist()
-    print(f"setup | shape {args.shape} | lora r {args.lora} | layers {cfg.num_hidden_layers} | hidden {cfg.hidden_size} | vocab "
+    print(f"setup | {'model ' + args.model if args.model else 'shape ' + args.shape} | lora r {args.lora} | layers {cfg.num_hidden_layers} | hidden {cfg.hidden_size} | vocab "
           f"{cfg.vocab_size} | heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} | batch {B} | prompt "
           f"{args.prompt_len} | new tokens {N} | greedy | device {device} | dtype {dtype} "
           f"| threads {torch.get_num_threads()} | torch {torch.__version__}", flush=True)
     rows = []
     for quant in args.quants.split(","):
-        model = br.build_random_model(cfg, quant=quant, dtype=dtype, device=device)
+        if args.model:
+            model = ro.load_model(args.model, quant=quant, dtype=dtype, device=device)[0]
+        else:
+            model = br.build_random_model(cfg, quant=quant, dtype=dtype, device=device)
         if args.lora:  # adapters on every projection, B != 0 (as after training), unmerged: GRPO's sampler on a GPU
             lora = importlib.import_module("02_lora")
             lora.add_lora(model, r=args.lora, alpha=2 * args.lora, generator=torch.Generator().manual_seed(0))
@@ -172,7 +178,12 @@ def one_quant(args, ro, model, quant, dtype, prompts, sync):
     hf, hf_note, tmp = None, "off (--no-hf)", None
     if not args.no_hf and quant == "none" and dtype == torch.float32 and not args.lora:
         tmp = tempfile.TemporaryDirectory()
-        write_hf_folder(model, tmp.name, prompts, N)
+        if args.model:  # transformers reads the folder's own config and weights
+            for name in ("config.json", "model.safetensors"):
+                os.symlink(os.path.abspath(os.path.join(args.model, name)), os.path.join(tmp.name, name))
+            json.dump({"prompts": prompts, "new_tokens": N}, open(os.path.join(tmp.name, "job.json"), "w"))
+        else:
+            write_hf_folder(model, tmp.name, prompts, N)
         hf, hf_note = start_hf(args.hf_python or sys.executable, tmp.name, args.threads)
         print(f"hf | {'transformers ' + hf_note if hf else hf_note}", flush=True)
     elif not args.no_hf:
@@ -282,6 +293,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
     ap.add_argument("--shape", default="small", help="small (the default above) or a bench_rollout.py shape")
+    ap.add_argument("--model", default=None, help="a Hugging Face folder with one model.safetensors (e.g. "
+                    "assets/smollm2-135m-instruct) instead of random weights; prompts are random token ids")
     ap.add_argument("--layers", type=int, default=None, help="override the shape's number of layers")
     ap.add_argument("--quants", default="none", help="comma list of none / nvfp4 / nf4")
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank of unmerged adapters on every projection (0: none)")
