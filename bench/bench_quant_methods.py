@@ -22,7 +22,6 @@ way. Every table is measured in one run, side by side:
 import argparse
 import copy
 import importlib
-import json
 import os
 import statistics
 import sys
@@ -180,13 +179,6 @@ def table_accuracy(models, tok, task, max_new_tokens):
     return rows
 
 
-def make_task(args):
-    if args.task == "arithmetic":
-        return grpo.ArithmeticTask(eval_size=args.eval_size)
-    system = rollout.template_default_system(rollout.Path(args.model) / "tokenizer_config.json")
-    return grpo.ChatArithmeticTask(eval_size=args.eval_size, system_message=system)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=grpo.TINY_MODEL, help="Hugging Face folder (default: the bundled model)")
@@ -215,7 +207,8 @@ def main(argv=None):
         models = {"fp32": base}
         for v, (fmt, method) in VARIANTS.items():
             models[v] = quantize.quantize_model(copy.deepcopy(base), fmt=fmt, method=method)
-        task = make_task(args)
+        task = grpo.make_task(grpo.build_parser().parse_args(  # 05's task, as `05_grpo.py --task` builds it
+            ["--model", args.model, "--task", args.task, "--eval-size", str(args.eval_size)]))
         if "distribution" in parts:
             out["distribution"] = table_distribution(models, tok, task, args.kl_prompts, args.max_new_tokens,
                                                      args.seed)

@@ -126,7 +126,13 @@ def compare(args, ro, br, device, sync):
     overrides = dict(num_hidden_layers=args.layers, max_position_embeddings=4096)
     dtype = br.DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if args.model:  # a real Hugging Face folder (e.g. SmolLM2): its own weights on both sides
-        cfg = ro.ModelConfig.from_dict(json.load(open(os.path.join(args.model, "config.json"))))
+        try:
+            raw, _, sharded = ro.quantize.find_weight_files(args.model)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"error: --model: {e}") from None
+        if sharded:
+            raise SystemExit(f"error: --model {args.model} is sharded; the HF side links one model.safetensors")
+        cfg = ro.ModelConfig.from_dict(raw, where=os.path.join(args.model, "config.json"))
     elif args.shape == "small":
         cfg = ro.ModelConfig(model_type="qwen2", rope_theta=1e6,
                              **{**SMALL, **{k: v for k, v in overrides.items() if v is not None}})

@@ -410,3 +410,9 @@ def test_quant_method_picks_the_nvfp4_rows_rounding():
     torch.testing.assert_close(a.weight_global_scale * 256 / 448, b.weight_global_scale)  # 4over6: 256 * 6 / amax
     assert not torch.equal(a.weight_scale.view(torch.uint8), b.weight_scale.view(torch.uint8))
     assert torch.equal(rtn["NF4"].model.layers[0].mlp.up_proj.weight_packed, four["NF4"].model.layers[0].mlp.up_proj.weight_packed)
+
+
+def test_negative_threads_is_refused_before_any_work(capsys):
+    with pytest.raises(SystemExit):
+        aqn.parse_args(["--threads", "-1"])
+    assert "--threads must be >= 0" in capsys.readouterr().err

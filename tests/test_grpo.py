@@ -538,6 +538,11 @@ def test_quant_method_reaches_the_loaded_weights(tmp_path):
     with pytest.raises(ValueError, match="--quant-method 4over6 is a rounding of NVFP4 weights: it needs --quant nvfp4"):
         grpo.train(parse("--quant", "nf4", "--quant-method", "4over6", "--out", tmp_path / "o"))
     assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match="method '4over6' is a rounding of NVFP4 weights: it needs quant='nvfp4'"):
+        rollout.load_model(grpo.TINY_MODEL, method="4over6")  # quant="none": nothing would be rounded
+    for argv in (["--quant-method", "4over6"], ["--system", "Be brief.", "--no-system"]):
+        with pytest.raises(SystemExit):  # 03's command line: one argparse line, before any work
+            rollout.main(argv)
 
 
 def test_bad_model_folder_is_one_clear_line(tmp_path):
@@ -789,5 +794,6 @@ def test_chat_arithmetic_task_for_a_real_instruct_model(tmp_path):
     assert task.reward(p, "13 - 4 is 9, and 9 + 1 = 10") == 0.0 and task.reward(p, "nine") == 0.0
     assert task.problems(0, 5, 16) == task.problems(0, 5, 16) != task.problems(0, 6, 16)
     assert all(q in task.train for q in task.problems(3, 1, 16))
-    with pytest.raises(ValueError, match="chat-arithmetic has 1003 problems: --eval-size must be 1..501"):
+    with pytest.raises(ValueError, match="chat-arithmetic has 1003 problems: --eval-size must be 0..501"):
         grpo.ChatArithmeticTask(eval_size=600)
+    assert len(grpo.ChatArithmeticTask(eval_size=0).train) == 1003  # --eval-size 0: no evaluation, all train
