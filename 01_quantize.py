@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -25,6 +26,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError
 
 # -----------------------------------------------------------------------------------------------------
 # NVFP4: E2M1 values, an FP8 E4M3 scale per 16 inputs, an FP32 scale per tensor (all maths in fp32)
@@ -343,6 +345,21 @@ def autodetect_device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def pick_device(name=None):
+    """--device as a torch.device: autodetect for None; one clear error for a name torch does not know or
+    a GPU that is not there (instead of a traceback at the first tensor moved)."""
+    try:
+        device = torch.device(name or autodetect_device())
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}: use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name} requested but no GPU is available here: use --device cpu (or leave "
+                         f"--device out to autodetect)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not supported: use cpu or cuda")
+    return device
+
+
 def model_device(model):
     """The device of a module's first parameter or buffer (the CPU for a module with neither)."""
     t = next(itertools.chain(model.parameters(), model.buffers()), None)
@@ -388,6 +405,36 @@ def write_json(path, obj):
     return write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temps(folder):
+    """Clear what atomic_write leaves in `folder` when its process is killed mid-write (.NAME.tmpPID and
+    .NAME.tmpPID.old of a PID that is gone). If the kill fell between its two renames, NAME is missing and
+    .old holds its previous complete version: that is put back. Returns the names removed."""
+    removed = []
+    if not os.path.isdir(folder):
+        return removed
+    for name in sorted(os.listdir(folder)):
+        m = re.fullmatch(r"\.(.+)\.tmp(\d+)(\.old)?", name)
+        if not m or _pid_alive(int(m.group(2))):
+            continue
+        path, target = os.path.join(folder, name), os.path.join(folder, m.group(1))
+        if m.group(3) and not os.path.exists(target):
+            os.replace(path, target)
+            continue
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        removed.append(name)
+    return removed
+
+
 def _check_weight(w, name, global_scale=None):
     if w.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
@@ -412,15 +459,20 @@ def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
     config, weight_map, has_index = find_weight_files(model_dir)
     if "quantization_config" in config:
         raise ValueError(f"{model_dir} is already quantized (its config.json has a quantization_config)")
-    if os.path.exists(out_dir) and not force:
-        raise FileExistsError(f"{os.path.abspath(out_dir)} already exists: pass --force to replace it")
+    check_out_dir(out_dir, [model_dir], force=force, ours=is_quantized_output, command="01_quantize.py")
+    return config, weight_map, has_index, pick_device(device)
+
+
+def is_quantized_output(folder):
+    """Whether `folder` is what quantize_checkpoint writes (and so what --force may replace): an NVFP4
+    config.json and nothing but shards, the index and tokenizer files."""
     try:
-        device = torch.device(device or autodetect_device())
-    except RuntimeError:
-        raise ValueError(f"unknown device {device!r}: use cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but no GPU is available")
-    return config, weight_map, has_index, device
+        config = read_json(os.path.join(folder, "config.json"))
+    except ValueError:
+        return False
+    ours = isinstance(config, dict) and config.get("quantization_config") == NVFP4_QUANT_CONFIG
+    allowed = {"config.json", "model.safetensors.index.json", *TOKENIZER_FILES}
+    return ours and all(n in allowed or n.endswith(".safetensors") for n in os.listdir(folder))
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -432,24 +484,30 @@ ST_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _read_json(path):
+def read_json(path):
+    """A JSON object from `path` (every Hugging Face folder file is one); one error naming the file otherwise."""
     try:
         with open(path) as f:
-            return json.load(f)
+            obj = json.load(f)
     except OSError as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     except ValueError as e:  # also what a UTF-8 decoding error is
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
+        raise ValueError(f"{path} is not valid JSON ({e}); write or download it again") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} should hold a JSON object {{...}}, found a {type(obj).__name__}")
+    return obj
 
 
 def _read_header(path):
     """-> ({name: {dtype, shape, data_offsets}}, byte where the data starts)."""
     try:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= size - 8:  # random bytes: a "header length" of exabytes
+                raise ValueError(f"header length {n} does not fit a {size}-byte file")
             header = json.loads(f.read(n))
         header.pop("__metadata__", None)
-        size = os.path.getsize(path)
         for v in header.values():
             if v["dtype"] not in ST_DTYPE_BYTES:
                 raise ValueError(f"unsupported dtype {v['dtype']}")
@@ -479,10 +537,10 @@ def find_weight_files(model_dir):
         raise FileNotFoundError(f"model folder not found: {model_dir}")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"{model_dir} has no config.json (expected a Hugging Face model folder)")
-    config = _read_json(os.path.join(model_dir, "config.json"))
+    config = read_json(os.path.join(model_dir, "config.json"))
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map")
     elif os.path.isfile(os.path.join(model_dir, "model.safetensors")):
@@ -593,6 +651,7 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
     from safetensors.torch import save_file
     _check_method(method)
     config, weight_map, has_index, device = _check_checkpoint_args(model_dir, out_dir, fmt, force, device)
+    remove_stale_temps(os.path.dirname(os.path.abspath(out_dir)))  # what a killed earlier run left
     plan = headers, where, groups = _plan_shards(model_dir, weight_map, config)
     n_quant = sum(map(len, groups.values()))
     t0, progress, new_map, sizes = time.time(), [0, n_quant], {}, []
@@ -618,6 +677,86 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
     log(f"done | tensors {len(where)} | quantized {n_quant} | bytes {bytes_in / 1e6:.1f} MB -> "
         f"{bytes_out / 1e6:.1f} MB ({bytes_out / max(bytes_in, 1):.3f}x) | time {time.time() - t0:.1f}s | out {out_dir}")
     return {"bytes_in": bytes_in, "bytes_out": bytes_out, "quantized": n_quant, "tensors": len(where)}
+
+
+# -----------------------------------------------------------------------------------------------------
+# Command lines. Every stage parses with ArgumentParser (a bad flag: one line, exit 2), declares each
+# number's range with `number` (what makes no sense is refused before any work), guards what it writes
+# with `check_out_dir`, and ends in `run_cli` (an expected error: one line, exit 1; Ctrl-C: exit 130).
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line naming the flag, not a usage block."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _range_text(lo, hi, above, below):
+    parts = [f">= {lo:g}" if lo is not None else None, f"> {above:g}" if above is not None else None,
+             f"<= {hi:g}" if hi is not None else None, f"< {below:g}" if below is not None else None]
+    return " and ".join(p for p in parts if p) or "a finite number"
+
+
+def number(kind=float, lo=None, hi=None, *, above=None, below=None):
+    """An argparse type: kind(text), finite, with lo <= x <= hi and above < x < below (each bound optional).
+    NaN, inf and out-of-range values are refused with the allowed range."""
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        ok = (math.isfinite(x) and (lo is None or x >= lo) and (hi is None or x <= hi)
+              and (above is None or x > above) and (below is None or x < below))
+        if not ok:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: need {_range_text(lo, hi, above, below)}")
+        return x
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def check_out_dir(out, inputs=(), *, force=False, ours=None, command="this command"):
+    """Before any work, refuse an output folder whose writing would destroy something the command did not
+    make: `out` may not be a file, nor be or contain any of `inputs`; an existing non-empty `out` needs
+    force, and force replaces it only when ours(out) recognises it as an earlier output of `command`."""
+    out_real = os.path.realpath(out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file, not a folder: choose a folder name")
+    for src in inputs:
+        src_real = os.path.realpath(src)
+        if src_real == out_real or src_real.startswith(out_real.rstrip(os.sep) + os.sep):
+            relation = "is" if src_real == out_real else "contains"
+            raise ValueError(f"--out {out} {relation} the input {src}: writing there would replace it; choose a "
+                             f"new folder for the output")
+    if os.path.isdir(out) and os.listdir(out):
+        if not force:
+            raise FileExistsError(f"{os.path.abspath(out)} already exists: pass --force to replace it")
+        if ours is None or not ours(out):
+            raise ValueError(f"--force replaces only an earlier output of {command}, and {out} is not one (it holds "
+                             f"other files): choose a new --out")
+
+
+EXPECTED_ERRORS = (ValueError, OSError, SafetensorError)  # bad input, a missing or unreadable file, a full disk
+
+
+def error_line(e):
+    """The one line an expected error prints: an OSError as 'file: reason', anything else as its message."""
+    if isinstance(e, OSError) and e.filename and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e) or type(e).__name__
+
+
+def run_cli(main, argv=None):
+    """Run a stage's main(argv): an expected error prints `error: ...` on one line and returns 1; Ctrl-C
+    prints `interrupted` (with the KeyboardInterrupt's message, e.g. how to resume) and returns 130."""
+    try:
+        return main(argv) or 0
+    except KeyboardInterrupt as e:
+        print("interrupted" + (f" | {e}" if str(e) else ""), file=sys.stderr, flush=True)
+        return 130
+    except EXPECTED_ERRORS as e:
+        print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
+        return 1
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -651,28 +790,24 @@ def demo(seed=0):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="NVFP4/NF4 demo, or HF folder -> compressed-tensors NVFP4 checkpoint")
+    p = ArgumentParser(description="NVFP4/NF4 demo, or HF folder -> compressed-tensors NVFP4 checkpoint")
     p.add_argument("--model", help="Hugging Face model folder (config.json + safetensors)")
     p.add_argument("--out", help="output folder for the quantized checkpoint")
     p.add_argument("--format", default="nvfp4", choices=["nvfp4"], help="checkpoint format")
     p.add_argument("--quant-method", default="rtn", choices=NVFP4_METHODS,
                    help="NVFP4 rounding: rtn (compressed-tensors) or 4over6 (per block, max -> 6 or 4)")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--force", action="store_true", help="replace --out if it is an earlier output of this command")
     p.add_argument("--device", default=None, help="where to quantize (default: cuda if available, else cpu)")
-    p.add_argument("--seed", type=int, default=0, help="demo seed")
+    p.add_argument("--seed", type=number(int, 0), default=0, help="demo seed")
     args = p.parse_args(argv)
     if args.model is None and args.out is None:
         demo(args.seed)
         return 0
     if not (args.model and args.out):
         p.error("--model and --out go together")
-    try:
-        quantize_checkpoint(args.model, args.out, args.format, args.force, args.device, method=args.quant_method)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    quantize_checkpoint(args.model, args.out, args.format, args.force, args.device, method=args.quant_method)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -15,7 +15,6 @@ Run the demo (a frozen NVFP4 MLP learns a teacher through LoRA alone, < 30 s on 
 """
 import argparse
 import importlib
-import json
 import math
 import os
 import time
@@ -289,12 +288,15 @@ def load_adapter(model, dir):
     for f in (CONFIG_NAME, WEIGHTS_NAME):
         if not os.path.isfile(os.path.join(dir, f)):
             raise FileNotFoundError(f"adapter folder {dir!r} has no {f}: is it a PEFT LoRA adapter folder?")
-    with open(os.path.join(dir, CONFIG_NAME)) as f:
-        cfg = json.load(f)
+    cfg = quantize.read_json(os.path.join(dir, CONFIG_NAME))
     if (cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("bias", "none") != "none"
             or cfg.get("rank_pattern") or cfg.get("alpha_pattern")):
         raise ValueError(f"{dir}: only plain LoRA adapters (peft_type LORA; no DoRA, bias, rank_pattern or "
                          f"alpha_pattern) are supported, got peft_type={cfg.get('peft_type')!r}")
+    bad = [k for k, kind in (("r", int), ("lora_alpha", (int, float)), ("target_modules", (list, str)))
+           if not isinstance(cfg.get(k), kind) or isinstance(cfg.get(k), bool)]
+    if bad:
+        raise ValueError(f"{os.path.join(dir, CONFIG_NAME)}: missing or malformed {', '.join(bad)}")
     if not _lora_layers(model):
         add_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], targets=cfg["target_modules"],
                  dropout=cfg.get("lora_dropout", 0.0), use_rslora=cfg.get("use_rslora", False))

@@ -21,7 +21,6 @@ cache per batch (no paged attention, no continuous batching); only SwiGLU, RMSNo
 """
 import argparse
 import importlib
-import json
 import math
 import re
 import time
@@ -629,9 +628,13 @@ def load_tokenizer(path, config=None):
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path / 'tokenizer.json'} not found: the model folder needs a tokenizer.json "
                                 "(the `tokenizers` format Hugging Face saves)")
-    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
     gen_file = path / "generation_config.json"  # its ids win over config.json's
-    gen = {**(config or {}), **(json.loads(gen_file.read_text()) if gen_file.exists() else {})}
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as e:  # tokenizers raises its own Exception subclass on a corrupt file
+        raise ValueError(f"{path / 'tokenizer.json'} is not a readable tokenizer ({str(e)[:120]}); write or "
+                         "download it again") from None
+    gen = {**(config or {}), **(quantize.read_json(gen_file) if gen_file.exists() else {})}
     eos = gen.get("eos_token_id")
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     return Tokenizer(tok, eos, gen.get("pad_token_id"), template_default_system(path / "tokenizer_config.json"))
@@ -647,10 +650,7 @@ def template_default_system(config_file):
     """The default system message of tokenizer_config.json's chat template, or None."""
     if not config_file.exists():
         return None
-    try:
-        template = json.loads(config_file.read_text()).get("chat_template")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise ValueError(f"{config_file} is not a JSON object ({e}); download or write it again") from None
+    template = quantize.read_json(config_file).get("chat_template")
     found = _DEFAULT_SYSTEM.search(template) if isinstance(template, str) else None
     return found.group(1) if found else None
 

@@ -423,10 +423,14 @@ def test_checkpoint_refuses_existing_out_and_force_replaces(tmp_path):
     open(os.path.join(out, "keep.txt"), "w").close()
     with pytest.raises(FileExistsError, match="--force"):
         q.quantize_checkpoint(src, out, log=lambda s: None)
-    assert q.main(["--model", src, "--out", out]) == 2
+    assert q.run_cli(q.main, ["--model", src, "--out", out]) == 1
+    with pytest.raises(ValueError, match="replaces only an earlier output of 01_quantize.py"):
+        q.quantize_checkpoint(src, out, force=True, log=lambda s: None)  # not ours: --force refuses it
     assert os.listdir(out) == ["keep.txt"]
-    q.quantize_checkpoint(src, out, force=True, log=lambda s: None)
-    assert "keep.txt" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
+    os.remove(os.path.join(out, "keep.txt"))
+    q.quantize_checkpoint(src, out, log=lambda s: None)  # an empty folder is fine
+    q.quantize_checkpoint(src, out, force=True, log=lambda s: None)  # our own earlier output: replaced
+    assert "model.safetensors" in os.listdir(out)
     assert sorted(os.listdir(tmp_path)) == ["out", "src"]
 
 
@@ -462,7 +466,7 @@ def test_checkpoint_failure_midway_leaves_nothing(tmp_path):
 def test_cli_error_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "01_quantize.py"), "--model", str(tmp_path / "missing"),
                         "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2
+    assert r.returncode == 1
     assert r.stderr.startswith("error: model folder not found") and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
@@ -485,7 +489,7 @@ def test_checkpoint_truncated_or_misshaped_tensor_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "01_quantize.py"), "--model", str(src), "--out", str(out)],
                        capture_output=True, text=True, timeout=120)
     lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and "is truncated or corrupt" in lines[0], r.stderr
+    assert r.returncode == 1 and len(lines) == 1 and "is truncated or corrupt" in lines[0], r.stderr
     (src / shards[-1]).write_bytes(data)
     cfg = dict(json.loads((src / "config.json").read_text()), intermediate_size=48, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=64)  # what tiny_model's shapes imply

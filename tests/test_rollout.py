@@ -369,7 +369,7 @@ def test_default_system_message_comes_from_the_chat_template(tmp_path, template,
     if want:
         assert ro.chat_prompt("hi", tok.default_system).startswith(f"<|im_start|>system\n{want}<|im_end|>\n")
     (folder / "tokenizer_config.json").write_text("[1, 2")
-    with pytest.raises(ValueError, match="tokenizer_config.json is not a JSON object"):
+    with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON"):
         ro.load_tokenizer(folder)
 
 
