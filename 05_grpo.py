@@ -28,7 +28,10 @@ import math
 import os
 import random
 import re
+import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from fractions import Fraction
@@ -138,9 +141,17 @@ def make_problem(rng, digits=3, nops=2, ops="+-"):
     return {"question": question, "answer": str(acc), "solution": solution}
 
 
+def arithmetic_space(digits, nops, ops="+-"):
+    """How many distinct questions make_problem can write: 10^digits operand values, len(ops) operators."""
+    return (10 ** digits) ** (nops + 1) * len(ops) ** nops
+
+
 def arithmetic_problems(n, seed, digits=3, nops=2, exclude=frozenset()):
     """The first n distinct problems of the stream `seed` whose questions are not in `exclude`."""
     rng, seen, out = random.Random(seed), set(exclude), []
+    if len(seen) + n > arithmetic_space(digits, nops):
+        raise ValueError(f"{n} new problems wanted but --digits {digits} --nops {nops} has only "
+                         f"{arithmetic_space(digits, nops)} distinct ones, {len(exclude)} of them held out")
     while len(out) < n:
         p = make_problem(rng, digits, nops)
         if p["question"] not in seen:
@@ -155,6 +166,10 @@ class ArithmeticTask(AnswerTask):
 
     def __init__(self, digits=3, nops=2, eval_size=500, system=False):
         self.digits, self.nops, self.system = digits, nops, system
+        pool_size, space = max(EVAL_POOL, eval_size), arithmetic_space(digits, nops)
+        if space < 2 * pool_size:  # drawing distinct problems from a nearly exhausted space never ends
+            raise ValueError(f"--digits {digits} --nops {nops} makes only {space} distinct problems, and the held-out "
+                             f"pool alone takes {pool_size} (with as many left to train on): raise --digits or --nops")
         pool = arithmetic_problems(max(EVAL_POOL, eval_size), EVAL_SEED, digits, nops)
         self.held, self.exclude = pool[:eval_size], frozenset(p["question"] for p in pool)
 
@@ -183,6 +198,9 @@ class JsonlTask(AnswerTask):
         self.train = [p for p in train if p["question"] not in held_q]  # eval problems never train
         if not self.train:
             raise ValueError(f"no training problems left in {path!r} after removing the evaluation set")
+        if eval_size > 0 and not self.held:
+            raise ValueError(f"{path!r} has {len(train)} problem(s), too few to hold any out for evaluation: pass "
+                             f"--eval-data FILE, or --eval-size 0 for no evaluation")
 
     @classmethod
     def from_args(cls, args, system):
@@ -523,65 +541,74 @@ def train(args, task=None):
     object with the task interface, replaces the one --task names. Returns the summary (also written
     to <out>/summary.json)."""
     t_start = time.time()
-    rank, world, device = init_distributed(args.device or quantize.autodetect_device())
+    rank, world, device = init_distributed(str(quantize.pick_device(args.device)))
     if rank > 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors still reach stderr
     ckpt, state = resume_args(args)  # --resume: the checkpoint's hyper-parameters replace the flags
-    check_args(args, world)
+    args.out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    check_args(args, world, resuming=state is not None)  # every flag and the run folder, before any work
     if args.gpu_path:
         use_gpu_path(device)
     task = task or make_task(args)  # bad data fails here, before the model loads
-    args.out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     model, tok, params, opt = build_policy(args, device)
+    check_prompts_fit(task, tok, model.config.max_position_embeddings, args.max_new_tokens)
     feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
         else None
     start = restore(ckpt, state, model, opt, feedback) if state else 0
-    log = RunLog(args, rank, start, t_start, model, world)
-    options = step_options(args)  # grpo_step's keyword arguments, the LossOptions among them
-    evaluating = rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
+    # The run log writes the run folder (and removes it if the run fails before its first step); Ctrl-C
+    # lets the step in flight finish, then checkpoints and stops.
+    with RunLog(args, rank, start, t_start, model, world) as log, StopAtStepEnd() as interrupt:
+        options = step_options(args)  # grpo_step's keyword arguments, the LossOptions among them
+        evaluating = rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
 
-    def run_eval(step, k):
-        if not evaluating:
-            return None
-        t0 = time.time()
-        res = evaluate(model, tok, task, task.held, args.max_new_tokens, k, args.temperature, EVAL_SEED,
-                       args.eval_chunk, args.compile)
-        return log.eval(res, step, k, time.time() - t0)
+        def run_eval(step, k):
+            if not evaluating:
+                return None
+            t0 = time.time()
+            res = evaluate(model, tok, task, task.held, args.max_new_tokens, k, args.temperature, EVAL_SEED,
+                           args.eval_chunk, args.compile)
+            return log.eval(res, step, k, time.time() - t0)
 
-    def save():  # the new checkpoint, or the last one if the adapter is not finite
-        return save_checkpoint(args.out, done, model, opt, params, args, feedback, {"first_eval": first_eval}) \
-            or last_ckpt
+        def save():  # the new checkpoint, or the last one if the adapter is not finite
+            return save_checkpoint(args.out, done, model, opt, params, args, feedback, {"first_eval": first_eval}) \
+                or last_ckpt
 
-    first_eval = (state or {}).get("first_eval") or run_eval(start, args.eval_k)  # gains count from step 0
-    last_eval, done, skipped, stopped, last_ckpt, recent = first_eval, start, 0, "steps", None, []
-    for step in range(start, args.steps):
-        if log.out_of_time(recent, first_eval):
-            stopped = "time budget"
-            break
-        lr = args.lr * lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
-        for param_group in opt.param_groups:
-            param_group["lr"] = lr
-        sigma = step_sigma(args, step, feedback)
-        rec = grpo_step(model, tok, opt, params, task, step, sigma, **options)
-        if feedback is not None:
-            feedback.update(rec["entropy"])  # the same global entropy on every rank: sigma stays in step
-        skipped += rec.pop("skipped")
-        recent.append(rec["s/step"])
-        log.step(rec, lr=lr)
-        done = step + 1
-        if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-            last_eval = run_eval(done, 0) or last_eval
-        if rank == 0 and ((args.save_every and done % args.save_every == 0) or done == args.stop_at):
-            last_ckpt = save()
-        if args.stop_at and done >= args.stop_at:
-            stopped = "stop-at"
-            break
-    if stopped != "stop-at" and rank == 0:  # the run's end: a last checkpoint and the full evaluation
-        if done > start and (last_ckpt is None or not last_ckpt.endswith(f"{done:06d}")):
-            last_ckpt = save()
-        if last_eval is None or last_eval["step"] != done or "k" not in last_eval:
-            last_eval = run_eval(done, args.eval_k) or last_eval
-    return log.summary(done, stopped, skipped, first_eval, last_eval, last_ckpt)
+        first_eval = (state or {}).get("first_eval") or run_eval(start, args.eval_k)  # gains count from step 0
+        last_eval, done, skipped, stopped, last_ckpt, recent = first_eval, start, 0, "steps", None, []
+        for step in range(start, args.steps):
+            if log.out_of_time(recent, first_eval):
+                stopped = "time budget"
+                break
+            lr = args.lr * lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
+            for param_group in opt.param_groups:
+                param_group["lr"] = lr
+            sigma = step_sigma(args, step, feedback)
+            rec = grpo_step(model, tok, opt, params, task, step, sigma, **options)
+            if feedback is not None:
+                feedback.update(rec["entropy"])  # the same global entropy on every rank: sigma stays in step
+            skipped += rec.pop("skipped")
+            recent.append(rec["s/step"])
+            log.step(rec, lr=lr)
+            done = step + 1
+            if args.eval_every and done % args.eval_every == 0 and done < args.steps:
+                last_eval = run_eval(done, 0) or last_eval
+            halt = "interrupt" if interrupt.requested() else None  # asked on every rank: they stop together
+            if args.stop_at and done >= args.stop_at:
+                halt = "stop-at"
+            if rank == 0 and ((args.save_every and done % args.save_every == 0) or halt):
+                last_ckpt = save()
+            if halt:
+                stopped = halt
+                break
+        if stopped not in ("stop-at", "interrupt") and rank == 0:  # the end: a last checkpoint, the full evaluation
+            if done > start and (last_ckpt is None or not last_ckpt.endswith(f"{done:06d}")):
+                last_ckpt = save()
+            if last_eval is None or last_eval["step"] != done or "k" not in last_eval:
+                last_eval = run_eval(done, args.eval_k) or last_eval
+        summary = log.summary(done, stopped, skipped, first_eval, last_eval, last_ckpt)
+        if stopped == "interrupt":
+            raise KeyboardInterrupt  # the run log turns it into the line saying how to resume
+        return summary
 
 
 # ============ Part 2: plumbing (data files, evaluation, processes, checkpoints, the run log, command line) ============
@@ -609,7 +636,7 @@ def load_jsonl(path):
                                 f"'answer' ending in '#### <number>', or use --task arithmetic)")
     with open(path, encoding="utf-8", errors="replace") as f:  # undecodable bytes -> a malformed line
         parsed = [(n, _gsm8k_problem(line)) for n, line in enumerate(f, 1) if line.strip()]
-    problems, bad = [p for _, p in parsed if p], [n for n, p in parsed if not p]
+    problems, bad = [dict(p, where=f"{path}:{n}") for n, p in parsed if p], [n for n, p in parsed if not p]
     if bad:
         print(f"data | {path}: skipped {len(bad)} malformed line(s) (first at line {bad[0]}); kept {len(problems)}")
     if not problems:
@@ -753,6 +780,8 @@ def sum_grads(params):
 
 RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_every", "device", "quiet",
                 "micro_batch", "grad_checkpoint", "gpu_path", "compile")  # how to compute, not what: a resume may change them
+INHERITED_RUNTIME_ARGS = ("time_budget", "eval_every", "save_every", "quiet", "micro_batch", "grad_checkpoint",
+                          "compile")  # a resume keeps these unless given again
 TRAINED_NORMS = ("input_layernorm", "post_attention_layernorm")  # the official --ln True's modules_to_save
 
 
@@ -781,20 +810,52 @@ def resume_args(args):
         return None, None
     ckpt = args.resume
     if not os.path.isfile(os.path.join(ckpt, "trainer_state.pt")):  # a run folder: its latest checkpoint
-        found = sorted(d for d in os.listdir(ckpt) if re.fullmatch(r"checkpoint-\d+", d)) if os.path.isdir(ckpt) else []
+        found = latest_checkpoint(ckpt)
         if not found:
             raise FileNotFoundError(f"--resume {ckpt!r}: no checkpoint there (expected a checkpoint-NNNNNN folder "
                                     f"with trainer_state.pt, or a run folder containing one)")
-        ckpt = os.path.join(ckpt, found[-1])
-    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        ckpt = found
+    file = os.path.join(ckpt, "trainer_state.pt")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+        saved = state["args"]
+    except Exception as e:  # torch.load raises RuntimeError, EOFError or pickle's errors on a damaged file
+        raise ValueError(f"{file} cannot be read ({type(e).__name__}): the checkpoint is damaged; resume from "
+                         f"an earlier checkpoint-NNNNNN folder beside it") from None
     defaults = vars(build_parser().parse_args([]))
-    for k, v in state["args"].items():
-        if k not in RUNTIME_ARGS:
-            if getattr(args, k, v) not in (v, defaults.get(k)):
-                print(f"note | --{k.replace('_', '-')} {getattr(args, k)} ignored: resuming keeps the checkpoint's {v}")
-            setattr(args, k, v)
+    for k, v in saved.items():
+        if k in RUNTIME_ARGS:  # how to compute: the command line's, else the run's own (not the default)
+            if k in INHERITED_RUNTIME_ARGS and getattr(args, k, None) == defaults.get(k):
+                setattr(args, k, v)
+            continue
+        if getattr(args, k, v) not in (v, defaults.get(k)):
+            print(f"note | --{k.replace('_', '-')} {getattr(args, k)} ignored: resuming keeps the checkpoint's {v}")
+        setattr(args, k, v)
     args.out = args.out or os.path.dirname(os.path.abspath(ckpt))
     return ckpt, state
+
+
+def latest_checkpoint(folder):
+    """The run folder's newest checkpoint-NNNNNN (None if it has none)."""
+    found = sorted(d for d in os.listdir(folder) if re.fullmatch(r"checkpoint-\d+", d)) if os.path.isdir(folder) else []
+    return os.path.join(folder, found[-1]) if found else None
+
+
+def read_metrics(path, upto):
+    """metrics.jsonl's rows up to step `upto`. A cut-off last line (a kill mid-write) is dropped with a note;
+    a bad line before it is an error naming the file and line."""
+    with open(path) as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i + 1 < len(lines):
+                raise ValueError(f"{path} line {n} is not JSON: the run log is damaged (fix or delete that "
+                                 f"line, then resume)") from None
+            print(f"note | {path} line {n} was cut off mid-write: dropped")
+    return [r for r in rows if isinstance(r, dict) and r.get("step", r.get("eval", {}).get("step", 0)) <= upto]
 
 
 def restore(ckpt, state, model, opt, feedback):
@@ -822,16 +883,10 @@ class RunLog:
     NO_SIGNAL_STEPS = 20  # steps in a row without signal before the warning
 
     def __init__(self, args, rank, start, t_start, model, world):
-        self.args, self.rank, self.t_start, self.flat_steps = args, rank, t_start, 0
+        self.args, self.rank, self.start, self.t_start, self.flat_steps = args, rank, start, t_start, 0
         self.metrics = os.path.join(args.out, "metrics.jsonl")
-        if rank == 0:
-            os.makedirs(args.out, exist_ok=True)
-            quantize.write_json(os.path.join(args.out, "args.json"), clean(vars(args)))
-            if os.path.exists(self.metrics):  # a crash may have logged past the checkpoint: drop those rows
-                with open(self.metrics) as f:
-                    rows = [json.loads(line) for line in f if line.strip()]
-                keep = [r for r in rows if r.get("step", r.get("eval", {}).get("step", 0)) <= start]
-                quantize.write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in keep))
+        self.created, self.opened, self.steps_logged = not os.path.exists(args.out), False, 0
+        self.kept_rows = read_metrics(self.metrics, start) if rank == 0 and os.path.exists(self.metrics) else []
         dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
         print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
               f"device {quantize.model_device(model)} | dtype {dtype} | steps {args.steps} | B {args.batch} | "
@@ -845,10 +900,38 @@ class RunLog:
         late = self.args.time_budget and time.time() - self.t_start + reserve + next_step > self.args.time_budget
         return bool(global_sum([self.rank == 0 and late])[0])
 
+    def _open(self):
+        """The run folder's files, at the first record (a run that fails before it writes nothing): args.json,
+        and metrics.jsonl cut back to the checkpoint's step (a crash may have logged past it)."""
+        os.makedirs(self.args.out, exist_ok=True)
+        quantize.write_json(os.path.join(self.args.out, "args.json"), clean(vars(self.args)))
+        if self.kept_rows or os.path.exists(self.metrics):
+            quantize.write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in self.kept_rows))
+        self.opened = True
+
     def _append(self, rec):  # one line of metrics.jsonl, written by rank 0
         if self.rank == 0:
+            if not self.opened:
+                self._open()
             with open(self.metrics, "a") as f:
                 f.write(json.dumps(clean(rec)) + "\n")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        """A run that fails or is stopped before its first step leaves a new --out as it was (absent); Ctrl-C
+        ends in one line saying what to run to continue."""
+        if kind is None:
+            return False
+        if self.rank == 0 and self.created and self.steps_logged == 0:
+            shutil.rmtree(self.args.out, ignore_errors=True)
+        if issubclass(kind, KeyboardInterrupt) and not str(exc):
+            found = latest_checkpoint(self.args.out)
+            hint = (f"{os.path.basename(found)} saved: continue with  python 05_grpo.py --resume {self.args.out}"
+                    if found else "no checkpoint yet: nothing to resume")
+            raise KeyboardInterrupt(hint) from None
+        return False
 
     def eval(self, res, step, k, seconds):
         res.update(step=step, seconds=seconds, time=time.time() - self.t_start)
@@ -861,6 +944,7 @@ class RunLog:
     def step(self, rec, lr):
         rec.update(lr=lr, time=time.time() - self.t_start)
         self._append(rec)
+        self.steps_logged += 1
         self.flat_steps = self.flat_steps + 1 if rec["frac_zero_std"] == 1 else 0
         if not self.args.quiet:
             print(f"step {rec['step']}/{self.args.steps} | reward {rec['reward']:.3f} | acc {rec['acc']:.3f} | "
@@ -881,7 +965,7 @@ class RunLog:
             s["greedy_gain"] = last_eval["greedy"] - first_eval["greedy"]
             print(f"summary | steps {done} | greedy {first_eval['greedy']:.3f} -> {last_eval['greedy']:.3f} "
                   f"({100 * s['greedy_gain']:+.1f} points) | wall {s['wall_s']:.0f}s | out {self.args.out}")
-        if self.rank == 0:
+        if self.rank == 0 and self.steps_logged:
             quantize.write_json(os.path.join(self.args.out, "summary.json"), clean(s))
         return s
 
@@ -902,7 +986,63 @@ def fmt(x):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
 
 
-def check_args(args, world):
+class StopAtStepEnd:
+    """Ctrl-C during a run: the step in flight finishes, a checkpoint is written, the run stops (a second
+    Ctrl-C stops at once). Only the main thread can take the signal; elsewhere this is a no-op."""
+
+    def __enter__(self):
+        self.asked, self.previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._ask)
+        return self
+
+    def _ask(self, signum, frame):
+        self.asked = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C raises at once
+        print("interrupt | stopping after this step with a checkpoint (Ctrl-C again: stop now)", flush=True)
+
+    def requested(self):
+        return bool(global_sum([self.asked], "max")[0])
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+        return False
+
+
+RUN_FILES = ("args.json", "metrics.jsonl", "summary.json")
+
+
+def check_run_folder(args, resuming):
+    """--out: a new or empty folder, or (with --resume) the run's own. Never a file, the model or a data
+    file (or a folder holding them), nor another run's folder or a folder of other files."""
+    inputs = [x for x in (args.model, args.data, args.eval_data) if x]
+    quantize.check_out_dir(args.out, inputs, force=True, ours=lambda _: True)  # not empty: decided below
+    held = sorted(os.listdir(args.out)) if os.path.isdir(args.out) else []
+    run = [n for n in held if n in RUN_FILES or re.fullmatch(r"checkpoint-\d+", n)]
+    if held and not resuming:
+        if run:
+            raise ValueError(f"--out {args.out} already holds a run ({', '.join(run[:3])}): continue it with --resume "
+                             f"{args.out}, or choose a new --out")
+        raise ValueError(f"--out {args.out} is a folder of other files ({', '.join(held[:3])}), not a run folder: "
+                         f"choose a new --out")
+    if os.path.isdir(args.out):
+        quantize.remove_stale_temps(args.out)  # what a killed run left: half-written checkpoints
+
+
+def check_prompts_fit(task, tok, context, max_new_tokens):
+    """Every held-out and file problem's prompt plus --max-new-tokens fits the model's context, checked
+    at the start with the problem's file line (not found steps later as 'prompt 1')."""
+    for p in [*task.held, *getattr(task, "train", [])]:
+        n = len(tok.encode(task.prompt(p)))
+        if n + max_new_tokens > context:
+            where = p.get("where", f"question {p['question'][:40]!r}")
+            raise ValueError(f"{where}: the prompt has {n} tokens; with --max-new-tokens {max_new_tokens} that exceeds "
+                             f"the model's context of {context} (shorten or drop it, or lower --max-new-tokens)")
+
+
+def check_args(args, world, resuming=False):
+    """What argparse's ranges cannot see: combinations of flags, the model folder and the run folder."""
     if args.batch < 1 or args.group < 2:
         raise ValueError(f"need --batch >= 1 and --group >= 2 (got {args.batch}, {args.group}): GRPO compares "
                          f"samples within a group")
@@ -924,6 +1064,7 @@ def check_args(args, world):
         quantize.find_weight_files(args.model)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--model {args.model!r} is not a model folder ({e})") from None
+    check_run_folder(args, resuming)
 
 
 def update_options(args):
@@ -940,15 +1081,16 @@ def step_options(args):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="GRPO with LoRA on a quantized base and AQN (QeRL)")
+    N = quantize.number  # each number's allowed range: what makes no sense is refused before any work
+    p = quantize.ArgumentParser(description="GRPO with LoRA on a quantized base and AQN (QeRL)")
     # model and data
     p.add_argument("--model", default=TINY_MODEL, help="Hugging Face model folder (default: the bundled tiny model)")
     p.add_argument("--task", choices=list(TASKS), default="arithmetic", help="arithmetic (synthetic), gsm8k "
                    "(the --data file) or chat-arithmetic (for a real instruct model, e.g. SmolLM2)")
     p.add_argument("--data", default=None, help="gsm8k: the GSM8K-style JSONL file to train on")
     p.add_argument("--eval-data", default=None, help="gsm8k: held-out JSONL (default: a slice of --data is held out)")
-    p.add_argument("--digits", type=int, default=3, help="arithmetic: max digits per operand")
-    p.add_argument("--nops", type=int, default=2, help="arithmetic: number of operations")
+    p.add_argument("--digits", type=N(int, 1), default=3, help="arithmetic: max digits per operand")
+    p.add_argument("--nops", type=N(int, 1), default=2, help="arithmetic: number of operations")
     p.add_argument("--system", choices=("auto", "paper", "none"), default="auto",
                    help="system prompt: the paper's instruction, none, or auto (the instruction unless "
                    "config.json says \"qerl_prompt\": \"bare\", as the bundled model's does)")
@@ -963,25 +1105,26 @@ def build_parser():
     # AQN
     p.add_argument("--aqn", action=argparse.BooleanOptionalAction, default=True, help="adaptive quantization noise")
     p.add_argument("--aqn-kind", default="exp", choices=aqn.SIGMA_KINDS)
-    p.add_argument("--sigma-start", type=float, default=1e-2)
-    p.add_argument("--sigma-end", type=float, default=5e-4)
-    p.add_argument("--num-stages", type=int, default=10)
-    p.add_argument("--target-entropy", type=float, default=0.15, help="aqn-kind feedback: entropy to hold")
+    p.add_argument("--sigma-start", type=N(above=0), default=1e-2)
+    p.add_argument("--sigma-end", type=N(above=0), default=5e-4)
+    p.add_argument("--num-stages", type=N(int, 1), default=10)
+    p.add_argument("--target-entropy", type=N(above=0), default=0.15, help="aqn-kind feedback: entropy to hold")
     # GRPO
-    p.add_argument("--steps", type=int, default=750, help="planned steps (sets the LR and AQN schedules)")
-    p.add_argument("--batch", type=int, default=16, help="prompts per step")
-    p.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
-    p.add_argument("--max-new-tokens", type=int, default=42)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--eps-low", type=float, default=LossOptions.eps_low)
-    p.add_argument("--eps-high", type=float, default=LossOptions.eps_high)
+    p.add_argument("--steps", type=N(int, 1), default=750, help="planned steps (sets the LR and AQN schedules)")
+    p.add_argument("--batch", type=N(int, 1), default=16, help="prompts per step")
+    p.add_argument("--group", type=N(int, 2), default=8, help="samples per prompt (G)")
+    p.add_argument("--max-new-tokens", type=N(int, 1), default=42)
+    p.add_argument("--temperature", type=N(above=0), default=1.0,
+                   help="sampling temperature (> 0: at 0 a prompt's G samples are all the same: no signal)")
+    p.add_argument("--eps-low", type=N(float, 0, below=1), default=LossOptions.eps_low)
+    p.add_argument("--eps-high", type=N(float, 0), default=LossOptions.eps_high)
     p.add_argument("--loss-agg", default=LossOptions.loss_agg, choices=LOSS_AGGS)
     p.add_argument("--no-std-scale", action="store_true", help="advantage r - mean only (Dr. GRPO)")
-    p.add_argument("--mu", type=int, default=1, help="policy updates per batch")
-    p.add_argument("--beta", type=float, default=LossOptions.beta, help="k3 KL to the base (reference) policy")
-    p.add_argument("--entropy-coef", type=float, default=LossOptions.entropy_coef, help="entropy bonus coefficient")
+    p.add_argument("--mu", type=N(int, 1), default=1, help="policy updates per batch")
+    p.add_argument("--beta", type=N(float, 0), default=LossOptions.beta, help="k3 KL to the base (reference) policy")
+    p.add_argument("--entropy-coef", type=N(float, 0), default=LossOptions.entropy_coef, help="entropy bonus coefficient")
     # memory (the update at real scale; docs/scaling.md)
-    p.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward of the update, "
+    p.add_argument("--micro-batch", type=N(int, 0), default=0, help="rows per forward/backward of the update, "
                    "gradients accumulated before the one optimizer step (0: all rows at once)")
     p.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per decoder layer "
                    "in the update (less memory, one more forward)")
@@ -992,36 +1135,36 @@ def build_parser():
     p.add_argument("--train-norms", action="store_true", help="train the RMSNorm gains of every decoder layer "
                    "(input/post-attention, fp32) with the adapters; saved as PEFT modules_to_save")
     # optimisation
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=10, help="warmup steps")
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to this fraction of --lr")
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--lora-alpha", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=N(above=0), default=1e-3)
+    p.add_argument("--warmup", type=N(int, 0), default=10, help="warmup steps")
+    p.add_argument("--min-lr-ratio", type=N(float, 0, 1), default=0.1, help="cosine decays to this fraction of --lr")
+    p.add_argument("--grad-clip", type=N(above=0), default=1.0, help="max gradient norm")
+    p.add_argument("--lora-r", type=N(int, 1), default=16)
+    p.add_argument("--lora-alpha", type=N(int, 1), default=32)
+    p.add_argument("--seed", type=N(int, 0), default=0)
     # evaluation, output
-    p.add_argument("--eval-size", type=int, default=500, help="held-out problems (0: no evaluation)")
-    p.add_argument("--eval-every", type=int, default=100, help="greedy evaluation every N steps")
-    p.add_argument("--eval-k", type=int, default=8, help="pass@k at --temperature at the start and end (0: off)")
-    p.add_argument("--eval-chunk", type=int, default=1024, help="rows per generate() call in evaluation")
+    p.add_argument("--eval-size", type=N(int, 0), default=500, help="held-out problems (0: no evaluation)")
+    p.add_argument("--eval-every", type=N(int, 0), default=100,
+                   help="greedy evaluation every N steps (0: at the start and end only)")
+    p.add_argument("--eval-k", type=N(int, 0), default=8, help="pass@k at --temperature at the start and end (0: off)")
+    p.add_argument("--eval-chunk", type=N(int, 1), default=1024, help="rows per generate() call in evaluation")
     p.add_argument("--out", default=None, help="run folder (default runs/<timestamp>)")
     p.add_argument("--resume", default=None, help="checkpoint (or run) folder to continue exactly")
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--time-budget", type=float, default=540, help="stop after this many seconds incl. the "
+    p.add_argument("--save-every", type=N(int, 0), default=100, help="checkpoint every N steps (0: at the end only)")
+    p.add_argument("--time-budget", type=N(float, 0), default=540, help="stop after this many seconds incl. the "
                    "final evaluation (0: no limit)")
-    p.add_argument("--stop-at", type=int, default=0, help="stop after this step with a checkpoint, as if "
+    p.add_argument("--stop-at", type=N(int, 0), default=0, help="stop after this step with a checkpoint, as if "
                    "interrupted (for testing --resume)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     return p
 
 
+def main(argv=None):
+    train(build_parser().parse_args(argv))
+
+
 if __name__ == "__main__":
-    code = 0
-    try:
-        train(build_parser().parse_args())
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 1
+    code = quantize.run_cli(main)
     if dist.is_initialized():
         leave_distributed(code)
     sys.exit(code)

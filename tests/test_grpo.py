@@ -112,8 +112,9 @@ def test_gsm8k_loader(tmp_path, capsys):
         {"answer": "#### 1"},
     ])
     rows = grpo.load_jsonl(path)
-    assert rows == [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "7"},
-                    {"question": "Big", "answer": "1200"}, {"question": "Neg", "answer": "-3.5"}]
+    assert rows == [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "7", "where": f"{path}:1"},
+                    {"question": "Big", "answer": "1200", "where": f"{path}:3"},
+                    {"question": "Neg", "answer": "-3.5", "where": f"{path}:6"}]  # where: its file line, for errors
     out = capsys.readouterr().out
     assert "skipped 3 malformed line(s) (first at line 2)" in out
     assert grpo.reward_fn("<think>..</think><answer>1,200</answer>", rows[1]["answer"]) == pytest.approx(1.1)
