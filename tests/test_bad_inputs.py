@@ -6,12 +6,14 @@ every file around it as it was. Most cases fail before loading anything, so the 
 The cases run in this process, through each stage's own `run_cli(main, argv)` (the same path as the
 command line); a few run the real `python NN_stage.py` to show the wiring. docs/reliability.md lists them.
 """
+import argparse
 import dataclasses
 import hashlib
 import importlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -144,7 +146,68 @@ CASES_04 = []
 # -----------------------------------------------------------------------------
 # 05: GRPO runs and run folders
 
-CASES_05 = []
+RUN = ["--out", "{tmp}/run", "--device", "cpu", "--quiet"]  # a case's run folder, never ./runs
+
+
+def _jsonl(path, rows):
+    write(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _gsm8k(n, long_at=None):  # n problems; the one at index long_at has a question over the context
+    return [{"question": ("word " * 400 if i == long_at else f"q{i}"), "answer": f"#### {i}"} for i in range(n)]
+
+
+def _damaged_checkpoint(tmp):
+    ckpt = os.path.join(tmp, "old", "checkpoint-000002")
+    write(os.path.join(ckpt, "trainer_state.pt"), b"PK\x03\x04 cut off", "wb")
+    write(os.path.join(ckpt, "adapter_config.json"), "{}")
+
+
+CASES_05 = [
+    Case("05-grad-clip-negative", "05_grpo", ["--grad-clip", "-1", *RUN], "argument --grad-clip: -1 is out of range: "
+         "need > 0", code=2),
+    Case("05-grad-clip-zero", "05_grpo", ["--grad-clip", "0", *RUN], "need > 0", code=2),
+    Case("05-eps-negative", "05_grpo", ["--eps-low", "-1", "--eps-high", "-1", *RUN], "--eps-low", code=2),
+    Case("05-eps-low-one", "05_grpo", ["--eps-low", "1", *RUN], "need >= 0 and < 1", code=2),
+    Case("05-beta-nan", "05_grpo", ["--beta", "nan", *RUN], "argument --beta: nan is out of range", code=2),
+    Case("05-temperature-zero", "05_grpo", ["--temperature", "0", *RUN], "--temperature", code=2),
+    Case("05-lr-zero", "05_grpo", ["--lr", "0", *RUN], "--lr", code=2),
+    Case("05-steps-zero", "05_grpo", ["--steps", "0", *RUN], "--steps", code=2),
+    Case("05-group-one", "05_grpo", ["--group", "1", *RUN], "need >= 2", code=2),
+    Case("05-batch-fraction", "05_grpo", ["--batch", "1.5", *RUN], "'1.5' is not an integer", code=2),
+    Case("05-min-lr-ratio", "05_grpo", ["--min-lr-ratio", "2", *RUN], "need >= 0 and <= 1", code=2),
+    Case("05-nops-zero", "05_grpo", ["--nops", "0", *RUN], "--nops", code=2),
+    Case("05-eval-chunk-zero", "05_grpo", ["--eval-chunk", "0", *RUN], "--eval-chunk", code=2),
+    Case("05-pool-too-small", "05_grpo", ["--digits", "1", "--nops", "1", *RUN], "makes only 200 distinct problems"),
+    Case("05-existing-run", "05_grpo", RUN, "already holds a run (args.json, metrics.jsonl): continue it with --resume",
+         setup=lambda t: (write(f"{t}/run/metrics.jsonl", '{"step": 1}\n'), write(f"{t}/run/args.json", "{}"))),
+    Case("05-out-other-files", "05_grpo", RUN, "is a folder of other files (thesis.tex)",
+         setup=lambda t: write(f"{t}/run/thesis.tex", "mine")),
+    Case("05-out-is-file", "05_grpo", ["--out", "{tmp}/f.txt"], "is a file", setup=lambda t: write(f"{t}/f.txt", "x")),
+    Case("05-out-is-model", "05_grpo", ["--model", "{model}", "--out", "{model}"], "is the input"),
+    Case("05-out-above-model", "05_grpo", ["--model", "{model}", "--out", "{tmp}"], "contains the input"),
+    Case("05-out-is-data", "05_grpo", ["--task", "gsm8k", "--data", "{tmp}/d/train.jsonl", "--out", "{tmp}/d"],
+         "contains the input", setup=lambda t: _jsonl(f"{t}/d/train.jsonl", _gsm8k(8))),
+    Case("05-missing-model", "05_grpo", ["--model", "{tmp}/nope", *RUN], "is not a model folder"),
+    Case("05-no-gpu", "05_grpo", ["--device", "cuda", "--out", "{tmp}/run"], "no GPU is available"),
+    Case("05-quant-method-needs-nvfp4", "05_grpo", ["--quant", "nf4", "--quant-method", "4over6", *RUN],
+         "needs --quant nvfp4"),
+    Case("05-data-without-gsm8k", "05_grpo", ["--data", "{tmp}/d.jsonl", *RUN], "--data is the file of --task gsm8k",
+         setup=lambda t: _jsonl(f"{t}/d.jsonl", _gsm8k(8))),
+    Case("05-gsm8k-without-data", "05_grpo", ["--task", "gsm8k", *RUN], "needs --data FILE"),
+    Case("05-data-missing", "05_grpo", ["--task", "gsm8k", "--data", "{tmp}/none.jsonl", *RUN], "not found"),
+    Case("05-data-one-line", "05_grpo", ["--task", "gsm8k", "--data", "{tmp}/d.jsonl", *RUN],
+         "too few to hold any out for evaluation", setup=lambda t: _jsonl(f"{t}/d.jsonl", _gsm8k(1))),
+    Case("05-data-no-usable-line", "05_grpo", ["--task", "gsm8k", "--data", "{tmp}/d.jsonl", *RUN],
+         "has no usable problems", setup=lambda t: write(f"{t}/d.jsonl", "not json\n")),
+    Case("05-data-prompt-too-long", "05_grpo", ["--task", "gsm8k", "--data", "{tmp}/d.jsonl", *RUN],
+         "d.jsonl:4: the prompt has", setup=lambda t: _jsonl(f"{t}/d.jsonl", _gsm8k(8, long_at=3))),
+    Case("05-resume-nothing", "05_grpo", ["--resume", "{tmp}/old", *RUN], "no checkpoint there",
+         setup=lambda t: os.makedirs(f"{t}/old")),
+    Case("05-resume-damaged-state", "05_grpo", ["--resume", "{tmp}/old", "--quiet"], "trainer_state.pt cannot be read",
+         setup=_damaged_checkpoint),
+    Case("05-train-norms-with-beta", "05_grpo", ["--train-norms", "--beta", "0.1", *RUN], "--train-norms with --beta"),
+]
 
 # -----------------------------------------------------------------------------
 # The table
@@ -182,9 +245,104 @@ def test_stale_temporaries_are_cleared(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [f".checkpoint-000030.tmp{os.getpid()}", "checkpoint-000020"]
 
 
+def test_damaged_metrics_line(tmp_path, capsys):
+    """metrics.jsonl cut off mid-line (a kill): the cut row goes, with a note; a bad line before the last is
+    an error naming the file and the line."""
+    grpo = STAGES["05_grpo"]
+    path = str(tmp_path / "metrics.jsonl")
+    write(path, '{"step": 1}\n{"eval": {"step": 2}}\n{"step": 2}\n{"step": 3, "rew')
+    assert grpo.read_metrics(path, 2) == [{"step": 1}, {"eval": {"step": 2}}, {"step": 2}]
+    assert "metrics.jsonl line 4 was cut off mid-write: dropped" in capsys.readouterr().out
+    write(path, '{"step": 1}\n{"st\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl line 2 is not JSON: the run log is damaged"):
+        grpo.read_metrics(path, 2)
+
+
+def test_library_entry_points_raise_value_errors():
+    """What a forker calls with bad values: a ValueError with a sentence, not an IndexError or a hang."""
+    grpo = STAGES["05_grpo"]
+    with pytest.raises(ValueError, match="has only 200 distinct ones"):
+        grpo.arithmetic_problems(201, 0, digits=1, nops=1)
+    with pytest.raises(ValueError, match="makes only 4000 distinct problems"):
+        grpo.ArithmeticTask(digits=1, nops=2, eval_size=2001)
+    with pytest.raises(argparse.ArgumentTypeError, match="need >= 1"):
+        quantize.number(int, 1)("0")
+
+
+TINY_RUN = ["--steps", "6", "--batch", "2", "--group", "2", "--max-new-tokens", "12", "--eval-size", "0",
+            "--save-every", "0", "--time-budget", "0", "--device", "cpu", "--warmup", "1", "--lr", "5e-3"]
+
+
+def start_run(out, *extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "05_grpo.py"), *TINY_RUN, "--out", str(out), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for_line(proc, prefix):
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"the run ended before a line starting {prefix!r}: {proc.stderr.read()}")
+
+
+def adapter_of(ckpt):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(ckpt, "adapter_model.safetensors"))
+
+
+def test_ctrl_c_checkpoints_and_resume_finishes_the_same_run(tmp_path):
+    """SIGINT mid-run: the step in flight finishes, a checkpoint is written, exit 130 with one line saying
+    how to continue; --resume then ends where an uninterrupted run ends, bit for bit."""
+    straight = start_run(tmp_path / "straight")
+    straight_out = straight.communicate(timeout=300)
+    assert straight.returncode == 0, straight_out[1]
+    proc = start_run(tmp_path / "split")
+    wait_for_line(proc, "step 2/6")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert "interrupt | stopping after this step" in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("interrupted | checkpoint-0000"), err
+    assert f"continue with  python 05_grpo.py --resume {tmp_path / 'split'}" in lines[0]
+    stopped = json.load(open(tmp_path / "split" / "summary.json"))
+    assert stopped["stopped_by"] == "interrupt" and 2 <= stopped["steps_done"] < 6
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--resume", str(tmp_path / "split"),
+                        "--quiet"], capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr
+    a = adapter_of(tmp_path / "straight" / "checkpoint-000006")
+    b = adapter_of(tmp_path / "split" / "checkpoint-000006")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_kill_9_during_checkpoints_then_resume(tmp_path):
+    """kill -9 while checkpoints are being written every step: what is left resumes, and the next start
+    clears the half-written temporaries."""
+    out = tmp_path / "run"
+    proc = start_run(out, "--save-every", "1")
+    wait_for_line(proc, "step 3/6")
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    # what a kill inside atomic_write leaves, made certain: a half-written checkpoint of a dead process
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    half = out / f".checkpoint-000009.tmp{dead}"
+    os.makedirs(half)
+    write(str(half / "trainer_state.pt"), b"PK", "wb")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--resume", str(out), "--quiet"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr
+    assert "resume |" in r.stdout and not half.exists()
+    assert json.load(open(out / "summary.json"))["steps_done"] == 6
+    assert not [n for n in os.listdir(out) if ".tmp" in n]
+
+
 def test_cli_wiring_is_one_line():
     """The real command lines end in the handler: one line, exit 1, for every stage."""
-    for stage, argv in [("01_quantize.py", ["--model", "/nonexistent", "--out", "/tmp/x"])]:
+    for stage, argv in [("01_quantize.py", ["--model", "/nonexistent", "--out", "/tmp/x"]),
+                        ("05_grpo.py", ["--model", "/nonexistent", "--out", "/tmp/x"])]:
         r = subprocess.run([sys.executable, os.path.join(ROOT, stage), *argv], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, (stage, r.stderr)
