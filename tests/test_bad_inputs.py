@@ -22,6 +22,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "assets", "tiny-qwen")
+if ROOT not in sys.path:  # run as a script: `python tests/test_bad_inputs.py` prints the table
+    sys.path.insert(0, ROOT)
 quantize = importlib.import_module("01_quantize")
 STAGES = {n: importlib.import_module(n) for n in ("01_quantize", "02_lora", "03_rollout", "04_aqn", "05_grpo")}
 
@@ -347,3 +349,29 @@ def test_cli_wiring_is_one_line():
                            timeout=120)
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, (stage, r.stderr)
         assert r.stderr.startswith("error: "), (stage, r.stderr)
+
+
+if __name__ == "__main__":  # the table in docs/reliability.md: every case, run, with the line it printed
+    import contextlib
+    import io
+    import tempfile
+
+    class Capture:  # what run_case needs of pytest's capsys
+        def __init__(self):
+            self.err = io.StringIO()
+
+        def readouterr(self):
+            text = self.err.getvalue()
+            self.err.seek(0)
+            self.err.truncate()
+            return argparse.Namespace(out="", err=text)
+
+    print("| case | command | exit | the line |\n|---|---|---|---|")
+    for case in CASES:
+        cap, sys.argv[0] = Capture(), f"{case.stage}.py"  # argparse names the program after argv[0]
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stderr(cap.err):
+                line = run_case(case, os.path.join(tmp, "work"), cap)
+            line = line.replace(os.path.join(tmp, "work", "model"), "M").replace(os.path.join(tmp, "work") + "/", "")
+        argv = " ".join(a.replace("{tmp}/", "").replace("{model}", "M") for a in case.argv)
+        print(f"| {case.id} | `{case.stage}.py {argv}` | {case.code} | {line.replace('|', '/')} |")
