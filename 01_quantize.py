@@ -385,6 +385,8 @@ def atomic_write(path, write):
         if os.path.isdir(path):  # os.replace cannot overwrite a folder: move the old one aside first
             os.replace(path, old)
         os.replace(tmp, path)
+    except OSError as e:  # a full disk, say: name what was being written, not the temporary name
+        raise OSError(e.errno, e.strerror or str(e), path) from None
     finally:
         for leftover in (tmp, old):
             if os.path.isdir(leftover):
@@ -601,8 +603,10 @@ def _plan_shards(model_dir, weight_map, config):
     groups = {}
     for k in sorted(where):
         info, parts = headers[where[k]][k], k.split(".")
-        if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEAR_NAMES \
-                and len(info["shape"]) == 2 and info["dtype"] in ("F32", "BF16", "F16"):
+        if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEAR_NAMES and len(info["shape"]) == 2:
+            if info["dtype"] not in ("F32", "BF16", "F16"):  # copied as it is, nothing could load the result
+                raise ValueError(f"{os.path.join(model_dir, where[k])}: {k} has dtype {info['dtype']}; a projection "
+                                 f"weight to quantize must be F32, BF16 or F16")
             if info["shape"][1] % NVFP4_BLOCK:
                 raise ValueError(f"{k}: in_features {info['shape'][1]} is not a multiple of 16, "
                                  "which compressed-tensors checkpoints need")

@@ -107,7 +107,18 @@ def _nan_weight(tmp):
     save_file(t, path, metadata={"format": "pt"})
 
 
+def _int_weight(tmp):
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(tmp, "model", "model.safetensors")
+    t = load_file(path)
+    name = next(k for k in t if k.endswith("self_attn.q_proj.weight"))
+    t[name] = t[name].to(torch.int32)
+    save_file(t, path, metadata={"format": "pt"})
+
+
 CASES_01 = [
+    Case("01-int-weight", "01_quantize", ["--model", "{model}", "--out", "{tmp}/q"], "q_proj.weight has dtype I32; a projection weight to quantize must be",
+         setup=_int_weight),
     Case("01-out-is-model", "01_quantize", ["--model", "{model}", "--out", "{model}", "--force"], "is the input"),
     Case("01-out-above-model", "01_quantize", ["--model", "{model}", "--out", "{tmp}", "--force"], "contains the input"),
     Case("01-out-exists", "01_quantize", ["--model", "{model}", "--out", "{tmp}/other"], "pass --force",
@@ -245,6 +256,39 @@ def test_stale_temporaries_are_cleared(tmp_path):
     removed = quantize.remove_stale_temps(str(tmp_path))
     assert removed == [f".checkpoint-000010.tmp{dead}", f".metrics.jsonl.tmp{dead}"]
     assert sorted(os.listdir(tmp_path)) == [f".checkpoint-000030.tmp{os.getpid()}", "checkpoint-000020"]
+
+
+def test_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """A write that fails (ENOSPC) mid-checkpoint: one line naming the output, not its temporary, and no
+    half-written folder."""
+    import errno
+    import safetensors.torch
+
+    def full(tensors, path, metadata=None):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+    model_copy(str(tmp_path))
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = str(tmp_path / "q")
+    assert quantize.run_cli(quantize.main, ["--model", str(tmp_path / "model"), "--out", out]) == 1
+    assert capsys.readouterr().err == f"error: {out}: No space left on device\n"
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_resume_keeps_the_runs_own_runtime_flags(tmp_path):
+    """--resume keeps the run's --save-every, --time-budget and --eval-every unless given again, and its
+    hyper-parameters always."""
+    grpo = STAGES["05_grpo"]
+    ckpt = tmp_path / "run" / "checkpoint-000002"
+    os.makedirs(ckpt)
+    saved = vars(grpo.build_parser().parse_args(["--save-every", "7", "--time-budget", "0", "--eval-every", "3",
+                                                 "--lr", "0.5", "--out", str(tmp_path / "run")]))
+    torch.save({"step": 2, "args": saved}, ckpt / "trainer_state.pt")
+    args = grpo.build_parser().parse_args(["--resume", str(tmp_path / "run")])
+    assert grpo.resume_args(args)[0] == str(ckpt)
+    assert (args.save_every, args.time_budget, args.eval_every, args.lr) == (7, 0, 3, 0.5)
+    args = grpo.build_parser().parse_args(["--resume", str(ckpt), "--save-every", "5", "--lr", "0.1"])
+    grpo.resume_args(args)
+    assert (args.save_every, args.lr) == (5, 0.5)  # a runtime flag given wins; a hyper-parameter does not
 
 
 def test_damaged_metrics_line(tmp_path, capsys):
