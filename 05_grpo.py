@@ -546,7 +546,7 @@ def train(args, task=None):
         sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors still reach stderr
     ckpt, state = resume_args(args)  # --resume: the checkpoint's hyper-parameters replace the flags
     args.out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    check_args(args, world, resuming=state is not None)  # every flag and the run folder, before any work
+    check_args(args, world, ckpt)  # every flag and the run folder, before any work
     if args.gpu_path:
         use_gpu_path(device)
     task = task or make_task(args)  # bad data fails here, before the model loads
@@ -1013,21 +1013,22 @@ class StopAtStepEnd:
 RUN_FILES = ("args.json", "metrics.jsonl", "summary.json")
 
 
-def check_run_folder(args, resuming):
-    """--out: a new or empty folder, or (with --resume) the run's own. Never a file, the model or a data
-    file (or a folder holding them), nor another run's folder or a folder of other files."""
+def check_run_folder(args, ckpt=None):
+    """--out: a new or empty folder, or the folder of the run that `ckpt` (--resume) continues. Never a
+    file, the model or a data file (or a folder holding them), another run's folder or one of other files."""
     inputs = [x for x in (args.model, args.data, args.eval_data) if x]
     quantize.check_out_dir(args.out, inputs, force=True, ours=lambda _: True)  # not empty: decided below
+    if os.path.isdir(args.out) and rank_and_world()[0] == 0:
+        quantize.remove_stale_temps(args.out)  # what a killed run left: half-written checkpoints
     held = sorted(os.listdir(args.out)) if os.path.isdir(args.out) else []
     run = [n for n in held if n in RUN_FILES or re.fullmatch(r"checkpoint-\d+", n)]
-    if held and not resuming:
+    own = ckpt is not None and os.path.realpath(os.path.dirname(os.path.abspath(ckpt))) == os.path.realpath(args.out)
+    if held and not own:
         if run:
             raise ValueError(f"--out {args.out} already holds a run ({', '.join(run[:3])}): continue it with --resume "
-                             f"{args.out}, or choose a new --out")
+                             f"{args.out} (without --out), or choose a new --out")
         raise ValueError(f"--out {args.out} is a folder of other files ({', '.join(held[:3])}), not a run folder: "
                          f"choose a new --out")
-    if os.path.isdir(args.out):
-        quantize.remove_stale_temps(args.out)  # what a killed run left: half-written checkpoints
 
 
 def check_prompts_fit(task, tok, context, max_new_tokens):
@@ -1041,7 +1042,7 @@ def check_prompts_fit(task, tok, context, max_new_tokens):
                              f"the model's context of {context} (shorten or drop it, or lower --max-new-tokens)")
 
 
-def check_args(args, world, resuming=False):
+def check_args(args, world, ckpt=None):
     """What argparse's ranges cannot see: combinations of flags, the model folder and the run folder."""
     if args.batch < 1 or args.group < 2:
         raise ValueError(f"need --batch >= 1 and --group >= 2 (got {args.batch}, {args.group}): GRPO compares "
@@ -1064,7 +1065,7 @@ def check_args(args, world, resuming=False):
         quantize.find_weight_files(args.model)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--model {args.model!r} is not a model folder ({e})") from None
-    check_run_folder(args, resuming)
+    check_run_folder(args, ckpt)
 
 
 def update_options(args):

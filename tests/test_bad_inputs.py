@@ -176,6 +176,14 @@ def _damaged_checkpoint(tmp):
     write(os.path.join(ckpt, "adapter_config.json"), "{}")
 
 
+def _checkpoint_of_another_run(tmp):  # a readable trainer_state.pt (resume_args reads only its args)
+    ckpt = os.path.join(tmp, "old", "checkpoint-000002")
+    os.makedirs(ckpt)
+    torch.save({"step": 2, "args": vars(STAGES["05_grpo"].build_parser().parse_args([]))},
+               os.path.join(ckpt, "trainer_state.pt"))
+    write(f"{tmp}/run/metrics.jsonl", '{"step": 1}\n')
+
+
 CASES_05 = [
     Case("05-grad-clip-negative", "05_grpo", ["--grad-clip", "-1", *RUN], "argument --grad-clip: -1 is out of range: "
          "need > 0", code=2),
@@ -194,6 +202,8 @@ CASES_05 = [
     Case("05-pool-too-small", "05_grpo", ["--digits", "1", "--nops", "1", *RUN], "makes only 200 distinct problems"),
     Case("05-existing-run", "05_grpo", RUN, "already holds a run (args.json, metrics.jsonl): continue it with --resume",
          setup=lambda t: (write(f"{t}/run/metrics.jsonl", '{"step": 1}\n'), write(f"{t}/run/args.json", "{}"))),
+    Case("05-resume-into-another-run", "05_grpo", ["--resume", "{tmp}/old", "--out", "{tmp}/run"],
+         "already holds a run (metrics.jsonl)", setup=_checkpoint_of_another_run),
     Case("05-out-other-files", "05_grpo", RUN, "is a folder of other files (thesis.tex)",
          setup=lambda t: write(f"{t}/run/thesis.tex", "mine")),
     Case("05-out-is-file", "05_grpo", ["--out", "{tmp}/f.txt"], "is a file", setup=lambda t: write(f"{t}/f.txt", "x")),
