@@ -227,6 +227,16 @@ def test_04_huge_steps_parse_and_tabulate_instantly(capsys):
     assert len(capsys.readouterr().out.splitlines()) == 2 + args.num_stages
 
 
+def test_ctrl_c_while_sampling_is_one_line(monkeypatch, capsys):
+    """Ctrl-C in 03 (or 04, which samples through it): `interrupted`, exit 130, no traceback; neither writes files."""
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(STAGES["03_rollout"], "generate", interrupt)
+    assert quantize.run_cli(STAGES["03_rollout"].main, ["--model", TINY, "--device", "cpu"]) == 130
+    assert quantize.run_cli(STAGES["04_aqn"].main, ["--model", TINY, "--prompts", "1"]) == 130
+    assert capsys.readouterr().err == "interrupted\ninterrupted\n"
+
+
 # -----------------------------------------------------------------------------
 # Library entry points a forker calls: one ValueError with a sentence, never an IndexError or KeyError
 

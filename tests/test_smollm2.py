@@ -263,6 +263,7 @@ def test_errors_are_one_line(tiny, tmp_path, capsys, monkeypatch):
     cases = [
         (["--gguf", str(cut), "--out", str(tmp_path / "a")], "is not a readable GGUF file"),
         (["--gguf", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "b")], "no such file"),
+        (["--gguf", str(path), "--out", str(not_zip)], "is a file, not a folder"),
     ]
     for argv, message in cases:
         assert quantize.run_cli(smollm2.main, argv) == 1
