@@ -13,16 +13,17 @@ matmul while the weights are fixed (sampling); `merge_lora` folds B A into the b
 Run the demo (a frozen NVFP4 MLP learns a teacher through LoRA alone, < 30 s on 2 CPU cores):
     python 02_lora.py
 """
-import argparse
 import importlib
 import math
 import os
+import sys
 import time
 from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 quantize = importlib.import_module("01_quantize")
@@ -212,6 +213,29 @@ def merge_lora(model):
 # Saving and loading in PEFT's layout
 
 
+def _read_adapter_tensors(path):
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(quantize.safetensors_problem(path) or f"{path} is not a readable safetensors file "
+                         f"({e}); the file is truncated or corrupt, write or download it again") from None
+
+
+def _bad_config_fields(cfg):
+    """The adapter_config.json fields load_adapter reads that are missing or do not make sense."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    targets = cfg.get("target_modules")
+    ok = {"r": isinstance(cfg.get("r"), int) and not isinstance(cfg.get("r"), bool) and cfg.get("r") > 0,
+          "lora_alpha": number(cfg.get("lora_alpha")),
+          "target_modules": isinstance(targets, str) or isinstance(targets, list) and targets
+          and all(isinstance(t, str) for t in targets),
+          "lora_dropout": number(cfg.get("lora_dropout", 0.0)) and 0 <= cfg.get("lora_dropout", 0.0) < 1,
+          "use_rslora": isinstance(cfg.get("use_rslora", False), bool),
+          "modules_to_save": cfg.get("modules_to_save") is None or isinstance(cfg.get("modules_to_save"), list)}
+    return [k for k, good in ok.items() if not good]
+
+
 def _check_rank(r):
     if not isinstance(r, int) or r <= 0:
         raise ValueError(f"LoRA rank r must be a positive integer, got r={r!r}")
@@ -251,6 +275,8 @@ def save_adapter(model, dir, base_model_name_or_path="", modules_to_save=None):
     layers = _lora_layers(model)
     if not layers:
         raise ValueError("save_adapter: the model has no LoRA layers; call add_lora(model, ...) first")
+    if os.path.exists(dir) and not os.path.isdir(dir):
+        raise ValueError(f"save_adapter: {dir} is a file, not a folder: choose a folder name for the adapter")
     hyper = {(m.r, m.alpha, m.lora_dropout.p if isinstance(m.lora_dropout, nn.Dropout) else 0.0,
               m.use_rslora) for _, m in layers}
     if len(hyper) != 1:  # PEFT would need rank_pattern/alpha_pattern for this; we never do it
@@ -293,8 +319,7 @@ def load_adapter(model, dir):
             or cfg.get("rank_pattern") or cfg.get("alpha_pattern")):
         raise ValueError(f"{dir}: only plain LoRA adapters (peft_type LORA; no DoRA, bias, rank_pattern or "
                          f"alpha_pattern) are supported, got peft_type={cfg.get('peft_type')!r}")
-    bad = [k for k, kind in (("r", int), ("lora_alpha", (int, float)), ("target_modules", (list, str)))
-           if not isinstance(cfg.get(k), kind) or isinstance(cfg.get(k), bool)]
+    bad = _bad_config_fields(cfg)
     if bad:
         raise ValueError(f"{os.path.join(dir, CONFIG_NAME)}: missing or malformed {', '.join(bad)}")
     if not _lora_layers(model):
@@ -306,7 +331,7 @@ def load_adapter(model, dir):
     if sorted([saved] if isinstance(saved, str) else saved) != wrapped:
         raise ValueError(f"adapter in {dir} targets {saved} but the model's LoRA layers wrap {wrapped}: "
                          f"call add_lora with targets={saved}")
-    tensors = load_file(os.path.join(dir, WEIGHTS_NAME))
+    tensors = _read_adapter_tensors(os.path.join(dir, WEIGHTS_NAME))
     full = _saved_modules(model, cfg.get("modules_to_save") or [])  # trained in full: loaded as they are
     problems = [f"adapter has no {PEFT_PREFIX}{k} for modules_to_save" for k in full if PEFT_PREFIX + k not in tensors]
     problems += [f"adapter {PEFT_PREFIX}{k} has shape {list(tensors[PEFT_PREFIX + k].shape)} but the model's is "
@@ -326,7 +351,7 @@ def load_adapter(model, dir):
     problems += [f"adapter has {k} but the model has no such LoRA module" for k in extra]
     if problems:
         more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
-        raise ValueError(f"load_adapter({dir}): {problems[0]}{more}")
+        raise ValueError(f"load_adapter: {os.path.join(dir, WEIGHTS_NAME)}: {problems[0]}{more}")
     with torch.no_grad():
         for name, m in layers.items():
             m.lora_A.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"])
@@ -409,12 +434,18 @@ def demo(steps=300, rank=8, lr=5e-3, batch=256, seed=0, device=None):
     return loss0, loss.item()
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="LoRA on a frozen NVFP4 MLP (stage 02 demo)")
-    ap.add_argument("--steps", type=int, default=300, help="AdamW steps")
-    ap.add_argument("--rank", type=int, default=8, help="LoRA rank (also the teacher's change rank)")
-    ap.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the torch.Generator")
+def main(argv=None):
+    number = quantize.number
+    ap = quantize.ArgumentParser(description="LoRA on a frozen NVFP4 MLP (stage 02 demo)")
+    ap.add_argument("--steps", type=number(int, 1), default=300, help="AdamW steps")
+    ap.add_argument("--rank", type=number(int, 1), default=8, help="LoRA rank (also the teacher's change rank)")
+    ap.add_argument("--lr", type=number(float, above=0), default=5e-3, help="AdamW learning rate")
+    ap.add_argument("--seed", type=number(int, 0), default=0, help="seed of the torch.Generator")
     ap.add_argument("--device", default=None, help="cuda | cpu (default: autodetect)")
-    args = ap.parse_args()
-    demo(args.steps, args.rank, args.lr, seed=args.seed, device=args.device)
+    args = ap.parse_args(argv)
+    demo(args.steps, args.rank, args.lr, seed=args.seed, device=quantize.pick_device(args.device))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(quantize.run_cli(main))

@@ -19,10 +19,11 @@ adds a one-time compile: 3-9 s with a warm inductor cache, tens of seconds cold.
 Simplifications: prompts are left-padded and repeated G times (no shared prefill); one preallocated KV
 cache per batch (no paged attention, no continuous batching); only SwiGLU, RMSNorm and rotate-half RoPE.
 """
-import argparse
 import importlib
 import math
+import numbers
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -523,8 +524,10 @@ def load_model(path, quant="none", dtype=None, device=None, method="rtn"):
     cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
     quant, prequantized = _load_format(path, raw, quant, method)
     tokenizer = load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
-    device = torch.device(device or quantize.autodetect_device())
+    device = quantize.pick_device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
     with torch.device("meta"):
         model = CausalLM(cfg)
     for name, mod in list(model.named_modules()):  # stored as NVFP4: an empty NVFP4Linear, filled like the rest
@@ -577,6 +580,9 @@ def _fill(model, names, files, quant, device, dtype, method="rtn"):
         except Exception as e:  # safetensors raises its own SafetensorError (not an OSError/ValueError)
             raise ValueError(quantize.safetensors_problem(files[n]) or f"{files[n]}: cannot read tensor {n} ({e}); "
                              "the file is truncated or corrupt, download or write it again") from None
+        if t.dtype in (torch.float32, torch.float16, torch.bfloat16) and not torch.isfinite(t).all():
+            raise ValueError(f"{files[n]}: tensor {n} holds NaN or Inf values; the checkpoint is broken (a diverged "
+                             "run or a bad conversion): use another one")
         # Float weights take the compute dtype; packed codes and scales keep theirs (a bf16 global scale would
         # shift every dequantized value), and so do weights about to be quantized (as `01_quantize.py --out`).
         keep = (t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or n.endswith("global_scale")
@@ -635,9 +641,14 @@ def load_tokenizer(path, config=None):
         raise ValueError(f"{path / 'tokenizer.json'} is not a readable tokenizer ({str(e)[:120]}); write or "
                          "download it again") from None
     gen = {**(config or {}), **(quantize.read_json(gen_file) if gen_file.exists() else {})}
-    eos = gen.get("eos_token_id")
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return Tokenizer(tok, eos, gen.get("pad_token_id"), template_default_system(path / "tokenizer_config.json"))
+    eos, pad = gen.get("eos_token_id"), gen.get("pad_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if (not isinstance(eos, list) or not all(isinstance(i, int) and 0 <= i for i in eos)
+            or not (pad is None or isinstance(pad, int) and pad >= 0)):
+        raise ValueError(f"{gen_file if gen_file.exists() else path / 'config.json'}: eos_token_id must be a token id or "
+                         f"a list of them and pad_token_id a token id (or null), got {gen.get('eos_token_id')!r} and "
+                         f"{pad!r}")
+    return Tokenizer(tok, eos, pad, template_default_system(path / "tokenizer_config.json"))
 
 
 # A ChatML template that fills in a system message when there is none holds it as a literal
@@ -658,6 +669,9 @@ def template_default_system(config_file):
 def chat_prompt(user, system=None):
     """ChatML prompt (Qwen2.5, SmolLM2), ending where the assistant starts talking. system=None writes no
     system block; pass `tokenizer.default_system` to write what the model's own template writes."""
+    if not isinstance(user, str) or not (system is None or isinstance(system, str)):
+        raise ValueError(f"chat_prompt: the user message and the system message (or None) must be strings, got "
+                         f"{type(user).__name__} and {type(system).__name__}")
     head = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
     return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -688,6 +702,9 @@ def random_model(tok, seed=0, device="cpu"):
 # ---------------------------------------------------------------------------------------------------
 # Checks (one clear line for each kind of bad input) and the command line
 
+CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 def _check_config(d, where):
     mt = d.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
@@ -696,10 +713,34 @@ def _check_config(d, where):
         raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (only silu)")
     if d.get("use_sliding_window"):
         raise ValueError(f"{where}: use_sliding_window=true is not supported; set it to false")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in d]
+    missing = [k for k in CONFIG_SIZES if k not in d]
     if missing:
         raise ValueError(f"{where}: missing required field(s) {', '.join(missing)}")
+    for k in ("rope_parameters", "rope_scaling"):
+        if d.get(k) is not None and not isinstance(d[k], dict):
+            raise ValueError(f"{where}: {k} must be an object {{...}} or null, got {d[k]!r}")
+    for k in (*CONFIG_SIZES, "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        if d.get(k) is not None:
+            _check_positive(where, k, d[k], int)
+    for k, v in (("rms_norm_eps", d.get("rms_norm_eps")), ("rope_theta", d.get("rope_theta")),
+                 ("rope_parameters.rope_theta", (d.get("rope_parameters") or {}).get("rope_theta"))):
+        if v is not None:
+            _check_positive(where, k, v, float)
+    H, H_kv = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
+    if d.get("head_dim") is None and d["hidden_size"] % H:
+        raise ValueError(f"{where}: hidden_size {d['hidden_size']} is not divisible by num_attention_heads {H} "
+                         f"(and there is no head_dim)")
+    if H % H_kv:
+        raise ValueError(f"{where}: num_attention_heads {H} is not a multiple of num_key_value_heads {H_kv}")
+    if (d.get("head_dim") or d["hidden_size"] // H) % 2:  # RoPE rotates pairs of lanes
+        raise ValueError(f"{where}: head_dim {d.get('head_dim') or d['hidden_size'] // H} must be even for RoPE")
+
+
+def _check_positive(where, name, v, kind):
+    # bool is an int to Python, and "128" (a number written as a string) is not a size
+    number = isinstance(v, int) if kind is int else isinstance(v, (int, float)) and math.isfinite(v)
+    if not number or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{where}: {name} must be a positive {'integer' if kind is int else 'number'}, got {v!r}")
 
 
 def _rope_scaling(d, where):
@@ -711,15 +752,30 @@ def _rope_scaling(d, where):
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in ("default", "llama3"):
         raise ValueError(f"{where}: rope scaling {kind!r} is not supported (only 'llama3')")
+    if kind == "llama3":
+        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            _check_positive(where, f"rope scaling's {k}", scaling.get(k), float)
+        if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:  # rope_inv_freq divides by their gap
+            raise ValueError(f"{where}: rope scaling needs high_freq_factor > low_freq_factor, got "
+                             f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
     return scaling if kind == "llama3" else None
 
 
 def _check_generate(cfg, prompts, num_samples, max_new_tokens, temperature, top_k, top_p):
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate: every prompt must be a non-empty list of token ids")
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 1 or num_samples < 1:
-        raise ValueError("generate: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1 "
-                         "and num_samples >= 1")
+    if isinstance(prompts, torch.Tensor):
+        raise ValueError("generate: prompts must be a list of token-id lists (prompt.tolist() for a tensor)")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("generate: prompts must be a non-empty list of prompts, each a list of token ids")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p or not all(isinstance(t, numbers.Integral) for t in p):
+            raise ValueError(f"generate: prompt {i} must be a non-empty list of int token ids, got "
+                             f"{type(p).__name__} {str(p)[:40]}")
+    settings = (temperature, top_k, top_p, max_new_tokens, num_samples)
+    if (not all(isinstance(v, (int, float)) and math.isfinite(v) for v in settings) or temperature < 0
+            or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 1 or num_samples < 1):
+        raise ValueError(f"generate: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1 "
+                         f"and num_samples >= 1, all finite; got temperature={temperature}, top_p={top_p}, "
+                         f"top_k={top_k}, max_new_tokens={max_new_tokens}, num_samples={num_samples}")
     for i, p in enumerate(prompts):
         if len(p) + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
@@ -729,7 +785,8 @@ def _check_generate(cfg, prompts, num_samples, max_new_tokens, temperature, top_
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
+    number = quantize.number
+    ap = quantize.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
     ap.add_argument("--model", default=str(Path(__file__).parent / "assets" / "tiny-qwen"),
                     help="HF model folder (default: the bundled assets/tiny-qwen)")
     ap.add_argument("--prompt", default="What is 12 + 7? Answer with a number.", help="user message (ChatML-wrapped)")
@@ -737,12 +794,12 @@ def build_parser():
     system.add_argument("--system", default=None, help="system message (default: the one the model's chat "
                         "template writes when there is none, e.g. SmolLM2's; none if it writes none)")
     system.add_argument("--no-system", action="store_true", help="write no system block at all")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--num-samples", type=int, default=4, help="completions per prompt (GRPO's G)")
-    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=number(int, 1), default=64)
+    ap.add_argument("--num-samples", type=number(int, 1), default=4, help="completions per prompt (GRPO's G)")
+    ap.add_argument("--temperature", type=number(float, 0), default=1.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=number(int, 0), default=0, help="0 = no top-k filter")
+    ap.add_argument("--top-p", type=number(float, hi=1, above=0), default=1.0, help="nucleus mass, in (0, 1]")
+    ap.add_argument("--seed", type=number(int, 0), default=0)
     ap.add_argument("--quant", default="none", choices=quantize.QUANT_CHOICES, help="quantize on load (stage 01)")
     ap.add_argument("--quant-method", default="rtn", choices=quantize.NVFP4_METHODS,
                     help="NVFP4's rounding with --quant nvfp4: rtn (compressed-tensors) or 4over6 (Four Over Six)")
@@ -757,7 +814,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.quant_method != "rtn" and args.quant != "nvfp4":
         ap.error(f"--quant-method {args.quant_method} is a rounding of NVFP4 weights: it needs --quant nvfp4")
-    device = torch.device(args.device or quantize.autodetect_device())
+    device = quantize.pick_device(args.device)  # before loading: no GPU is one line, not a late traceback
     t0 = time.perf_counter()
     model, tok = load_model(args.model, quant=args.quant, device=device, method=args.quant_method)
     cfg = model.config
@@ -782,7 +839,8 @@ def main(argv=None):
           f"| decode | tokens {s['decode_tokens']} | steps {s['decode_steps']} "
           f"| tok/s {s['decode_tokens'] / max(s['decode_s'], 1e-9):.0f}"
           + (f" | compile_s {s['compile_s']:.1f}" if args.compile else ""))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quantize.run_cli(main))

@@ -24,12 +24,11 @@ sampled token, of fp32 / NF4 / NVFP4 and of base / NVFP4 under AQN, on the bundl
     python 04_aqn.py --model path/to/hf-folder --samples 8 --sigmas 1e-2 5e-2
 Measured tables and what they show: docs/aqn.md.
 """
-import argparse
 import contextlib
-import copy
 import importlib
 import math
 import os
+import sys
 import time
 
 import torch
@@ -246,18 +245,11 @@ def print_schedule(total, s0, s1, K):
 
 
 def demo_models(model_dir, dtype, seed, num_prompts, method="rtn"):
-    """The tokenizer, {base, NF4, NVFP4} in `dtype` (random without the folder), `num_prompts` problems.
+    """The tokenizer, {base, NF4, NVFP4} of the folder model_dir in `dtype`, `num_prompts` problems.
     method: NVFP4's rounding (stage 01: "rtn" or "4over6")."""
-    if os.path.isdir(model_dir):
-        base, tok = rollout.load_model(model_dir, quant="none", dtype=dtype, device="cpu")
-        nf4 = rollout.load_model(model_dir, quant="nf4", dtype=dtype, device="cpu")[0]
-        nvfp4 = rollout.load_model(model_dir, quant="nvfp4", dtype=dtype, device="cpu", method=method)[0]
-    else:  # no bundled model: the mechanics still run, on a random model
-        print(f"note | {model_dir} not found: measuring a small RANDOM model (the numbers mean nothing)")
-        tok = rollout.byte_tokenizer()
-        base = rollout.random_model(tok, seed).to(dtype)
-        nf4 = quantize.quantize_model(copy.deepcopy(base), fmt="nf4")
-        nvfp4 = quantize.quantize_model(copy.deepcopy(base), fmt="nvfp4", method=method)
+    base, tok = rollout.load_model(model_dir, quant="none", dtype=dtype, device="cpu")  # a missing folder: an error
+    nf4 = rollout.load_model(model_dir, quant="nf4", dtype=dtype, device="cpu")[0]
+    nvfp4 = rollout.load_model(model_dir, quant="nvfp4", dtype=dtype, device="cpu", method=method)[0]
     gen, prompts = torch.Generator().manual_seed(seed + 1), []  # `a op b op c`; 05 owns the task
     for _ in range(num_prompts):
         a, b, c = (int(torch.randint(0, 1000, (1,), generator=gen)) for _ in range(3))
@@ -273,22 +265,26 @@ FULL = {"prompts": 64, "samples": 8, "sigmas": [5e-4, 1e-2, 5e-2], "dtypes": ["f
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description="AQN schedule and exploration measurements")
+    number = quantize.number
+    parser = quantize.ArgumentParser(description="AQN schedule and exploration measurements")
     parser.add_argument("--model", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-qwen"))
-    parser.add_argument("--steps", type=int, default=600, help="run length for the printed schedule")
-    parser.add_argument("--sigma-start", type=float, default=1e-2)
-    parser.add_argument("--sigma-end", type=float, default=5e-4)
-    parser.add_argument("--num-stages", type=int, default=10)
+    parser.add_argument("--steps", type=number(int, 1), default=600, help="run length for the printed schedule")
+    # The table prints every decaying kind, and exp/log need sigma_end > 0 (check_sigma_range).
+    parser.add_argument("--sigma-start", type=number(float, above=0), default=1e-2)
+    parser.add_argument("--sigma-end", type=number(float, above=0), default=5e-4)
+    # sigma_stage needs >= 2 stages (stage 0 is noise-free); the table has a row per stage.
+    parser.add_argument("--num-stages", type=number(int, 2, 1000), default=10)
     parser.add_argument("--full", action="store_true",
                         help=f"the table at size: {FULL} (default: {QUICK}); explicit flags override either")
-    parser.add_argument("--sigmas", type=float, nargs="*", help="AQN levels for base and NVFP4 (default 1e-2 5e-2)")
-    parser.add_argument("--prompts", type=int, help="number of problems to sample on (default 32)")
-    parser.add_argument("--samples", type=int, help="completions per problem (default 8)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=2, help="noise draws per row")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default); the "
-                        "bundled model's matmuls are too small to gain from more, and a busy CPU stalls them")
+    parser.add_argument("--sigmas", type=number(float, 0), nargs="*",
+                        help="AQN levels for base and NVFP4 (default 1e-2 5e-2)")
+    parser.add_argument("--prompts", type=number(int, 1), help="number of problems to sample on (default 32)")
+    parser.add_argument("--samples", type=number(int, 1), help="completions per problem (default 8)")
+    parser.add_argument("--max-new-tokens", type=number(int, 1), default=48)
+    parser.add_argument("--rounds", type=number(int, 1), default=2, help="noise draws per row")
+    parser.add_argument("--seed", type=number(int, 0), default=0)
+    parser.add_argument("--threads", type=number(int, 0), default=1, help="torch CPU threads (0: torch's default); "
+                        "the bundled model's matmuls are too small to gain from more, and a busy CPU stalls them")
     parser.add_argument("--quant-method", default="rtn", choices=quantize.NVFP4_METHODS,
                         help="the NVFP4 row's rounding: rtn (compressed-tensors) or 4over6 (Four Over Six)")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
@@ -299,8 +295,9 @@ def build_parser():
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.threads < 0:
-        parser.error(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
+    if args.sigma_end > args.sigma_start:
+        parser.error(f"--sigma-end {args.sigma_end:g} must be <= --sigma-start {args.sigma_start:g}: the "
+                     f"schedule decays")
     for k, v in (FULL if args.full else QUICK).items():
         if getattr(args, k) is None:
             setattr(args, k, list(v) if isinstance(v, list) else v)
@@ -309,11 +306,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    quantize.find_weight_files(args.model)  # a missing or broken folder: one line, before any work
     if args.threads:
         torch.set_num_threads(args.threads)
     print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
     print()
-    where = args.model if os.path.isdir(args.model) else "a random model"
     for dname in args.dtypes:
         t0 = time.time()
         tok, variants, prompts = demo_models(args.model, getattr(torch, dname), args.seed, args.prompts,
@@ -321,7 +318,7 @@ def main(argv=None):
         rows = measure_exploration(variants["base"], variants, prompts, num_samples=args.samples,
                                    max_new_tokens=args.max_new_tokens, sigmas=args.sigmas, seed=args.seed,
                                    eos_token_ids=tok.eos_token_ids, rounds=args.rounds)
-        print(f"exploration in {dname} on {where}: {args.prompts} prompts x {args.samples} samples x "
+        print(f"exploration in {dname} on {args.model}: {args.prompts} prompts x {args.samples} samples x "
               f"{args.rounds} noise draws, T=1 | NVFP4 rounding {args.quant_method}")
         print(f"{'model':<8} | {'AQN sigma':>9} | {'entropy (nats/tok)':>18} | {'KL to base':>10} | {'len':>5}")
         for r in rows:
@@ -329,7 +326,8 @@ def main(argv=None):
                   f"({r['entropy'] / rows[0]['entropy'] - 1:+6.1%}) | {r['kl']:>10.5f} | {r['len']:>5.1f}")
         print(f"time {time.time() - t0:.1f}s")
         print()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quantize.run_cli(main))

@@ -38,7 +38,6 @@ from fractions import Fraction
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
 
 quantize = importlib.import_module("01_quantize")
 lora = importlib.import_module("02_lora")
@@ -862,10 +861,8 @@ def restore(ckpt, state, model, opt, feedback):
     """Load a checkpoint's adapter, optimizer, controller and RNG states; returns its step."""
     try:
         lora.load_adapter(model, ckpt)
-    except SafetensorError as e:  # a truncated adapter file: one line naming it and a tensor
-        file = os.path.join(ckpt, "adapter_model.safetensors")
-        raise ValueError(f"--resume: {quantize.safetensors_problem(file) or f'{file}: {e}'} (resume from another "
-                         f"checkpoint)") from None
+    except ValueError as e:  # a truncated adapter file, say: 02's line, naming the file and a tensor
+        raise ValueError(f"--resume: {e} (resume from another checkpoint)") from None
     opt.load_state_dict(state["optimizer"])
     if feedback is not None and state.get("feedback"):
         feedback.load_state_dict(state["feedback"])

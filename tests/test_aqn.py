@@ -415,4 +415,4 @@ def test_quant_method_picks_the_nvfp4_rows_rounding():
 def test_negative_threads_is_refused_before_any_work(capsys):
     with pytest.raises(SystemExit):
         aqn.parse_args(["--threads", "-1"])
-    assert "--threads must be >= 0" in capsys.readouterr().err
+    assert "argument --threads: -1 is out of range: need >= 0" in capsys.readouterr().err

@@ -144,17 +144,241 @@ CASES_01 = [
 # -----------------------------------------------------------------------------
 # 02: the LoRA demo and adapter folders
 
-CASES_02 = []
+CASES_02 = [
+    Case("02-zero-steps", "02_lora", ["--steps", "0"], "argument --steps: 0 is out of range: need >= 1", code=2),
+    Case("02-zero-rank", "02_lora", ["--rank", "0"], "argument --rank: 0 is out of range: need >= 1", code=2),
+    Case("02-zero-lr", "02_lora", ["--lr", "0"], "argument --lr: 0 is out of range: need > 0", code=2),
+    Case("02-nan-lr", "02_lora", ["--lr", "nan"], "argument --lr: nan is out of range", code=2),
+    Case("02-text-rank", "02_lora", ["--rank", "eight"], "argument --rank: 'eight' is not an integer", code=2),
+    Case("02-negative-seed", "02_lora", ["--seed", "-1"], "argument --seed: -1 is out of range: need >= 0", code=2),
+    Case("02-no-gpu", "02_lora", ["--device", "cuda"], "no GPU is available"),
+    Case("02-bad-device", "02_lora", ["--device", "tpu"], "unknown device 'tpu'"),
+]
 
 # -----------------------------------------------------------------------------
 # 03: load a folder and sample
 
-CASES_03 = []
+def _config(**change):  # setup: config.json with fields changed
+    return lambda t: edit_json(f"{t}/model/config.json", lambda c: {**c, **change})
+
+
+M = ["--model", "{model}"]
+CASES_03 = [
+    Case("03-missing-model", "03_rollout", ["--model", "{tmp}/nope"], "model folder not found: "),
+    Case("03-size-as-string", "03_rollout", M, "config.json: hidden_size must be a positive integer, got '128'",
+         setup=_config(hidden_size="128")),
+    Case("03-zero-layers", "03_rollout", M, "config.json: num_hidden_layers must be a positive integer, got 0",
+         setup=_config(num_hidden_layers=0)),
+    Case("03-negative-vocab", "03_rollout", M, "config.json: vocab_size must be a positive integer, got -5",
+         setup=_config(vocab_size=-5)),
+    Case("03-eps-as-string", "03_rollout", M, "config.json: rms_norm_eps must be a positive number, got '1e-6'",
+         setup=_config(rms_norm_eps="1e-6")),
+    Case("03-zero-rope-theta", "03_rollout", M, "config.json: rope_theta must be a positive number, got 0",
+         setup=_config(rope_theta=0)),
+    Case("03-kv-heads-not-divisor", "03_rollout", M, "num_attention_heads 4 is not a multiple of num_key_value_heads 3",
+         setup=_config(num_key_value_heads=3)),
+    Case("03-hidden-not-divisible", "03_rollout", M, "hidden_size 130 is not divisible by num_attention_heads 4",
+         setup=_config(hidden_size=130, head_dim=None)),
+    Case("03-config-list", "03_rollout", M, "config.json should hold a JSON object",
+         setup=lambda t: write(f"{t}/model/config.json", "[1, 2]")),
+    Case("03-nan-weight", "03_rollout", M, "mlp.up_proj.weight holds NaN or Inf values", setup=_nan_weight),
+    Case("03-random-bytes", "03_rollout", M, "model.safetensors is not a readable safetensors file",
+         setup=lambda t: write(f"{t}/model/model.safetensors", os.urandom(64), "wb")),
+    Case("03-truncated-weights", "03_rollout", M, "the file is truncated or corrupt",
+         setup=lambda t: write(f"{t}/model/model.safetensors",
+                               open(f"{TINY}/model.safetensors", "rb").read()[:1_000_000], "wb")),
+    Case("03-corrupt-tokenizer", "03_rollout", M, "tokenizer.json is not a readable tokenizer",
+         setup=lambda t: write(f"{t}/model/tokenizer.json", '{"version": "1.0", "model": 7}')),
+    Case("03-generation-config-not-json", "03_rollout", M, "generation_config.json is not valid JSON",
+         setup=lambda t: write(f"{t}/model/generation_config.json", "{eos: 1")),
+    Case("03-eos-as-string", "03_rollout", M, "eos_token_id must be a token id",
+         setup=lambda t: edit_json(f"{t}/model/generation_config.json", lambda c: {**c, "eos_token_id": "<eos>"})),
+    Case("03-context-exceeded", "03_rollout", [*M, "--max-new-tokens", "500"], "exceeds the model's context of 128"),
+    Case("03-no-gpu", "03_rollout", [*M, "--device", "cuda"], "no GPU is available"),
+    Case("03-bad-device", "03_rollout", [*M, "--device", "tpu"], "unknown device 'tpu'"),
+    Case("03-zero-new-tokens", "03_rollout", [*M, "--max-new-tokens", "0"], "--max-new-tokens: 0 is out of range",
+         code=2),
+    Case("03-zero-samples", "03_rollout", [*M, "--num-samples", "0"], "--num-samples: 0 is out of range", code=2),
+    Case("03-negative-temperature", "03_rollout", [*M, "--temperature", "-1"], "need >= 0", code=2),
+    Case("03-nan-temperature", "03_rollout", [*M, "--temperature", "nan"], "--temperature: nan is out of range", code=2),
+    Case("03-negative-top-k", "03_rollout", [*M, "--top-k", "-1"], "--top-k: -1 is out of range", code=2),
+    Case("03-zero-top-p", "03_rollout", [*M, "--top-p", "0"], "need > 0 and <= 1", code=2),
+    Case("03-big-top-p", "03_rollout", [*M, "--top-p", "1.5"], "--top-p: 1.5 is out of range", code=2),
+    Case("03-negative-seed", "03_rollout", [*M, "--seed", "-3"], "--seed: -3 is out of range", code=2),
+    Case("03-method-without-nvfp4", "03_rollout", [*M, "--quant-method", "4over6"], "needs --quant nvfp4", code=2),
+]
 
 # -----------------------------------------------------------------------------
 # 04: the AQN measurements
 
-CASES_04 = []
+CASES_04 = [
+    Case("04-missing-model", "04_aqn", ["--model", "{tmp}/nope"], "model folder not found: "),
+    Case("04-model-without-config", "04_aqn", ["--model", "{tmp}/empty"], "has no config.json",
+         setup=lambda t: os.makedirs(f"{t}/empty")),
+    Case("04-random-bytes", "04_aqn", M, "model.safetensors is not a readable safetensors file",
+         setup=lambda t: write(f"{t}/model/model.safetensors", os.urandom(64), "wb")),
+    Case("04-zero-steps", "04_aqn", [*M, "--steps", "0"], "--steps: 0 is out of range: need >= 1", code=2),
+    Case("04-zero-sigma-start", "04_aqn", [*M, "--sigma-start", "0"], "--sigma-start: 0 is out of range: need > 0",
+         code=2),
+    Case("04-nan-sigma-end", "04_aqn", [*M, "--sigma-end", "nan"], "--sigma-end: nan is out of range", code=2),
+    Case("04-rising-sigma", "04_aqn", [*M, "--sigma-start", "1e-3", "--sigma-end", "1e-2"],
+         "--sigma-end 0.01 must be <= --sigma-start 0.001", code=2),
+    Case("04-one-stage", "04_aqn", [*M, "--num-stages", "1"], "--num-stages: 1 is out of range: need >= 2", code=2),
+    Case("04-zero-prompts", "04_aqn", [*M, "--prompts", "0"], "--prompts: 0 is out of range", code=2),
+    Case("04-zero-samples", "04_aqn", [*M, "--samples", "0"], "--samples: 0 is out of range", code=2),
+    Case("04-zero-new-tokens", "04_aqn", [*M, "--max-new-tokens", "0"], "--max-new-tokens: 0 is out of range", code=2),
+    Case("04-zero-rounds", "04_aqn", [*M, "--rounds", "0"], "--rounds: 0 is out of range", code=2),
+    Case("04-negative-threads", "04_aqn", [*M, "--threads", "-1"], "--threads: -1 is out of range: need >= 0", code=2),
+    Case("04-negative-sigma", "04_aqn", [*M, "--sigmas", "1e-2", "-1"], "--sigmas: -1 is out of range", code=2),
+    Case("04-inf-sigma", "04_aqn", [*M, "--sigmas", "inf"], "--sigmas: inf is out of range", code=2),
+]
+
+
+
+def test_04_huge_steps_parse_and_tabulate_instantly(capsys):
+    """--steps has no upper bound: the schedule table is one row per stage however long the run."""
+    args = STAGES["04_aqn"].parse_args(["--steps", str(10 ** 18)])
+    STAGES["04_aqn"].print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
+    assert len(capsys.readouterr().out.splitlines()) == 2 + args.num_stages
+
+
+def test_ctrl_c_while_sampling_is_one_line(monkeypatch, capsys):
+    """Ctrl-C in 03 (or 04, which samples through it): `interrupted`, exit 130, no traceback; neither writes files."""
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(STAGES["03_rollout"], "generate", interrupt)
+    assert quantize.run_cli(STAGES["03_rollout"].main, ["--model", TINY, "--device", "cpu"]) == 130
+    assert quantize.run_cli(STAGES["04_aqn"].main, ["--model", TINY, "--prompts", "1"]) == 130
+    assert capsys.readouterr().err == "interrupted\ninterrupted\n"
+
+
+# -----------------------------------------------------------------------------
+# Library entry points a forker calls: one ValueError with a sentence, never an IndexError or KeyError
+
+rollout, lora = STAGES["03_rollout"], STAGES["02_lora"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return rollout.load_model(TINY, device="cpu")
+
+
+def test_load_model_refuses_bad_arguments():
+    with pytest.raises(ValueError, match=r"quant must be one of none, .*got 'int3'"):
+        rollout.load_model(TINY, quant="int3", device="cpu")
+    with pytest.raises(ValueError, match=r"dtype must be torch.float32, torch.bfloat16 or torch.float16, got 'half'"):
+        rollout.load_model(TINY, dtype="half", device="cpu")
+    with pytest.raises(ValueError, match="unknown device 'gpu0'"):
+        rollout.load_model(TINY, device="gpu0")
+    with pytest.raises(ValueError, match="unknown NVFP4 method '6over4'"):
+        rollout.load_model(TINY, quant="nvfp4", method="6over4", device="cpu")
+
+
+def test_load_model_refuses_a_nan_weight_even_when_quantizing(tmp_path):
+    model_copy(str(tmp_path))
+    _nan_weight(str(tmp_path))
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor model.layers.\d+.mlp.up_proj.weight holds NaN"):
+        rollout.load_model(tmp_path / "model", quant="nvfp4", device="cpu")
+
+
+def test_config_checks_name_the_file_and_field():
+    cfg = json.load(open(os.path.join(TINY, "config.json")))
+    with pytest.raises(ValueError, match=r"^x/config.json: head_dim must be a positive integer, got 31.5"):
+        rollout.ModelConfig.from_dict({**cfg, "head_dim": 31.5}, where="x/config.json")
+    with pytest.raises(ValueError, match=r"intermediate_size must be a positive integer, got True"):
+        rollout.ModelConfig.from_dict({**cfg, "intermediate_size": True})
+    with pytest.raises(ValueError, match=r"head_dim 31 must be even"):
+        rollout.ModelConfig.from_dict({**cfg, "head_dim": 31})
+    with pytest.raises(ValueError, match=r"rope scaling's low_freq_factor must be a positive number, got None"):
+        rollout.ModelConfig.from_dict({**cfg, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(ValueError, match=r"rope_scaling must be an object"):
+        rollout.ModelConfig.from_dict({**cfg, "rope_scaling": "llama3"})
+
+
+def test_generate_and_chat_prompt_refuse_bad_arguments(tiny):
+    model, tok = tiny
+    cases = [([], {}, "prompts must be a non-empty list"),
+             ([1, 2, 3], {}, "prompt 0 must be a non-empty list of int token ids, got int"),
+             ([[1, 2], []], {}, "prompt 1 must be a non-empty list"),
+             ([[1, 2.5]], {}, "prompt 0 must be a non-empty list of int token ids"),
+             (torch.tensor([[1, 2]]), {}, "prompt.tolist"),
+             ([[1, 9999]], {}, r"prompt 0 has a token id outside \[0, 288\)"),
+             ([[1, -1]], {}, r"outside \[0, 288\)"),
+             ([[1, 2]], {"temperature": float("nan")}, "temperature=nan"),
+             ([[1, 2]], {"top_p": 0.0}, "0 < top_p <= 1"),
+             ([[1, 2]], {"num_samples": 0}, "num_samples >= 1")]
+    for prompts, kw, message in cases:
+        with pytest.raises(ValueError, match=message):
+            rollout.generate(model, prompts, max_new_tokens=2, **kw)
+    with pytest.raises(ValueError, match="chat_prompt: the user message .* must be strings, got NoneType"):
+        rollout.chat_prompt(None)
+    with pytest.raises(ValueError, match="got str and int"):
+        rollout.chat_prompt("hi", system=3)
+
+
+@pytest.fixture
+def adapter(tiny, tmp_path):
+    """A saved adapter of the tiny model (q_proj and v_proj, r=2) -> (its folder, a fresh model to load into)."""
+    import copy
+    model = lora.add_lora(copy.deepcopy(tiny[0]), r=2, alpha=4, targets=("q_proj", "v_proj"))
+    folder = str(tmp_path / "adapter")
+    lora.save_adapter(model, folder)
+    return folder, copy.deepcopy(tiny[0])
+
+
+def test_load_adapter_truncated_file_names_it_and_a_tensor(adapter):
+    folder, model = adapter
+    path = os.path.join(folder, "adapter_model.safetensors")
+    data = open(path, "rb").read()
+    write(path, data[:-8], "wb")
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors: tensor \S+lora_\w.weight needs bytes \d+\.\.\d+ "
+                                         r"but the file has \d+; the file is truncated or corrupt"):
+        lora.load_adapter(model, folder)
+    write(path, os.urandom(100), "wb")
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors is not a readable safetensors file"):
+        lora.load_adapter(model, folder)
+
+
+def test_load_adapter_config_problems_name_adapter_config_json(adapter):
+    folder, model = adapter
+    path = os.path.join(folder, "adapter_config.json")
+    good = json.load(open(path))
+    for change, message in [({"r": "2"}, "malformed r"), ({"r": 0}, "malformed r"),
+                            ({"lora_alpha": None}, "malformed lora_alpha"),
+                            ({"target_modules": [1]}, "malformed target_modules"),
+                            ({"lora_dropout": 1.5}, "malformed lora_dropout"),
+                            ({"use_rslora": "yes"}, "malformed use_rslora")]:
+        write(path, json.dumps({**good, **change}))
+        with pytest.raises(ValueError, match=r"adapter_config.json: missing or malformed " + message.split()[-1]):
+            lora.load_adapter(model, folder)
+    write(path, "{r: 2")
+    with pytest.raises(ValueError, match=r"adapter_config.json is not valid JSON"):
+        lora.load_adapter(model, folder)
+
+
+def test_load_adapter_tensor_problems_name_the_tensor(adapter):
+    from safetensors.torch import load_file, save_file
+    folder, model = adapter
+    path = os.path.join(folder, "adapter_model.safetensors")
+    tensors = load_file(path)
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"
+    save_file({k: v for k, v in tensors.items() if k != key}, path)
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors: adapter has no " + key.replace(".", r"\.")):
+        lora.load_adapter(model, folder)
+    save_file({**tensors, key: torch.zeros(3, 128)}, path)
+    with pytest.raises(ValueError, match=r"lora_A.weight has shape \[3, 128\] but model module "
+                                         r"model.layers.1.self_attn.v_proj expects \[2, 128\]"):
+        lora.load_adapter(model, folder)
+
+
+def test_save_adapter_into_a_file_is_refused(adapter, tiny, tmp_path):
+    import copy
+    model = lora.add_lora(copy.deepcopy(tiny[0]), r=2, alpha=4, targets=("q_proj",))
+    write(str(tmp_path / "f.txt"), "mine")
+    with pytest.raises(ValueError, match=r"f.txt is a file, not a folder"):
+        lora.save_adapter(model, str(tmp_path / "f.txt"))
+    assert open(tmp_path / "f.txt").read() == "mine"
+
 
 # -----------------------------------------------------------------------------
 # 05: GRPO runs and run folders
@@ -398,6 +622,9 @@ def test_kill_9_during_checkpoints_then_resume(tmp_path):
 def test_cli_wiring_is_one_line():
     """The real command lines end in the handler: one line, exit 1, for every stage."""
     for stage, argv in [("01_quantize.py", ["--model", "/nonexistent", "--out", "/tmp/x"]),
+                        ("02_lora.py", ["--device", "nonexistent-device"]),
+                        ("03_rollout.py", ["--model", "/nonexistent"]),
+                        ("04_aqn.py", ["--model", "/nonexistent"]),
                         ("05_grpo.py", ["--model", "/nonexistent", "--out", "/tmp/x"])]:
         r = subprocess.run([sys.executable, os.path.join(ROOT, stage), *argv], capture_output=True, text=True,
                            timeout=120)

