@@ -1011,21 +1011,19 @@ RUN_FILES = ("args.json", "metrics.jsonl", "summary.json")
 
 
 def check_run_folder(args, ckpt=None):
-    """--out: a new or empty folder, or the folder of the run that `ckpt` (--resume) continues. Never a
-    file, the model or a data file (or a folder holding them), another run's folder or one of other files."""
+    """--out: a folder without a run in it (other files are left alone, e.g. a launcher's log), or the
+    folder of the run that `ckpt` (--resume) continues. Never a file, the model or a data file, or a
+    folder holding them."""
     inputs = [x for x in (args.model, args.data, args.eval_data) if x]
     quantize.check_out_dir(args.out, inputs, force=True, ours=lambda _: True)  # not empty: decided below
     if os.path.isdir(args.out) and rank_and_world()[0] == 0:
         quantize.remove_stale_temps(args.out)  # what a killed run left: half-written checkpoints
     held = sorted(os.listdir(args.out)) if os.path.isdir(args.out) else []
-    run = [n for n in held if n in RUN_FILES or re.fullmatch(r"checkpoint-\d+", n)]
+    run = [n for n in held if n in RUN_FILES or re.fullmatch(r"checkpoint-\d+", n)]  # what a run would overwrite
     own = ckpt is not None and os.path.realpath(os.path.dirname(os.path.abspath(ckpt))) == os.path.realpath(args.out)
-    if held and not own:
-        if run:
-            raise ValueError(f"--out {args.out} already holds a run ({', '.join(run[:3])}): continue it with --resume "
-                             f"{args.out} (without --out), or choose a new --out")
-        raise ValueError(f"--out {args.out} is a folder of other files ({', '.join(held[:3])}), not a run folder: "
-                         f"choose a new --out")
+    if run and not own:
+        raise ValueError(f"--out {args.out} already holds a run ({', '.join(run[:3])}): continue it with --resume "
+                         f"{args.out} (without --out), or choose a new --out")
 
 
 def check_prompts_fit(task, tok, context, max_new_tokens):
