@@ -574,11 +574,12 @@ def adapter_of(ckpt):
 def test_ctrl_c_checkpoints_and_resume_finishes_the_same_run(tmp_path):
     """SIGINT mid-run: the step in flight finishes, a checkpoint is written, exit 130 with one line saying
     how to continue; --resume then ends where an uninterrupted run ends, bit for bit."""
-    straight = start_run(tmp_path / "straight")
+    steps = ["--steps", "30"]  # a step takes ~50 ms: room for the signal to land mid-run on a busy machine
+    straight = start_run(tmp_path / "straight", *steps)
     straight_out = straight.communicate(timeout=300)
     assert straight.returncode == 0, straight_out[1]
-    proc = start_run(tmp_path / "split")
-    wait_for_line(proc, "step 2/6")
+    proc = start_run(tmp_path / "split", *steps)
+    wait_for_line(proc, "step 2/30")
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
@@ -587,12 +588,12 @@ def test_ctrl_c_checkpoints_and_resume_finishes_the_same_run(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("interrupted | checkpoint-0000"), err
     assert f"continue with  python 05_grpo.py --resume {tmp_path / 'split'}" in lines[0]
     stopped = json.load(open(tmp_path / "split" / "summary.json"))
-    assert stopped["stopped_by"] == "interrupt" and 2 <= stopped["steps_done"] < 6
+    assert stopped["stopped_by"] == "interrupt" and 2 <= stopped["steps_done"] < 30
     r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--resume", str(tmp_path / "split"),
                         "--quiet"], capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr
-    a = adapter_of(tmp_path / "straight" / "checkpoint-000006")
-    b = adapter_of(tmp_path / "split" / "checkpoint-000006")
+    a = adapter_of(tmp_path / "straight" / "checkpoint-000030")
+    b = adapter_of(tmp_path / "split" / "checkpoint-000030")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
