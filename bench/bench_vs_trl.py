@@ -22,7 +22,8 @@ for the task's reward (it needs only torch, safetensors and tokenizers, which th
 
 Defaults: the bundled tiny model on `--task arithmetic` (SmolLM2 and other models: `--task chat-arithmetic`),
 16 prompts x 8 samples, 42 new tokens, 150 steps, 2 threads per side, 500 held-out problems (200 for
-chat-arithmetic). s/step means leave out each side's first step (one-time warm-up).
+chat-arithmetic). s/step figures are medians over the steps after the first (warm-up; medians: another job on
+a shared machine stretches a few steps of one side), in wall seconds and, as a steadier check, CPU seconds.
 """
 import argparse
 import contextlib
@@ -75,18 +76,28 @@ def ours_worker(job, result_file):
         "--eval-k", "0", "--quiet"])
     task = grpo.make_task(args)  # built with --eval-size: chat-arithmetic's training split depends on it
     args.eval_size = 0  # no evaluation inside the run: the parent evaluates both sides with one evaluator
-    rss_before = {}
-    step_fn = grpo.grpo_step
+    rss_before, cpu = {}, {"step": [], "sample": [], "rss": []}
+    step_fn, sample_fn = grpo.grpo_step, grpo.sample_groups
+
+    def sample_groups(*a, **kw):
+        c0 = time.process_time()
+        try:
+            return sample_fn(*a, **kw)
+        finally:
+            cpu["sample"].append(time.process_time() - c0)
 
     def grpo_step(*a, **kw):  # RSS once the model and optimizer are built, before the first step
         rss_before.setdefault("mb", peak_rss_mb())
+        c0 = time.process_time()
         rec = step_fn(*a, **kw)
+        cpu["step"].append(time.process_time() - c0)
+        cpu["rss"].append(peak_rss_mb())
         if rec["step"] % max(1, job["steps"] // 10) == 0 or rec["step"] == job["steps"]:
             print(f"ours | step {rec['step']}/{job['steps']} | reward {rec['reward']:.3f} | s/step "
                   f"{rec['s/step']:.2f}", flush=True)
         return rec
 
-    grpo.grpo_step = grpo_step  # train() looks grpo_step up at call time
+    grpo.grpo_step, grpo.sample_groups = grpo_step, sample_groups  # both looked up at call time
     summary = grpo.train(args, task=task)
     with open(os.path.join(args.out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -94,6 +105,7 @@ def ours_worker(job, result_file):
     write_json(result_file, {
         "step_s": [r["s/step"] for r in steps], "sample_s": [r["t_sample"] for r in steps],
         "reward": [r["reward"] for r in steps], "frac_zero_std": [r["frac_zero_std"] for r in steps],
+        "step_cpu_s": cpu["step"], "sample_cpu_s": cpu["sample"], "peak_rss_by_step_mb": cpu["rss"],
         "adapter": summary["checkpoint"], "rss_setup_mb": rss_before.get("mb"), "peak_rss_mb": peak_rss_mb(),
         "versions": {"torch": torch.__version__}})
 
@@ -145,29 +157,35 @@ def trl_worker(job, result_file):
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, log_level="error",
         seed=job["seed"], dataloader_num_workers=0)
 
-    generate_s = [0.0]  # seconds inside generate since the step began
+    generate_s = [0.0, 0.0]  # wall and CPU seconds inside generate since the step began
     original_generate = GenerationMixin.generate
 
     def timed_generate(self, *a, **kw):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             return original_generate(self, *a, **kw)
         finally:
             generate_s[0] += time.perf_counter() - t0
+            generate_s[1] += time.process_time() - c0
 
     GenerationMixin.generate = timed_generate  # PeftModel.generate ends here: one place catches every call
-    record = {"step_s": [], "sample_s": [], "reward": [], "frac_zero_std": [], "rss_setup_mb": None}
+    record = {"step_s": [], "sample_s": [], "step_cpu_s": [], "sample_cpu_s": [], "reward": [], "frac_zero_std": [],
+              "rss_setup_mb": None, "peak_rss_by_step_mb": []}
 
     class StepTimes(TrainerCallback):
         def on_train_begin(self, *_, **__):
             record["rss_setup_mb"] = peak_rss_mb()
 
         def on_step_begin(self, *_, **__):
-            generate_s[0], self.t0 = 0.0, time.perf_counter()
+            generate_s[:] = [0.0, 0.0]
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *_, **__):
             record["step_s"].append(time.perf_counter() - self.t0)
+            record["step_cpu_s"].append(time.process_time() - self.c0)
             record["sample_s"].append(generate_s[0])
+            record["sample_cpu_s"].append(generate_s[1])
+            record["peak_rss_by_step_mb"].append(peak_rss_mb())
 
         def on_log(self, _args, state, control, logs=None, **__):  # after on_step_end (logging_steps=1)
             if logs and "reward" in logs:
@@ -250,14 +268,20 @@ def run_side(name, python, job_file, result_file, log_file, threads):
         return json.load(f), time.perf_counter() - t0
 
 
-def summarise(res, steps):
-    """Mean s/step, sampling and update s/step over the steps after the first (warm-up)."""
-    step_s, sample_s = res["step_s"][1:] or res["step_s"], res["sample_s"][1:] or res["sample_s"]
-    update_s = [a - b for a, b in zip(step_s, sample_s)]
+def summarise(res):
+    """Median wall and CPU seconds per step, of its sampling and of its update (the step less its sampling),
+    over the steps after the first (warm-up). Medians, not means: on a shared machine another job's burst
+    stretches a few steps of one side by 10x, and a mean would charge them to that side."""
+    out = {}
+    for unit, step_key, sample_key in (("", "step_s", "sample_s"), ("cpu_", "step_cpu_s", "sample_cpu_s")):
+        step_s, sample_s = res[step_key][1:] or res[step_key], res[sample_key][1:] or res[sample_key]
+        out.update({f"{unit}s_step": statistics.median(step_s), f"{unit}sample_s_step": statistics.median(sample_s),
+                    f"{unit}update_s_step": statistics.median(a - b for a, b in zip(step_s, sample_s)),
+                    f"{unit}s_step_mean": statistics.mean(step_s)})
     tail = res["reward"][-10:]
-    return {"s_step": statistics.mean(step_s), "sample_s_step": statistics.mean(sample_s),
-            "update_s_step": statistics.mean(update_s), "peak_rss_mb": res["peak_rss_mb"],
-            "rss_setup_mb": res["rss_setup_mb"], "steps": len(res["step_s"]),
+    by_step = res.get("peak_rss_by_step_mb") or [float("nan")]
+    return {**out, "peak_rss_mb": res["peak_rss_mb"], "rss_setup_mb": res["rss_setup_mb"],
+            "rss_step1_mb": by_step[0], "steps": len(res["step_s"]),
             "reward_last10": statistics.mean(tail) if tail else float("nan"),
             "frac_zero_std": statistics.mean(res["frac_zero_std"]) if res["frac_zero_std"] else float("nan")}
 
@@ -293,21 +317,21 @@ def main(argv=None):
         (ours_worker if side == "ours" else trl_worker)(job, result_file)
         return 0
 
-    problem = check_trl_python(args.trl_python)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 1
     if args.steps < 2 or args.batch < 1 or args.group < 2 or args.threads < 1:
         print("error: need --steps >= 2, --batch >= 1, --group >= 2 and --threads >= 1", file=sys.stderr)
         return 1
     import torch
     torch.set_num_threads(args.threads)
     grpo = load_grpo()
-    try:
+    try:  # the cheap checks first: a wrong folder is reported before the TRL venv is probed
         grpo.quantize.find_weight_files(args.model)
     except (FileNotFoundError, ValueError) as e:
         hint = " (make it with: python assets/smollm2.py)" if "smollm2" in args.model else ""
         print(f"error: --model {args.model!r} is not a model folder{hint}: {e}", file=sys.stderr)
+        return 1
+    problem = check_trl_python(args.trl_python)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 1
     t_start = time.perf_counter()
     task_name = args.task or ("arithmetic" if os.path.realpath(args.model) == os.path.realpath(grpo.TINY_MODEL)
@@ -351,11 +375,13 @@ def main(argv=None):
     for name, python in (("ours", sys.executable), ("trl", args.trl_python)):
         res, wall = run_side(name, python, job_file, os.path.join(workdir, f"{name}.json"),
                              os.path.join(workdir, f"{name}.log"), args.threads)
-        sides[name] = {**summarise(res, args.steps), "wall_s": wall, "adapter": res["adapter"],
+        sides[name] = {**summarise(res), "wall_s": wall, "adapter": res["adapter"],
                        "versions": res["versions"]}
         s = sides[name]
-        print(f"{name} | done | steps {s['steps']} | s/step {s['s_step']:.3f} | sampling {s['sample_s_step']:.3f} | "
-              f"update {s['update_s_step']:.3f} | peak RSS MB {s['peak_rss_mb']:.0f} | train reward last 10 "
+        print(f"{name} | done | steps {s['steps']} | s/step {s['s_step']:.3f} (mean {s['s_step_mean']:.3f}) | sampling "
+              f"{s['sample_s_step']:.3f} | update {s['update_s_step']:.3f} | CPU s/step {s['cpu_s_step']:.3f} | "
+              f"sampling {s['cpu_sample_s_step']:.3f} | update {s['cpu_update_s_step']:.3f} | peak RSS MB {s['peak_rss_mb']:.0f} (at setup {s['rss_setup_mb']:.0f}, "
+              f"after step 1 {s['rss_step1_mb']:.0f}) | train reward last 10 "
               f"{s['reward_last10']:.3f} | groups without signal {s['frac_zero_std']:.2f} | wall {wall:.0f}s", flush=True)
         if name == "trl":
             probe = res["probe_logits"]
@@ -390,7 +416,9 @@ def main(argv=None):
               f"{s['steps']} |")
     o, t = sides["ours"], sides["trl"]
     print(f"\nours / TRL: s/step {o['s_step'] / t['s_step']:.2f}x | sampling {o['sample_s_step'] / t['sample_s_step']:.2f}x "
-          f"| update {o['update_s_step'] / t['update_s_step']:.2f}x | peak RSS {o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x "
+          f"| update {o['update_s_step'] / t['update_s_step']:.2f}x | by CPU seconds: s/step "
+          f"{o['cpu_s_step'] / t['cpu_s_step']:.2f}x, sampling {o['cpu_sample_s_step'] / t['cpu_sample_s_step']:.2f}x, "
+          f"update {o['cpu_update_s_step'] / t['cpu_update_s_step']:.2f}x | peak RSS {o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x "
           f"| held-out n {len(task.held)} | total {time.perf_counter() - t_start:.0f}s")
     if args.out:
         write_json(args.out, {"setup": {k: v for k, v in job.items() if not k.startswith(("train_", "prompt", "probe"))}
