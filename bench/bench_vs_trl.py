@@ -15,9 +15,9 @@ TRL is not a project dependency: its side runs in the interpreter `--trl-python`
 (pin torch: an unpinned one pulls a multi-GB CUDA build). The TRL worker imports this repository's 05_grpo.py
 for the task's reward (it needs only torch, safetensors and tokenizers, which that venv has).
 
-    python bench/bench_vs_trl.py --trl-python /tmp/trlvenv/bin/python           # tiny model, 150 steps, ~6 min
+    python bench/bench_vs_trl.py --trl-python /tmp/trlvenv/bin/python           # tiny model, 150 steps, ~5 min
     python bench/bench_vs_trl.py --trl-python /tmp/trlvenv/bin/python --model assets/smollm2-135m-instruct \\
-        --steps 20 --batch 8 --group 8 --max-new-tokens 48                         # SmolLM2, ~20 min
+        --steps 16 --batch 8 --group 8 --max-new-tokens 48 --temperature 0.7 --lr 5e-4 --warmup 5   # ~25 min
     python bench/bench_vs_trl.py --trl-python ... --out runs/vs_trl.json           # results as JSON too
 
 Defaults: the bundled tiny model on `--task arithmetic` (SmolLM2 and other models: `--task chat-arithmetic`),
@@ -368,7 +368,8 @@ def main(argv=None):
     write_json(job_file, job)
     print(f"setup | model {args.model} | task {task_name} | steps {args.steps} | B {args.batch} | G {args.group} | "
           f"max new tokens {args.max_new_tokens} | lr {args.lr:g} | lora r {args.lora_r} alpha {args.lora_alpha} | "
-          f"held-out {len(task.held)} | threads {args.threads} | torch {torch.__version__} | workdir {workdir}",
+          f"held-out {len(task.held)} | threads {args.threads} | torch {torch.__version__} | load "
+          f"{os.getloadavg()[0]:.2f} | workdir {workdir}",
           flush=True)
 
     sides = {}
@@ -382,7 +383,7 @@ def main(argv=None):
               f"{s['sample_s_step']:.3f} | update {s['update_s_step']:.3f} | CPU s/step {s['cpu_s_step']:.3f} | "
               f"sampling {s['cpu_sample_s_step']:.3f} | update {s['cpu_update_s_step']:.3f} | peak RSS MB {s['peak_rss_mb']:.0f} (at setup {s['rss_setup_mb']:.0f}, "
               f"after step 1 {s['rss_step1_mb']:.0f}) | train reward last 10 "
-              f"{s['reward_last10']:.3f} | groups without signal {s['frac_zero_std']:.2f} | wall {wall:.0f}s", flush=True)
+              f"{s['reward_last10']:.3f} | groups without signal {s['frac_zero_std']:.2f} | wall {wall:.0f}s | load {os.getloadavg()[0]:.2f}", flush=True)
         if name == "trl":
             probe = res["probe_logits"]
 
