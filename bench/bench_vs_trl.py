@@ -207,6 +207,8 @@ def trl_worker(job, result_file):
     if same_problems != job["steps"] or len(seen_questions) != job["steps"]:
         raise SystemExit(f"error: TRL trained on 05's problems in {same_problems} of {job['steps']} steps "
                          f"({len(seen_questions)} reward calls): the dataset order is not 05's")
+    print(f"trl | checks | prompt ids identical to 05's: {same_ids} of {len(hf_ids)} | problems identical to 05's: "
+          f"{same_problems} of {job['steps']} steps", flush=True)
     adapter = os.path.join(job["dir"], "trl", "adapter")
     trainer.model.save_pretrained(adapter)
     model.eval()
