@@ -292,7 +292,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trl-python", default=None, help="interpreter of a venv with trl, peft, transformers, "
                     "accelerate (required)")
-    ap.add_argument("--model", default=os.path.join("assets", "tiny-qwen"), help="Hugging Face model folder")
+    ap.add_argument("--model", default=os.path.join(ROOT, "assets", "tiny-qwen"),
+                    help="Hugging Face model folder (default: the bundled tiny model)")
     ap.add_argument("--task", default=None, choices=("arithmetic", "chat-arithmetic"),
                     help="default: arithmetic for the bundled tiny model, chat-arithmetic for any other")
     ap.add_argument("--steps", type=int, default=150)
