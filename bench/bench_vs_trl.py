@@ -323,6 +323,10 @@ def main(argv=None):
     if args.steps < 2 or args.batch < 1 or args.group < 2 or args.threads < 1:
         print("error: need --steps >= 2, --batch >= 1, --group >= 2 and --threads >= 1", file=sys.stderr)
         return 1
+    if args.workdir and os.path.isdir(args.workdir) and os.listdir(args.workdir):  # 05 refuses a run folder twice
+        print(f"error: --workdir {args.workdir} is not empty (an earlier comparison?): choose a new folder",
+              file=sys.stderr)
+        return 1
     import torch
     torch.set_num_threads(args.threads)
     grpo = load_grpo()

@@ -38,3 +38,9 @@ def test_venv_without_trl(capsys, tmp_path):
 def test_bad_model_or_sizes(capsys, argv):
     err = refusal(capsys, argv + ["--trl-python", sys.executable])
     assert "model folder" in err or "need --steps" in err
+
+
+def test_used_workdir(capsys, tmp_path):
+    (tmp_path / "ours").mkdir()  # what an earlier comparison left there
+    err = refusal(capsys, ["--workdir", str(tmp_path), "--trl-python", sys.executable])
+    assert "is not empty" in err
