@@ -923,7 +923,7 @@ class RunLog:
             return False
         if self.rank == 0 and self.created and self.steps_logged == 0:
             shutil.rmtree(self.args.out, ignore_errors=True)
-        if issubclass(kind, KeyboardInterrupt) and not str(exc):
+        if issubclass(kind, KeyboardInterrupt) and not str(exc) and self.rank == 0:  # rank 0 saves, and says so
             found = latest_checkpoint(self.args.out)
             hint = (f"{os.path.basename(found)} saved: continue with  python 05_grpo.py --resume {self.args.out}"
                     if found else "no checkpoint yet: nothing to resume")

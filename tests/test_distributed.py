@@ -150,6 +150,33 @@ def test_torchrun_run_prints_once_checkpoints_and_resumes_on_one_process(tmp_pat
             assert 0.0 <= r["reward"] <= 1.1 and 0.0 <= r["frac_zero_std"] <= 1.0 and r["len"] > 0
 
 
+def test_ctrl_c_under_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground group: launcher and ranks. The ranks agree (an
+    all-reduce) to stop after the same step; rank 0 checkpoints and prints the resume line. torchrun then
+    exits non-zero with its own SignalException report, which is the launcher's, not ours."""
+    import signal
+    out = tmp_path / "dp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "05_grpo.py",
+           "--steps", "60", "--batch", "4", "--group", "2", "--max-new-tokens", "12", "--eval-size", "0",
+           "--save-every", "0", "--time-budget", "0", "--device", "cpu", "--warmup", "1", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                         start_new_session=True)
+    for line in p.stdout:
+        if line.startswith("step 3/"):
+            break
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    summary = json.load(open(out / "summary.json"))
+    assert summary["stopped_by"] == "interrupt" and 3 <= summary["steps_done"] < 60, err[-2000:]
+    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == \
+        [f"checkpoint-{summary['steps_done']:06d}"]
+    said = sorted(line for line in err.splitlines() if line.startswith("interrupted"))  # rank 1: the bare word
+    resume = (f"interrupted | checkpoint-{summary['steps_done']:06d} saved: continue with  python 05_grpo.py "
+              f"--resume {out}")
+    assert said == ["interrupted", resume], err[-2000:]
+
+
 def test_shards_are_whole_contiguous_and_balanced():
     items = list(range(7))
     for world in (1, 2, 3, 7):
