@@ -686,7 +686,8 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
 # -----------------------------------------------------------------------------------------------------
 # Command lines. Every stage parses with ArgumentParser (a bad flag: one line, exit 2), declares each
 # number's range with `number` (what makes no sense is refused before any work), guards what it writes
-# with `check_out_dir`, and ends in `run_cli` (an expected error: one line, exit 1; Ctrl-C: exit 130).
+# with `check_out_dir` (or its path rules alone, `check_out_path`), and ends in `run_cli` (an expected
+# error: one line, exit 1; Ctrl-C: exit 130).
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -719,10 +720,8 @@ def number(kind=float, lo=None, hi=None, *, above=None, below=None):
     return parse
 
 
-def check_out_dir(out, inputs=(), *, force=False, ours=None, command="this command"):
-    """Before any work, refuse an output folder whose writing would destroy something the command did not
-    make: `out` may not be a file, nor be or contain any of `inputs`; an existing non-empty `out` needs
-    force, and force replaces it only when ours(out) recognises it as an earlier output of `command`."""
+def check_out_path(out, inputs=()):
+    """An output folder's path: not a file, and neither one of `inputs` nor a folder containing one."""
     out_real = os.path.realpath(out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is a file, not a folder: choose a folder name")
@@ -732,6 +731,13 @@ def check_out_dir(out, inputs=(), *, force=False, ours=None, command="this comma
             relation = "is" if src_real == out_real else "contains"
             raise ValueError(f"--out {out} {relation} the input {src}: writing there would replace it; choose a "
                              f"new folder for the output")
+
+
+def check_out_dir(out, inputs=(), *, force=False, ours=None, command="this command"):
+    """Before any work, refuse an output folder whose writing would destroy something the command did not
+    make: check_out_path's rules, and an existing non-empty `out` needs force, which replaces it only when
+    ours(out) recognises it as an earlier output of `command`."""
+    check_out_path(out, inputs)
     if os.path.isdir(out) and os.listdir(out):
         if not force:
             raise FileExistsError(f"{os.path.abspath(out)} already exists: pass --force to replace it")

@@ -880,7 +880,7 @@ class RunLog:
     NO_SIGNAL_STEPS = 20  # steps in a row without signal before the warning
 
     def __init__(self, args, rank, start, t_start, model, world):
-        self.args, self.rank, self.start, self.t_start, self.flat_steps = args, rank, start, t_start, 0
+        self.args, self.rank, self.t_start, self.flat_steps = args, rank, t_start, 0
         self.metrics = os.path.join(args.out, "metrics.jsonl")
         self.created, self.opened, self.steps_logged = not os.path.exists(args.out), False, 0
         self.kept_rows = read_metrics(self.metrics, start) if rank == 0 and os.path.exists(self.metrics) else []
@@ -1015,7 +1015,7 @@ def check_run_folder(args, ckpt=None):
     folder of the run that `ckpt` (--resume) continues. Never a file, the model or a data file, or a
     folder holding them."""
     inputs = [x for x in (args.model, args.data, args.eval_data) if x]
-    quantize.check_out_dir(args.out, inputs, force=True, ours=lambda _: True)  # not empty: decided below
+    quantize.check_out_path(args.out, inputs)
     if os.path.isdir(args.out) and rank_and_world()[0] == 0:
         quantize.remove_stale_temps(args.out)  # what a killed run left: half-written checkpoints
     held = sorted(os.listdir(args.out)) if os.path.isdir(args.out) else []

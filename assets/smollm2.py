@@ -329,8 +329,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if gguf is None:
         raise ConvertError("the `gguf` package is not installed: pip install gguf")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ConvertError(f"--out {args.out} is a file, not a folder: choose a folder name")
+    quantize.check_out_path(args.out)
     if not check_out(args.out, args.force):
         print(f"exists | {args.out} | already converted; --force to convert again")
         return 0

@@ -566,6 +566,11 @@ def wait_for_line(proc, prefix):
     raise AssertionError(f"the run ended before a line starting {prefix!r}: {proc.stderr.read()}")
 
 
+def resume_run(out):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--resume", str(out), "--quiet"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
 def adapter_of(ckpt):
     from safetensors.torch import load_file
     return load_file(os.path.join(ckpt, "adapter_model.safetensors"))
@@ -589,8 +594,7 @@ def test_ctrl_c_checkpoints_and_resume_finishes_the_same_run(tmp_path):
     assert f"continue with  python 05_grpo.py --resume {tmp_path / 'split'}" in lines[0]
     stopped = json.load(open(tmp_path / "split" / "summary.json"))
     assert stopped["stopped_by"] == "interrupt" and 2 <= stopped["steps_done"] < 30
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--resume", str(tmp_path / "split"),
-                        "--quiet"], capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = resume_run(tmp_path / "split")
     assert r.returncode == 0, r.stderr
     a = adapter_of(tmp_path / "straight" / "checkpoint-000030")
     b = adapter_of(tmp_path / "split" / "checkpoint-000030")
@@ -612,8 +616,7 @@ def test_kill_9_during_checkpoints_then_resume(tmp_path):
     half = out / f".checkpoint-000009.tmp{dead}"
     os.makedirs(half)
     write(str(half / "trainer_state.pt"), b"PK", "wb")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--resume", str(out), "--quiet"],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = resume_run(out)
     assert r.returncode == 0, r.stderr
     assert "resume |" in r.stdout and not half.exists()
     assert json.load(open(out / "summary.json"))["steps_done"] == 6
