@@ -3,8 +3,9 @@
 QeRL trains reasoning with RL while the base model stays frozen in NVFP4 and only LoRA adapters learn:
 the 4-bit base makes sampling (most of a step) cheap, and its rounding noise, plus AQN's scheduled noise
 on the RMSNorm gains, raises sampling entropy, which helps exploration. One step: B prompts x G samples
-drawn under AQN (their log-probs are pi_old) -> rewards -> group-normalised advantages -> clipped
-surrogate on the clean policy -> AdamW on the adapters.
+drawn under AQN -> rewards -> group-normalised advantages -> clipped surrogate on the clean policy, with
+pi_old the clean policy itself as the official code has it (--pi-old trainer; --pi-old sampler: the noisy
+sampler's log-probs) -> AdamW on the adapters.
 
 Run it (2 CPU cores, < 10 min: the bundled tiny model learns synthetic arithmetic; the numbers are in
 README's "Results" section and docs/experiments.md):
@@ -254,7 +255,8 @@ TASKS = {"arithmetic": ArithmeticTask, "gsm8k": JsonlTask, "chat-arithmetic": Ch
 
 # -----------------------------------------------------------------------------
 # Sampling under AQN: G completions per prompt from the policy with noise on its RMSNorm gains (stage
-# 04); their log-probs are pi_old in the loss. On a CPU it samples from merged weights (Part 2).
+# 04); their log-probs are pi_old in the loss under --pi-old sampler. On a CPU it samples from merged
+# weights (Part 2).
 
 
 def sample_groups(model, tok, prompts, step, sigma, *, rank=0, group=8, max_new_tokens=42, temperature=1.0,
@@ -351,7 +353,7 @@ class LossOptions:
 def grpo_loss(logp, old_logp, adv, mask, options=LossOptions(), *, max_new_tokens=None, ref_logp=None,
               entropy=None, denom=None):
     """The clipped surrogate (to minimise) and its statistics.
-    logp (N, T) current policy, with gradients; old_logp (N, T) the sampler's (pi_old); adv (N,);
+    logp (N, T) current policy, with gradients; old_logp (N, T) pi_old's (see UpdateOptions.pi_old); adv (N,);
     mask (N, T) 1 on completion tokens; ref_logp (N, T) the reference policy (for options.beta > 0);
     entropy (N, T) with gradients (for options.entropy_coef > 0); max_new_tokens, denom: see aggregate."""
     eps_low, eps_high = options.eps_low, options.eps_high
@@ -376,7 +378,7 @@ def grpo_loss(logp, old_logp, adv, mask, options=LossOptions(), *, max_new_token
         stats = {"clip": float((clipped.float() * mask).sum() / n_tok),
                  "ratio_max": float(ratio.masked_fill(mask == 0, 1.0).max()) if mask.numel() else 1.0,
                  "kl": float((kl * mask).sum() / n_tok) if kl is not None else float("nan"),
-                 # how far the (noisy) sampler is from the policy being trained: k3 of pi_old vs pi_theta
+                 # how far pi_old (the noisy sampler under --pi-old sampler) is from pi_theta: their k3
                  "kl_old": float(((torch.exp(old_logp - logp) - (old_logp - logp) - 1) * mask).sum() / n_tok)}
     return loss, stats
 
@@ -387,31 +389,72 @@ def grpo_loss(logp, old_logp, adv, mask, options=LossOptions(), *, max_new_token
 # single process would compute on all rows, and micro-batches are exact for the same reason.
 
 
+PI_OLD = {  # --pi-old: whose log-probs are pi_old in the ratio pi_theta / pi_old
+    "trainer": "the clean policy being trained, as the official code (TRL) has it: at --mu 1 the ratio is 1 and "
+               "AQN's noise reaches the gradient uncorrected",
+    "sampler": "the noisy sampler's own, as Algorithm 1 reads: up to the clip the ratio cancels AQN's noise in "
+               "expectation",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateOptions:
+    """The options of policy_update besides the loss's. Each field is the flag of the same name (pi_old:
+    --pi-old), which from_args reads and whose default is the field's: a new option is a field here and a
+    flag in build_parser."""
+    pi_old: str = "trainer"  # one of PI_OLD
+    mu: int = 1  # optimizer steps on each batch
+    micro_batch: int = 0  # rows per forward/backward (0: all kept rows at once)
+    grad_clip: float = 1.0  # max gradient norm
+    no_std_scale: bool = False  # advantages r - mean only (Dr. GRPO)
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
 def micro_batch_loss(model, prompts, ids, mask, old_logp, adv, denom, temperature, max_new_tokens, options):
-    """Loss and statistics of one micro-batch (its share of the step's loss: denom is global)."""
+    """Loss and statistics of one micro-batch (its share of the step's loss: denom is global). old_logp None:
+    pi_old is the current policy itself (--pi-old trainer at --mu 1), so the ratio is exactly 1."""
     logp, ent = rollout.sequence_logprobs(model, prompts, ids, mask, temperature=temperature)  # (mb, t) each
+    logp = logp.float()
     ref_logp = None
     if options.beta > 0:
         with torch.no_grad(), lora.lora_disabled(model):  # the reference policy is the base
             ref_logp, _ = rollout.sequence_logprobs(model, prompts, ids, mask, temperature=temperature)
-    return grpo_loss(logp.float(), old_logp, adv, mask, options, max_new_tokens=max_new_tokens, ref_logp=ref_logp,
-                     entropy=ent.float(), denom=denom)
+    return grpo_loss(logp, logp.detach() if old_logp is None else old_logp, adv, mask, options,
+                     max_new_tokens=max_new_tokens, ref_logp=ref_logp, entropy=ent.float(), denom=denom)
 
 
-def policy_update(model, opt, params, prompt_ids, ids, mask, old_logp, rewards, *, group, max_new_tokens,
-                  loss_options=LossOptions(), temperature=1.0, mu=1, micro_batch=0, grad_clip=1.0, scale_std=True):
-    """`mu` optimizer steps on this process's rows: prompt_ids (N lists), ids, mask, old_logp (N, T) from
-    the sampler, rewards (N,) in whole groups; the loss is grpo_loss under `loss_options`. Returns the
-    global loss, gradient norm and statistics, the kept/flat/all row counts, and "skipped" (why no step
-    was taken: a non-finite loss or gradient)."""
-    adv = group_advantages(rewards, group, scale_std).to(quantize.model_device(model))  # (N,)
+def policy_logprobs(model, prompts, ids, mask, slices, temperature):
+    """The current (clean) policy's log-probs (n, T) of the given rows, without gradients, one slice of rows
+    at a time: pi_old under --pi-old trainer when --mu > 1 takes several steps on the same batch."""
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)  # (n, T)
+    with torch.no_grad():
+        for part in slices:
+            t = int(mask[part].sum(1).max())
+            logp, _ = rollout.sequence_logprobs(model, prompts[part], ids[part, :t], mask[part, :t],
+                                                temperature=temperature)  # (mb, t)
+            out[part, :t] = logp.float()
+    return out
+
+
+def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewards, *, group, max_new_tokens,
+                  loss_options=LossOptions(), update_options=UpdateOptions(), temperature=1.0):
+    """`update_options.mu` optimizer steps on this process's rows: prompt_ids (N lists), ids, mask,
+    sampler_logp (N, T) the sampler's log-probs, rewards (N,) in whole groups; the loss is grpo_loss under
+    `loss_options`, pi_old as update_options.pi_old says. Returns the global loss, gradient norm and
+    statistics, the kept/flat/all row counts, and "skipped" (why no step was taken: a non-finite loss or
+    gradient)."""
+    mu, micro_batch, grad_clip = update_options.mu, update_options.micro_batch, update_options.grad_clip
+    adv = group_advantages(rewards, group, not update_options.no_std_scale).to(quantize.model_device(model))  # (N,)
     # Groups of equal rewards have zero advantage: the update (the larger half of a step) skips them, and
     # rows without a token in the loss (--mask-truncated) too.
     has_signal = (rewards.view(-1, group).std(1) > 0).repeat_interleave(group)  # (N,)
     kept_rows = (has_signal & (mask.sum(1) > 0)).nonzero().squeeze(1).tolist()  # indices of the rows that train
     t_max = int(mask[kept_rows].sum(1).max()) if kept_rows else 0  # the kept rows may all be shorter than T
     kept_ids, kept_mask = ids[kept_rows, :t_max], mask[kept_rows, :t_max]  # (n, t_max) each
-    kept_old_logp, kept_adv = old_logp[kept_rows, :t_max], adv[kept_rows]  # (n, t_max), (n,)
+    kept_sampler_logp, kept_adv = sampler_logp[kept_rows, :t_max], adv[kept_rows]  # (n, t_max), (n,)
     kept_prompts = [prompt_ids[i] for i in kept_rows]
     total_tokens, total_sequences, total_kept_rows, total_rows, total_flat_rows = global_sum([
         float(kept_mask.sum()), float((kept_mask.sum(1) > 0).sum()), len(kept_rows), mask.shape[0],
@@ -424,14 +467,20 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, old_logp, rewards, 
     if total_kept_rows == 0:  # no process has a group with signal: nobody updates (a global decision)
         return out
     slice_rows = micro_batch or max(len(kept_rows), 1)  # rows per forward/backward (one slice's activations live)
+    slices = [slice(i, i + slice_rows) for i in range(0, len(kept_rows), slice_rows)]
+    # pi_old: the sampler's log-probs, or the clean policy's before the first step (trainer). At mu 1 the
+    # latter is the first step's own log-probs, detached in micro_batch_loss: no extra forward pass.
+    kept_old_logp = kept_sampler_logp if update_options.pi_old == "sampler" else None  # (n, t_max) or None
+    if update_options.pi_old == "trainer" and mu > 1:
+        kept_old_logp = policy_logprobs(model, kept_prompts, kept_ids, kept_mask, slices, temperature)  # (n, t_max)
     for _ in range(mu):
         opt.zero_grad(set_to_none=True)
         loss_sum, stats, out["ratio_max"] = 0.0, {"clip": 0.0, "kl": 0.0, "kl_old": 0.0}, 1.0
-        for i in range(0, len(kept_rows), slice_rows):
-            part = slice(i, i + slice_rows)
+        for part in slices:
             t = int(kept_mask[part].sum(1).max())  # this slice's longest completion
+            old_logp = None if kept_old_logp is None else kept_old_logp[part, :t]  # (mb, t) or None
             loss, slice_stats = micro_batch_loss(model, kept_prompts[part], kept_ids[part, :t], kept_mask[part, :t],
-                                                 kept_old_logp[part, :t], kept_adv[part], denom, temperature,
+                                                 old_logp, kept_adv[part], denom, temperature,
                                                  max_new_tokens, loss_options)
             if torch.isfinite(loss):  # a non-finite loss skips the step below; its backward is wasted work
                 loss.backward()  # the slices' gradients add up in .grad
@@ -830,6 +879,8 @@ def resume_args(args):
         if getattr(args, k, v) not in (v, defaults.get(k)):
             print(f"note | --{k.replace('_', '-')} {getattr(args, k)} ignored: resuming keeps the checkpoint's {v}")
         setattr(args, k, v)
+    if "pi_old" not in saved:  # a run from before --pi-old existed took pi_old from the sampler
+        args.pi_old = "sampler"
     args.out = args.out or os.path.dirname(os.path.abspath(ckpt))
     return ckpt, state
 
@@ -886,6 +937,7 @@ class RunLog:
         self.kept_rows = read_metrics(self.metrics, start) if rank == 0 and os.path.exists(self.metrics) else []
         dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
         print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
+              f"pi_old {args.pi_old} | "
               f"device {quantize.model_device(model)} | dtype {dtype} | steps {args.steps} | B {args.batch} | "
               f"G {args.group} | lr {args.lr:g} | out {args.out}" + (f" | ranks {world}" if world > 1 else ""))
 
@@ -1064,10 +1116,9 @@ def check_args(args, world, ckpt=None):
 
 
 def update_options(args):
-    """policy_update's keyword arguments from the command line (the loss's as one LossOptions)."""
-    names = ("group", "max_new_tokens", "temperature", "mu", "micro_batch", "grad_clip")
-    return {**{k: getattr(args, k) for k in names}, "loss_options": LossOptions.from_args(args),
-            "scale_std": not args.no_std_scale}
+    """policy_update's keyword arguments from the command line (its options as LossOptions and UpdateOptions)."""
+    return {"group": args.group, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "loss_options": LossOptions.from_args(args), "update_options": UpdateOptions.from_args(args)}
 
 
 def step_options(args):
@@ -1116,11 +1167,13 @@ def build_parser():
     p.add_argument("--eps-high", type=N(float, 0), default=LossOptions.eps_high)
     p.add_argument("--loss-agg", default=LossOptions.loss_agg, choices=LOSS_AGGS)
     p.add_argument("--no-std-scale", action="store_true", help="advantage r - mean only (Dr. GRPO)")
-    p.add_argument("--mu", type=N(int, 1), default=1, help="policy updates per batch")
+    p.add_argument("--mu", type=N(int, 1), default=UpdateOptions.mu, help="policy updates per batch")
+    p.add_argument("--pi-old", choices=list(PI_OLD), default=UpdateOptions.pi_old, help="pi_old in the ratio: "
+                   + "; ".join(f"{k}: {v}" for k, v in PI_OLD.items()))
     p.add_argument("--beta", type=N(float, 0), default=LossOptions.beta, help="k3 KL to the base (reference) policy")
     p.add_argument("--entropy-coef", type=N(float, 0), default=LossOptions.entropy_coef, help="entropy bonus coefficient")
     # memory (the update at real scale; docs/scaling.md)
-    p.add_argument("--micro-batch", type=N(int, 0), default=0, help="rows per forward/backward of the update, "
+    p.add_argument("--micro-batch", type=N(int, 0), default=UpdateOptions.micro_batch, help="rows per forward/backward of the update, "
                    "gradients accumulated before the one optimizer step (0: all rows at once)")
     p.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per decoder layer "
                    "in the update (less memory, one more forward)")
@@ -1134,7 +1187,7 @@ def build_parser():
     p.add_argument("--lr", type=N(above=0), default=1e-3)
     p.add_argument("--warmup", type=N(int, 0), default=10, help="warmup steps")
     p.add_argument("--min-lr-ratio", type=N(float, 0, 1), default=0.1, help="cosine decays to this fraction of --lr")
-    p.add_argument("--grad-clip", type=N(above=0), default=1.0, help="max gradient norm")
+    p.add_argument("--grad-clip", type=N(above=0), default=UpdateOptions.grad_clip, help="max gradient norm")
     p.add_argument("--lora-r", type=N(int, 1), default=16)
     p.add_argument("--lora-alpha", type=N(int, 1), default=32)
     p.add_argument("--seed", type=N(int, 0), default=0)

@@ -178,6 +178,24 @@ STUDIES = {
                       ("qerl", "nvfp4-lora", "does AQN 1e-2 help from a hard start?"),
                       ("qerl-{best}", "nvfp4-lora", "does the noise study's best level help from a hard start?"),
                       ("qerl", "lora", "QeRL vs LoRA from a hard start")]},
+    "pi-old": {
+        "title": "pi_old from the clean policy (the official code) vs from the noisy sampler (Algorithm 1 read literally)",
+        "methods": {"lora": METHODS["lora"], "nvfp4-lora": METHODS["nvfp4-lora"],
+                    "qerl": (METHODS["qerl"][0] + ", pi_old trainer", METHODS["qerl"][1] + ["--pi-old", "trainer"],
+                             "tab:red"),
+                    "lora-aqn": (METHODS["lora-aqn"][0] + ", pi_old trainer",
+                                 METHODS["lora-aqn"][1] + ["--pi-old", "trainer"], "tab:purple"),
+                    "qerl-sampler": ("QeRL, pi_old sampler", METHODS["qerl"][1] + ["--pi-old", "sampler"], "tab:orange"),
+                    "lora-aqn-sampler": ("LoRA + AQN, pi_old sampler", METHODS["lora-aqn"][1] + ["--pi-old", "sampler"],
+                                         "tab:pink")},
+        "first": ["lora", "nvfp4-lora", "qerl", "lora-aqn", "qerl-sampler", "lora-aqn-sampler"], "after_best": [],
+        "best_from": None, "train_args": [],
+        "questions": [("qerl", "nvfp4-lora", "with the noise uncorrected, does AQN help on the NVFP4 base?"),
+                      ("lora-aqn", "lora", "with the noise uncorrected, does AQN help on the fp32 base?"),
+                      ("nvfp4-lora", "lora", "does the NVFP4 base beat the fp32 one?"),
+                      ("qerl", "lora", "QeRL (official reading) vs LoRA"),
+                      ("qerl", "qerl-sampler", "does QeRL gain from taking pi_old from the trainer?"),
+                      ("lora-aqn", "lora-aqn-sampler", "does LoRA + AQN gain from taking pi_old from the trainer?")]},
     "rounding": {
         "title": "NVFP4 rounding for QeRL: round to nearest (compressed-tensors) vs Four Over Six (per-block max -> 6 or 4)",
         "methods": {"qerl-rtn": ("QeRL, NVFP4 round to nearest", noise_flags("nvfp4", 1e-2), "tab:red"),
@@ -419,7 +437,8 @@ def estimate_wall(args, n_runs):
     return math.ceil(n_runs / lanes) * per_run
 
 
-STEP_KEYS = ("step", "reward", "acc", "entropy", "sigma", "sigma_applied", "len", "clip", "grad_norm", "s/step")
+STEP_KEYS = ("step", "reward", "acc", "entropy", "sigma", "sigma_applied", "len", "clip", "kl_old", "ratio_max",
+             "grad_norm", "s/step")
 
 
 def compact_metrics(run_dir):
@@ -605,9 +624,17 @@ def load_run(files, run_dir, method, seed, threshold, table=METHODS):
             "steps_to_threshold": reached[0] if reached else None,
             "entropy_first_fifth": fifth_mean(entropy, last=False), "entropy_last_fifth": fifth_mean(entropy, last=True),
             "reward_first_fifth": fifth_mean(reward, last=False), "reward_last_fifth": fifth_mean(reward, last=True),
+            # what the ratio pi_theta / pi_old did (kl_old: k3 of pi_old vs pi_theta), mean over the steps
+            "kl_old": step_mean(steps, "kl_old"), "clip": step_mean(steps, "clip"),
             "s_per_step": statistics.mean(r["s/step"] for r in steps), "wall_s": summary["wall_s"],
             "eval_curve": [[e["step"], e["greedy"]] for e in evals],
             "skipped_updates": summary.get("skipped_updates", 0), **read_versions(files.get("versions.txt", ""))}
+
+
+def step_mean(steps, key):
+    """The mean of a step metric over the steps that logged a finite one (None if none did)."""
+    values = [r[key] for r in steps if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return statistics.mean(values) if values else None
 
 
 def read_versions(text):
@@ -684,6 +711,7 @@ def summarize(records, methods):
                   "reached": sum(s is not None for s in stt),
                   "entropy_first_fifth": mean_std([r["entropy_first_fifth"] for r in rs]),
                   "entropy_last_fifth": mean_std([r["entropy_last_fifth"] for r in rs]),
+                  "kl_old": mean_std([r.get("kl_old") for r in rs]), "clip": mean_std([r.get("clip") for r in rs]),
                   "s_per_step": mean_std([r["s_per_step"] for r in rs]),
                   "wall_s": mean_std([r["wall_s"] for r in rs]), "k": rs[0]["k"]}
     return out
@@ -796,12 +824,13 @@ def render_study_table(summary, records, args, answers, best):
     lines = [f"# Study '{args.study}': {study['title']}", "",
              f"{records[0]['steps']} GRPO steps per run. " + table_intro(records, args, k, records[0]["eval_n"]), "",
              f"| method | seeds | start greedy | start pass@{k} | entropy, first fifth | steps to +{th} (reached) | "
-             f"final greedy | final pass@{k} | entropy, last fifth | s/step |", "|---" * 10 + "|"]
+             f"final greedy | final pass@{k} | entropy, last fifth | kl_old | clip % | s/step |", "|---" * 12 + "|"]
     for m, s in summary.items():
         lines.append(f"| {s['label']} | {s['runs']} | {pct(s['start_greedy'])} | {pct(s['start_pass_k'])} | "
                      f"{ms(s['entropy_first_fifth'], '.4f')} | {ms(s['steps_to_threshold'], '.0f')} "
                      f"({s['reached']}/{s['runs']}) | {pct(s['final_greedy'])} | {pct(s['final_pass_k'])} | "
-                     f"{ms(s['entropy_last_fifth'], '.4f')} | {s['s_per_step'][0]:.2f} |")
+                     f"{ms(s['entropy_last_fifth'], '.4f')} | {ms(s['kl_old'], '.2e')} | {pct(s['clip'], 2)} | "
+                     f"{s['s_per_step'][0]:.2f} |")
     if study["after_best"]:
         lines += ["", "Best nonzero NVFP4 noise level (mean final greedy of the noise sweep): "
                   + (f"{best:g} -> {best / 20:g}." if best is not None else "not known yet (the sweep is unfinished).")]

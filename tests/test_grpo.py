@@ -264,7 +264,8 @@ def test_loss_options_come_from_the_flags_and_reach_grpo_loss(lora_policy, monke
         with torch.no_grad():
             for p, p0 in zip(params, start):
                 p.copy_(p0)
-        args = parse("--group", 4, "--max-new-tokens", 9, "--grad-clip", 1e9, "--eps-low", eps, "--eps-high", eps)
+        args = parse("--group", 4, "--max-new-tokens", 9, "--grad-clip", 1e9, "--eps-low", eps, "--eps-high", eps,
+                     "--pi-old", "sampler")  # the batch's own old_logp: ratios away from 1
         out = grpo.policy_update(model, torch.optim.SGD(params, lr=0.2), params, *update_batch(model.config.vocab_size),
                                  **grpo.update_options(args))
         assert seen[-1] == grpo.LossOptions(eps_low=float(eps), eps_high=float(eps))
@@ -627,6 +628,104 @@ def test_micro_batches_give_the_same_update(lora_policy, agg, beta, monkeypatch)
     with torch.no_grad():
         for p, p0 in zip(params, start):
             p.copy_(p0)
+
+
+# -----------------------------------------------------------------------------
+# pi_old: the clean policy (trainer, the official code's reading) or the noisy sampler
+
+
+def reset(params, start):
+    with torch.no_grad():
+        for p, p0 in zip(params, start):
+            p.copy_(p0)
+
+
+def spy_on_loss(monkeypatch):
+    """Record (ratio, old_logp) of every grpo_loss call, ratios under the mask (1 elsewhere)."""
+    calls, real = [], grpo.grpo_loss
+
+    def spy(logp, old_logp, adv, mask, *a, **kw):
+        calls.append((torch.exp(logp - old_logp).detach().masked_fill(mask == 0, 1.0), old_logp.detach().clone()))
+        return real(logp, old_logp, adv, mask, *a, **kw)
+    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    return calls
+
+
+def plain_policy_gradient_step(model, params, batch, group, lr):
+    """The parameter change of one SGD step on the plain policy-gradient loss -sum(A * logp) / tokens over
+    the rows with signal, written out without grpo_loss."""
+    prompt_ids, ids, mask, _, rewards = batch
+    adv = grpo.group_advantages(rewards, group)  # (N,)
+    kept = (rewards.view(-1, group).std(1) > 0).repeat_interleave(group).nonzero().squeeze(1).tolist()
+    logp, _ = rollout.sequence_logprobs(model, [prompt_ids[i] for i in kept], ids[kept], mask[kept])  # (n, T)
+    loss = -(adv[kept, None] * logp * mask[kept]).sum() / mask[kept].sum()
+    grads = torch.autograd.grad(loss, params)
+    return [-lr * g for g in grads]
+
+
+def test_pi_old_trainer_at_mu_1_is_the_plain_policy_gradient(lora_policy, monkeypatch):
+    model, params, start = lora_policy
+    batch = update_batch(model.config.vocab_size)  # its old_logp (the sampler's) is far from the policy's
+    want = plain_policy_gradient_step(model, params, batch, group=4, lr=0.2)
+    calls = spy_on_loss(monkeypatch)
+    moved = {}
+    for pi_old in ("trainer", "sampler"):
+        reset(params, start)
+        args = parse("--group", 4, "--max-new-tokens", 9, "--grad-clip", 1e9, "--pi-old", pi_old)
+        out = grpo.policy_update(model, torch.optim.SGD(params, lr=0.2), params, *batch, **grpo.update_options(args))
+        moved[pi_old] = [p.detach() - p0 for p, p0 in zip(params, start)]
+        if pi_old == "trainer":
+            (ratio, _), = calls  # one forward pass: pi_old is that pass's own log-probs, detached
+            assert torch.equal(ratio, torch.ones_like(ratio))  # exactly 1: nothing is clipped or reweighted
+            assert (out["ratio_max"], out["clip"], out["kl_old"]) == (1.0, 0.0, 0.0)
+    assert max(float(d.abs().max()) for d in want) > 1e-3
+    for got, w in zip(moved["trainer"], want):
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-7)
+    # the sampler's log-probs reweight every token: another update
+    assert calls[-1][0].max() > 1.5 and not all(torch.allclose(a, b) for a, b in zip(moved["sampler"], want))
+    reset(params, start)
+
+
+def test_pi_old_trainer_at_mu_2_is_the_policy_before_the_first_step(lora_policy, monkeypatch):
+    model, params, start = lora_policy
+    prompt_ids, ids, mask, sampler_logp, rewards = batch = update_batch(model.config.vocab_size)
+    calls = spy_on_loss(monkeypatch)
+    args = parse("--group", 4, "--max-new-tokens", 9, "--grad-clip", 1e9, "--mu", 2, "--micro-batch", 3)
+    grpo.policy_update(model, torch.optim.SGD(params, lr=0.5), params, *batch, **grpo.update_options(args))
+    first, second = calls[:3], calls[3:]  # 8 kept rows in slices of 3: three losses per step
+    assert len(second) == 3
+    # the first step's ratio is 1 (pi_old is the same clean policy, from a pass without gradients); after it
+    # the policy has moved and the ratio with it
+    assert all(torch.allclose(r, torch.ones_like(r), atol=1e-6, rtol=0) for r, _ in first)
+    assert max(float((r - 1).abs().max()) for r, _ in second) > 1e-3
+    # the same pi_old in both steps, and not the sampler's
+    for (_, old_a), (_, old_b) in zip(first, second):
+        assert torch.equal(old_a, old_b)
+    kept = [0, 1, 2, 3, 8, 9, 10, 11]
+    assert not torch.allclose(first[0][1], sampler_logp[kept[:3], :first[0][1].shape[1]])
+    reset(params, start)
+
+
+def test_pi_old_sampler_passes_the_samplers_log_probs(lora_policy, monkeypatch):
+    """--pi-old sampler is the update as it was: grpo_loss gets the sampler's log-probs of the kept rows,
+    and the step's loss and statistics are grpo_loss's on them."""
+    model, params, start = lora_policy
+    prompt_ids, ids, mask, sampler_logp, rewards = batch = update_batch(model.config.vocab_size)
+    real = grpo.grpo_loss
+    kept = [0, 1, 2, 3, 8, 9, 10, 11]  # the middle group has equal rewards
+    t = int(mask[kept].sum(1).max())
+    logp, _ = rollout.sequence_logprobs(model, [prompt_ids[i] for i in kept], ids[kept, :t], mask[kept, :t])
+    want_loss, want = real(logp, sampler_logp[kept, :t], grpo.group_advantages(rewards, 4)[kept], mask[kept, :t])
+    calls = spy_on_loss(monkeypatch)
+    args = parse("--group", 4, "--max-new-tokens", 9, "--grad-clip", 1e9, "--pi-old", "sampler")
+    out = grpo.policy_update(model, torch.optim.SGD(params, lr=0.2), params, *batch, **grpo.update_options(args))
+    (_, old), = calls
+    assert torch.equal(old, sampler_logp[kept, :t])
+    assert out["loss"] == pytest.approx(float(want_loss.detach()), rel=1e-6)
+    for key in ("clip", "kl_old", "ratio_max"):
+        assert out[key] == pytest.approx(want[key], rel=1e-6), key
+    assert out["clip"] > 0.1  # this batch's sampler is far from the policy
+    reset(params, start)
 
 
 def test_grad_checkpointing_keeps_only_layer_inputs(lora_policy):
