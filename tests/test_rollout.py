@@ -301,7 +301,9 @@ def test_top_k_top_p_masks():
     probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
     perm = torch.tensor([3, 0, 4, 1, 2])  # scramble the order so sorting has work to do
     logits = probs[perm].log()[None].repeat(2, 1)  # (2, 5)
-    kept = lambda out: sorted(probs[perm][torch.isfinite(out[0])].tolist(), reverse=True)
+
+    def kept(out):  # the probabilities that survive the filter, largest first
+        return sorted(probs[perm][torch.isfinite(out[0])].tolist(), reverse=True)
     assert kept(ro.filter_logits(logits, top_k=2)) == pytest.approx([0.5, 0.2])
     assert kept(ro.filter_logits(logits, top_p=0.6)) == pytest.approx([0.5, 0.2])  # 0.5 < 0.6 <= 0.7
     assert kept(ro.filter_logits(logits, top_p=0.5)) == pytest.approx([0.5])  # 0.5 already reaches 0.5

