@@ -44,7 +44,18 @@ rollout = importlib.import_module("03_rollout")
 # sigma_end. The linear, cosine and log kinds (the paper's scheduler ablation) map u = (k - 1) / (K - 2)
 # in [0, 1] between the two.
 
-DECAYING_KINDS = ("exp", "linear", "cosine", "log")
+def _u(k, K):
+    return (k - 1) / max(K - 2, 1)  # 0 at stage 1, 1 at the last stage
+
+
+DECAYS = {  # kind -> sigma at stage k = 1 .. K-1 of K, from s0 (sigma_start) to s1 (sigma_end)
+    "exp": lambda k, K, s0, s1: s0 * (s1 / s0) ** _u(k, K),  # the paper's
+    "linear": lambda k, K, s0, s1: s0 + (s1 - s0) * _u(k, K),
+    "cosine": lambda k, K, s0, s1: s1 + (s0 - s1) * 0.5 * (1 + math.cos(math.pi * _u(k, K))),
+    # falls fastest early, like exp, but linearly in log(1 + stage) rather than in stage
+    "log": lambda k, K, s0, s1: s0 + (s1 - s0) * math.log1p(k - 1) / math.log1p(max(K - 2, 1)),
+}
+DECAYING_KINDS = tuple(DECAYS)
 SIGMA_KINDS = DECAYING_KINDS + ("none", "feedback")
 
 
@@ -55,20 +66,13 @@ def sigma_stage(step, total_steps, num_stages):
 
 
 def sigma_schedule(step, total_steps, sigma_start=1e-2, sigma_end=5e-4, num_stages=10, kind="exp"):
-    """The AQN noise std for 0-based `step` of a `total_steps` run (paper Eq. 8, Algorithm 1)."""
+    """The AQN noise std for 0-based `step` of a `total_steps` run (Algorithm 1's stages; exp is the
+    official code's K-1 geometric values, see docs/paper-notes.md)."""
     check_sigma_range(sigma_start, sigma_end, kind)
     stage = sigma_stage(step, total_steps, num_stages)
     if kind == "none" or stage == 0:
         return 0.0
-    u = (stage - 1) / max(num_stages - 2, 1)  # 0 at stage 1, 1 at the last stage
-    if kind == "exp":
-        return sigma_start * (sigma_end / sigma_start) ** u
-    if kind == "linear":
-        return sigma_start + (sigma_end - sigma_start) * u
-    if kind == "cosine":
-        return sigma_end + (sigma_start - sigma_end) * 0.5 * (1 + math.cos(math.pi * u))
-    # "log": falls fastest early, like exp, but linearly in log(1 + stage) rather than in stage
-    return sigma_start + (sigma_end - sigma_start) * math.log1p(stage - 1) / math.log1p(max(num_stages - 2, 1))
+    return DECAYS[kind](stage, num_stages, sigma_start, sigma_end)
 
 
 class FeedbackSigma:

@@ -57,7 +57,7 @@ def test_stages_are_even_and_the_paper_example():
     assert stages == pytest.approx(want, rel=3e-3)
 
 
-@pytest.mark.parametrize("kind", ["linear", "cosine", "log"])
+@pytest.mark.parametrize("kind", [k for k in aqn.DECAYING_KINDS if k != "exp"])
 def test_other_decays_run_from_start_to_end_monotonically(kind):
     sig = [aqn.sigma_schedule(s, 200, 2e-2, 1e-3, 10, kind) for s in range(200)]
     assert sig[0] == 0.0
@@ -77,7 +77,8 @@ def test_none_kind_and_bad_settings():
     with pytest.raises(ValueError, match="sigma_end .* must be <= sigma_start"):
         aqn.sigma_schedule(5, 50, sigma_start=1e-3, sigma_end=1e-2)
     with pytest.raises(ValueError, match="unknown AQN kind"):
-        aqn.sigma_schedule(5, 50, kind="square")
+        aqn.sigma_schedule(5, 50, kind="no-such-kind")
+    assert set(aqn.DECAYING_KINDS) == set(aqn.DECAYS) and {"exp", "none", "feedback"} <= set(aqn.SIGMA_KINDS)
     with pytest.raises(ValueError, match="FeedbackSigma"):
         aqn.sigma_schedule(5, 50, kind="feedback")
     with pytest.raises(ValueError, match="outside"):
