@@ -73,7 +73,9 @@ difference), of pass@8 and of first-fifth entropy. --max-wall SECONDS starts no 
 the finished ones. Study runs keep a compact metrics.jsonl (what the table and the curves read).
 """
 import argparse
+import contextlib
 import hashlib
+import importlib
 import io
 import json
 import lzma
@@ -90,6 +92,9 @@ import tarfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+aqn = importlib.import_module("04_aqn")  # its schedule kinds are the scheduler study's methods
 GRPO = os.path.join(ROOT, "05_grpo.py")
 DEFAULT_OUT = os.path.join(ROOT, "bench", "results")
 
@@ -141,8 +146,9 @@ def noise_methods(prefix, quant, label, colours):
                                          noise_flags(quant, s), c) for s, c in zip(NOISE_LEVELS, colours)}
 
 
-SCHEDULES = {"exp": "tab:red", "linear": "tab:blue", "cosine": "tab:green", "log": "tab:orange",
-             "feedback": "tab:purple"}
+# every AQN kind of stage 04 but "none" (that is nvfp4-lora), in 04's order, the paper's exp first
+SCHEDULES = dict(zip([k for k in aqn.SIGMA_KINDS if k != "none"],
+                     ("tab:red", "tab:blue", "tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink")))
 # The hard setting: the bundled model's own pretraining stopped earlier (same command and seed, --target
 # 0.07: see assets/README.md), on the task it was pretrained on. NVFP4 starts at 6.8% greedy, 17.0% pass@8.
 HARD_MODEL = os.path.join(ROOT, "assets", "tiny-qwen-early")
@@ -310,11 +316,17 @@ def claim(runs_root, name):
         except FileExistsError:
             try:
                 with open(path) as f:
-                    owner = int(f.read().strip() or 0)
+                    text = f.read().strip()
+                if not text and time.time() - os.path.getmtime(path) < 60:
+                    return False  # just created: its owner is writing its PID
+                owner = int(text or 0)
+                if owner <= 0:  # empty for a minute, or not a PID: its owner died while claiming
+                    raise ValueError(text)
                 os.kill(owner, 0)  # signal 0 only asks whether the owner still exists
                 return False
             except (OSError, ValueError):
-                os.remove(path)
+                with contextlib.suppress(FileNotFoundError):  # a second copy may have cleared it first
+                    os.remove(path)
                 continue
         with os.fdopen(fd, "w") as f:
             f.write(str(os.getpid()))
@@ -902,7 +914,7 @@ def render_plot(records, summary, runs, path, table=METHODS):
     axes[1].legend(fontsize=8, loc="lower right")
     fig.suptitle("Line: mean over seeds; band: min-max over seeds", fontsize=9)
     fig.tight_layout()
-    tmp = path + ".tmp"
+    tmp = path + f".tmp{os.getpid()}"
     fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     os.replace(tmp, path)
@@ -913,7 +925,7 @@ def render_plot(records, summary, runs, path, table=METHODS):
 
 
 def write_text(path, text):
-    tmp = path + ".tmp"
+    tmp = path + f".tmp{os.getpid()}"  # copies of this script run at once: each its own temporary
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)

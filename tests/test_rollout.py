@@ -22,7 +22,6 @@ ro = importlib.import_module("03_rollout")
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 FAMILIES = ["qwen2", "llama", "qwen3"]
-HAS_QUANT = (ROOT / "01_quantize.py").exists()
 
 
 def random_model(seed=0, **overrides):
@@ -444,7 +443,6 @@ def test_wrong_shape_weight(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # Quantized loading (stage 01)
 
-@pytest.mark.skipif(not HAS_QUANT, reason="01_quantize.py not written yet")
 def test_quant_on_load_equals_quantized_checkpoint(tmp_path):
     src = DATA / "qwen2"
     ref = load_file(src / "reference.safetensors")
