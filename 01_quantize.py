@@ -208,9 +208,12 @@ class _RebuiltWeightLinear(torch.autograd.Function):
 
 
 class _QuantLinear(nn.Module):
-    """What NVFP4Linear and NF4Linear share: the format's buffers (registered first, in the order its
-    quantize function returns them, under their checkpoint names so that `load_state_dict` and stage 03
-    fill them by name), an optional bias, and a forward that rebuilds the weight in backward."""
+    """What NVFP4Linear and NF4Linear share: the format's buffers (under their checkpoint names, so that
+    `load_state_dict` and stage 03 fill them by name), an optional bias, and a forward that rebuilds the
+    weight in backward. A format says which roundings it has (`methods`) and whether it takes the global
+    scale quantize_model shares within a fused group (`global_scale`)."""
+    methods = ("rtn",)
+    global_scale = False
 
     def __init__(self, in_features, out_features, bias, device, **format_buffers):
         super().__init__()
@@ -221,8 +224,16 @@ class _QuantLinear(nn.Module):
 
     @classmethod
     def _from_linear(cls, linear, quantized, **kwargs):
+        """The layer holding `quantized`, {buffer name: tensor}: every buffer of the format, each with the
+        shape and dtype the format's __init__ gives it (a mismatch is an error, not a silent reshape)."""
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device, **kwargs)
-        for k, t in zip(list(m._buffers), quantized):
+        want = {k: t for k, t in m._buffers.items() if k != "bias"}
+        if set(quantized) != set(want):
+            raise ValueError(f"{cls.__name__}: got buffers {sorted(quantized)}, the format has {sorted(want)}")
+        for k, t in quantized.items():
+            if t.shape != want[k].shape or t.dtype != want[k].dtype:
+                raise ValueError(f"{cls.__name__}.{k}: got {tuple(t.shape)} {t.dtype}, the format needs "
+                                 f"{tuple(want[k].shape)} {want[k].dtype}")
             setattr(m, k, t)
         if linear.bias is not None:
             m.bias = linear.bias.detach().clone()
@@ -247,6 +258,9 @@ class _QuantLinear(nn.Module):
 
 class NVFP4Linear(_QuantLinear):
     """y = x @ W_hat^T + b with W_hat stored as NVFP4; its buffers are a compressed-tensors checkpoint's."""
+    methods = NVFP4_METHODS
+    global_scale = True
+    BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")  # quantize_nvfp4's outputs, in order
 
     def __init__(self, in_features, out_features, bias=False, device=None):
         k_pad = -(-in_features // NVFP4_BLOCK) * NVFP4_BLOCK
@@ -258,7 +272,8 @@ class NVFP4Linear(_QuantLinear):
 
     @classmethod
     def from_linear(cls, linear, global_scale=None, name="weight", method="rtn"):
-        return cls._from_linear(linear, quantize_nvfp4(linear.weight, global_scale, name=name, method=method))
+        quantized = quantize_nvfp4(linear.weight, global_scale, name=name, method=method)
+        return cls._from_linear(linear, dict(zip(cls.BUFFERS, quantized)))
 
     def dequantized_weight(self, dtype=torch.float32):
         w = dequantize_nvfp4(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
@@ -273,6 +288,7 @@ class NVFP4Linear(_QuantLinear):
 
 class NF4Linear(_QuantLinear):
     """The QLoRA baseline: NF4 weight, dequantized to x.dtype on every forward."""
+    BUFFERS = ("weight_packed", "weight_absmax")  # quantize_nf4's outputs, in order
 
     def __init__(self, in_features, out_features, bias=False, device=None, blocksize=64):
         n = in_features * out_features
@@ -284,9 +300,10 @@ class NF4Linear(_QuantLinear):
     @classmethod
     def from_linear(cls, linear, global_scale=None, name="weight", method="rtn", blocksize=64):
         # global_scale and method are NVFP4's: NF4's absmax per block is all its scale, and it rounds one way
-        if method != "rtn":
+        if method not in cls.methods:
             raise ValueError(f"{name}: method {method!r} is an NVFP4 rounding; NF4 has only 'rtn'")
-        return cls._from_linear(linear, quantize_nf4(linear.weight, blocksize, name=name), blocksize=blocksize)
+        quantized = quantize_nf4(linear.weight, blocksize, name=name)
+        return cls._from_linear(linear, dict(zip(cls.BUFFERS, quantized)), blocksize=blocksize)
 
     def dequantized_weight(self, dtype=torch.float32):
         shape = (self.out_features, self.in_features)
@@ -306,8 +323,9 @@ def fused_group(name):
     return (parent, FUSED_GROUPS[leaf]) if leaf in FUSED_GROUPS else (name,)
 
 
-# The weight formats, in one registry that every --quant choice, loader and quantize_model reads. A new
-# format is a _QuantLinear subclass with from_linear(linear, global_scale, name, method) and one line here.
+# The weight formats, in one registry that every --quant choice, loader, quantize_model and 01's demo
+# reads. A new format is a _QuantLinear subclass (its buffers, `methods`, `global_scale`,
+# dequantized_weight, and from_linear(linear, global_scale, name, method)) and one line here.
 WEIGHT_FORMATS = {"nvfp4": NVFP4Linear, "nf4": NF4Linear}
 QUANT_CHOICES = ("none", *WEIGHT_FORMATS)  # what --quant takes: "none" keeps the float weights
 
@@ -330,7 +348,7 @@ def quantize_model(model, fmt="nvfp4", skip=("lm_head",), method="rtn"):
     for n, m in linears.items():
         _check_weight(m.weight, n)
         groups.setdefault(fused_group(n), []).append(m.weight)
-    scales = {g: nvfp4_global_scale(ws, method) for g, ws in groups.items()}
+    scales = {g: nvfp4_global_scale(ws, method) if linear_cls.global_scale else None for g, ws in groups.items()}
     for n, m in linears.items():
         replace_module(model, n, linear_cls.from_linear(m, scales[fused_group(n)], name=n, method=method))
     return model
@@ -784,14 +802,16 @@ def demo(seed=0):
     for label, shapes in suites.items():
         ws = [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in shapes]  # bf16, like checkpoints
         flat = torch.cat([w.float().reshape(-1) for w in ws])                            # (numel,)
-        for fmt, quantize in (("nvfp4", quantize_nvfp4), ("4over6", functools.partial(quantize_nvfp4, method="4over6")),
-                              ("nf4", quantize_nf4)):
+        linears = [nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype) for w in ws]
+        for linear, w in zip(linears, ws):
+            linear.weight.data = w
+        for fmt, method in [(f, m) for f, cls in WEIGHT_FORMATS.items() for m in cls.methods]:
             t0 = time.perf_counter()
-            qs = [quantize(w) for w in ws]
+            qs = [WEIGHT_FORMATS[fmt].from_linear(linear, method=method) for linear in linears]
             ms = (time.perf_counter() - t0) * 1e3
-            nbytes = sum(t.numel() * t.element_size() for q in qs for t in q)  # codes, scales, NVFP4's global scale
-            d = torch.cat([(dequantize_nf4(*q, w.shape) if fmt == "nf4" else dequantize_nvfp4(*q)).reshape(-1)
-                           for w, q in zip(ws, qs)]) - flat                                # (numel,)
+            nbytes = sum(t.numel() * t.element_size() for q in qs for t in q.buffers())  # codes, scales, global scale
+            d = torch.cat([q.dequantized_weight().reshape(-1) for q in qs]) - flat        # (numel,)
+            fmt = fmt if method == "rtn" else method
             print(f"{label:<20}| {fmt:<6}| {8 * nbytes / flat.numel():>11.4f} | {nbytes / (2 * flat.numel()):>13.5f} | "
                   f"{(d.norm() / flat.norm()).item():>11.4f} | {d.abs().max().item():>11.2e} | {ms:>11.1f}")
     print("NVFP4: 4-bit code + one 8-bit scale per 16 + 4 bytes/tensor (fp32 global scale); 4over6 is the same\n"

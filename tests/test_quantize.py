@@ -346,6 +346,31 @@ def test_quantize_model_groups_share_global_scale():
         q.quantize_model(copy.deepcopy(ref), fmt="int3")
 
 
+def test_quantized_buffers_are_filled_by_name_and_checked():
+    lin = nn.Linear(32, 8, bias=False)
+    m = q.NVFP4Linear.from_linear(lin)
+    assert m.weight_scale.shape == (8, 2) and m.weight_scale.dtype == torch.float8_e4m3fn
+    packed, scale, gs = q.quantize_nvfp4(lin.weight)
+    swapped = {"weight_packed": packed, "weight_scale": gs, "weight_global_scale": scale}  # two names swapped
+    with pytest.raises(ValueError, match=r"NVFP4Linear.weight_scale: got \(1,\) torch.float32, the format needs \(8, 2\)"):
+        q.NVFP4Linear._from_linear(lin, swapped)
+    with pytest.raises(ValueError, match="got buffers"):
+        q.NVFP4Linear._from_linear(lin, {"weight_packed": packed, "weight_scale": scale})
+    # NF4 takes no global scale: quantize_model computes none for it
+    assert not q.NF4Linear.global_scale and q.NVFP4Linear.global_scale
+    seen = []
+
+    class Spy(q.NF4Linear):
+        @classmethod
+        def from_linear(cls, linear, global_scale=None, **kw):
+            seen.append(global_scale)
+            return super().from_linear(linear, global_scale, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(q.WEIGHT_FORMATS, "spy", Spy)
+        q.quantize_model(tiny_model(), fmt="spy")
+    assert seen and all(g is None for g in seen)
+
+
 def test_weight_format_registry_drives_quantize_model(monkeypatch):
     assert q.QUANT_CHOICES[0] == "none" and {"nvfp4", "nf4"} <= set(q.QUANT_CHOICES)  # a new format may join
     assert q.weight_format("nf4") is q.NF4Linear and q.weight_format("nvfp4") is q.NVFP4Linear
