@@ -789,7 +789,8 @@ def build_parser():
     ap = quantize.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
     ap.add_argument("--model", default=str(Path(__file__).parent / "assets" / "tiny-qwen"),
                     help="HF model folder (default: the bundled assets/tiny-qwen)")
-    ap.add_argument("--prompt", default="What is 12 + 7? Answer with a number.", help="user message (ChatML-wrapped)")
+    ap.add_argument("--prompt", default="12+7-3=?", help="user message (ChatML-wrapped; the default is the bundled "
+                    "model's task; for a chat model such as SmolLM2 ask, say, \"What is 12 + 7?\")")
     system = ap.add_mutually_exclusive_group()
     system.add_argument("--system", default=None, help="system message (default: the one the model's chat "
                         "template writes when there is none, e.g. SmolLM2's; none if it writes none)")

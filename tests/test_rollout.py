@@ -386,6 +386,14 @@ def test_cli_runs_on_a_model_folder(monkeypatch, capsys):
     assert "--- sample 1 | tokens" in out and f"prefill | tokens {2 * n_prompt} |" in out and "decode | tokens" in out
 
 
+def test_default_command_gets_answers_from_the_bundled_model(capsys):
+    """`python 03_rollout.py` with no flags: the bundled model answers its default prompt in the task's
+    format (a prompt outside its training prints garbage)."""
+    assert ro.main(["--device", "cpu"]) == 0
+    texts = [t for t in capsys.readouterr().out.splitlines() if t.startswith("<think>")]
+    assert len(texts) == 4 and all(t.endswith("</answer>") for t in texts)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Bad input: one clear line each
 
