@@ -397,50 +397,6 @@ def left_pad(prompt_ids, completion_ids):
 
 
 # ---------------------------------------------------------------------------------------------------
-# compile=True: the same decode_step through torch.compile (the gpt-fast recipe; README, stage 03)
-
-_compiled_steps = {}  # mode -> decode_step under torch.compile; dynamo keeps one graph per shape and setting
-
-
-def compiled_decode_step(device):
-    """decode_step through torch.compile, built once per mode: on CUDA "reduce-overhead" replays each step
-    as one CUDA graph; on a CPU inductor fuses it into generated C++ loops."""
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    if mode not in _compiled_steps:
-        compiled = torch.compile(decode_step, mode=mode, dynamic=False)
-        # One graph per (batch, cache length, sampling settings); dynamo's default allows only 8.
-        c = torch._dynamo.config
-        limit = "recompile_limit" if hasattr(c, "recompile_limit") else "cache_size_limit"  # older torch
-        setattr(c, limit, max(getattr(c, limit), 64))
-
-        def step(*args):
-            if mode == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-            return compiled(*args)
-        _compiled_steps[mode] = step
-    return _compiled_steps[mode]
-
-
-def static_cache(model, batch, slots, setting):
-    """-> (this model's KVCache for (batch, slots), whether `setting` (temperature, top_k, top_p, generator is
-    None) is new for it, so that its first compiled step compiles). Built once and reused by every compiled
-    call: dynamo guards on the cache's tensors and a CUDA graph replays on their addresses."""
-    w = model.model.embed_tokens.weight
-    caches = model.__dict__.setdefault("_static_caches", {})  # (batch, slots, dtype, device) -> (cache, settings)
-    key = (batch, slots, w.dtype, w.device)
-    if key not in caches:
-        cache = KVCache(model.config, batch, slots, w.device, w.dtype)
-        for t in (cache.pos, *cache.k, *cache.v):
-            torch._dynamo.mark_static_address(t)  # CUDA graphs then read and write them in place, no copies
-        caches[key] = (cache, set())
-    cache, settings = caches[key]
-    cache.pos.zero_()
-    first = setting not in settings
-    settings.add(setting)
-    return cache, first
-
-
-# ---------------------------------------------------------------------------------------------------
 # Log-probs with gradients, for the policy update
 
 def completion_hidden(model, prompt_ids, completion_ids):
@@ -454,57 +410,27 @@ def completion_logits(model, prompt_ids, completion_ids):
     return model.lm_head(completion_hidden(model, prompt_ids, completion_ids)).float()  # (B, T, V)
 
 
-# Log-probs without the full logits (~80 GB in fp32 for a 7B GRPO batch; README, "One GPU at 7B"):
-# lm_head runs over chunks of at most LOGITS_CHUNK_BYTES of logits, recomputed one at a time in backward.
-LOGITS_CHUNK_BYTES = 2 ** 26  # 64 MiB of fp32 logits per chunk: 110 tokens at V = 151,936
-
-
-def _token_logprobs(lm_head, h, ids, temperature):
+def token_logprobs(lm_head, h, ids, temperature):
     """Log-prob of ids and entropy, each (n,), from hidden states h (n, C)."""
     logits = lm_head(h).float()  # (n, V)
     logp = (logits / temperature if temperature > 0 else logits).log_softmax(-1)  # (n, V)
     return logp.gather(-1, ids[:, None]).squeeze(-1), entropy_from_logp(logp)  # (n,) each
 
 
-class _ChunkLogprobs(torch.autograd.Function):
-    """(log-prob, entropy) of one chunk of tokens; saves h, not the logits, and recomputes them in backward.
-    (torch.utils.checkpoint would keep the recomputed entropy branch alive until the whole backward ends.)"""
-
-    @staticmethod
-    def forward(ctx, h, ids, lm_head, temperature):  # h (n, C), ids (n,)
-        ctx.save_for_backward(h, ids)
-        ctx.lm_head, ctx.temperature = lm_head, temperature
-        ctx.set_materialize_grads(False)  # an unused output (often the entropy) gets None: skip its branch
-        with torch.no_grad():
-            return _token_logprobs(lm_head, h, ids, temperature)
-
-    @staticmethod
-    def backward(ctx, g_lp, g_ent):
-        h, ids = ctx.saved_tensors
-        with torch.enable_grad():
-            h = h.detach().requires_grad_()
-            outs = _token_logprobs(ctx.lm_head, h, ids, ctx.temperature)  # (n,) each, now with a graph
-            used = [(o, g) for o, g in zip(outs, (g_lp, g_ent)) if g is not None]
-            if used:  # also accumulates into any trainable lm_head parameter's .grad
-                torch.autograd.backward(*zip(*used))
-        return h.grad, None, None, None
-
-
 def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0):
     """Log-probs and entropies (B, T) of `completion_ids` after each row's prompt, with gradients; 0 after
     EOS. Without top-k/top-p it equals what `generate` recorded (up to fp rounding). One left-padded
-    forward; only the completion tokens (mask > 0) reach lm_head, in chunks (see LOGITS_CHUNK_BYTES)."""
+    forward; only the completion tokens (mask > 0) reach lm_head, in chunks (Part 2, LOGITS_CHUNK_BYTES)."""
     completion_ids = completion_ids.to(quantize.model_device(model))
     B, T = completion_ids.shape
     h = completion_hidden(model, prompt_ids, completion_ids)  # (B, T, C)
     m = completion_mask.to(h.device, torch.float32)  # (B, T)
     sel = m.reshape(-1).nonzero().squeeze(1)  # (n,) flat indices of the completion tokens
     h_sel, ids_sel = h.reshape(B * T, -1)[sel], completion_ids.reshape(-1)[sel]  # (n, C), (n,)
-    step = max(1, LOGITS_CHUNK_BYTES // (4 * model.config.vocab_size))  # tokens per chunk
-    chunks = [_ChunkLogprobs.apply(h_sel[i:i + step], ids_sel[i:i + step], model.lm_head, temperature)
-              for i in range(0, len(sel), step)]  # (log-prob, entropy) pairs, (chunk,) each
+    # token_logprobs, a chunk of tokens at a time, without keeping the logits for backward (Part 2)
+    picked = chunked_token_logprobs(model.lm_head, h_sel, ids_sel, temperature, model.config.vocab_size)
     zero = h.sum(-1).float().reshape(-1) * 0  # (B*T,) zeros that keep the graph even with no token selected
-    lp, ent = (zero.index_put((sel,), torch.cat([c[j] for c in chunks])) if chunks else zero for j in (0, 1))
+    lp, ent = (zero.index_put((sel,), x) for x in picked) if picked else (zero, zero)  # (B*T,) each
     return lp.view(B, T) * m, ent.view(B, T) * m  # (B, T) each
 
 
@@ -604,6 +530,91 @@ def _put(model, name, t, file="the checkpoint"):
         mod._parameters[attr] = nn.Parameter(t, requires_grad=old.requires_grad)
     else:
         mod._buffers[attr] = t
+
+
+# ---------------------------------------------------------------------------------------------------
+# compile=True: the same decode_step through torch.compile (the gpt-fast recipe; README, stage 03)
+
+_compiled_steps = {}  # mode -> decode_step under torch.compile; dynamo keeps one graph per shape and setting
+
+
+def compiled_decode_step(device):
+    """decode_step through torch.compile, built once per mode: on CUDA "reduce-overhead" replays each step
+    as one CUDA graph; on a CPU inductor fuses it into generated C++ loops."""
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    if mode not in _compiled_steps:
+        compiled = torch.compile(decode_step, mode=mode, dynamic=False)
+        # One graph per (batch, cache length, sampling settings); dynamo's default allows only 8.
+        c = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(c, "recompile_limit") else "cache_size_limit"  # older torch
+        setattr(c, limit, max(getattr(c, limit), 64))
+
+        def step(*args):
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+            return compiled(*args)
+        _compiled_steps[mode] = step
+    return _compiled_steps[mode]
+
+
+def static_cache(model, batch, slots, setting):
+    """-> (this model's KVCache for (batch, slots), whether `setting` (temperature, top_k, top_p, generator is
+    None) is new for it, so that its first compiled step compiles). Built once and reused by every compiled
+    call: dynamo guards on the cache's tensors and a CUDA graph replays on their addresses."""
+    w = model.model.embed_tokens.weight
+    caches = model.__dict__.setdefault("_static_caches", {})  # (batch, slots, dtype, device) -> (cache, settings)
+    key = (batch, slots, w.dtype, w.device)
+    if key not in caches:
+        cache = KVCache(model.config, batch, slots, w.device, w.dtype)
+        for t in (cache.pos, *cache.k, *cache.v):
+            torch._dynamo.mark_static_address(t)  # CUDA graphs then read and write them in place, no copies
+        caches[key] = (cache, set())
+    cache, settings = caches[key]
+    cache.pos.zero_()
+    first = setting not in settings
+    settings.add(setting)
+    return cache, first
+
+
+# ---------------------------------------------------------------------------------------------------
+# Log-probs in chunks, for sequence_logprobs (the policy update)
+
+# Log-probs without the full logits (~80 GB in fp32 for a 7B GRPO batch; README, "One GPU at 7B"):
+# lm_head runs over chunks of at most LOGITS_CHUNK_BYTES of logits, recomputed one at a time in backward.
+LOGITS_CHUNK_BYTES = 2 ** 26  # 64 MiB of fp32 logits per chunk: 110 tokens at V = 151,936
+
+
+class _ChunkLogprobs(torch.autograd.Function):
+    """(log-prob, entropy) of one chunk of tokens; saves h, not the logits, and recomputes them in backward.
+    (torch.utils.checkpoint would keep the recomputed entropy branch alive until the whole backward ends.)"""
+
+    @staticmethod
+    def forward(ctx, h, ids, lm_head, temperature):  # h (n, C), ids (n,)
+        ctx.save_for_backward(h, ids)
+        ctx.lm_head, ctx.temperature = lm_head, temperature
+        ctx.set_materialize_grads(False)  # an unused output (often the entropy) gets None: skip its branch
+        with torch.no_grad():
+            return token_logprobs(lm_head, h, ids, temperature)
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        h, ids = ctx.saved_tensors
+        with torch.enable_grad():
+            h = h.detach().requires_grad_()
+            outs = token_logprobs(ctx.lm_head, h, ids, ctx.temperature)  # (n,) each, now with a graph
+            used = [(o, g) for o, g in zip(outs, (g_lp, g_ent)) if g is not None]
+            if used:  # also accumulates into any trainable lm_head parameter's .grad
+                torch.autograd.backward(*zip(*used))
+        return h.grad, None, None, None
+
+
+def chunked_token_logprobs(lm_head, h, ids, temperature, vocab_size):
+    """token_logprobs of h (n, C), ids (n,) over chunks of at most LOGITS_CHUNK_BYTES of logits -> (log-prob,
+    entropy), each (n,); None when n is 0."""
+    step = max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))  # tokens per chunk
+    chunks = [_ChunkLogprobs.apply(h[i:i + step], ids[i:i + step], lm_head, temperature)
+              for i in range(0, len(ids), step)]  # (log-prob, entropy) pairs, (chunk,) each
+    return tuple(torch.cat([c[j] for c in chunks]) for j in (0, 1)) if chunks else None
 
 
 # ---------------------------------------------------------------------------------------------------
