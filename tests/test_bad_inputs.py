@@ -475,7 +475,7 @@ def test_force_replaces_own_output_only(tmp_path):
     model_copy(str(tmp_path))
     assert quantize.run_cli(quantize.main, ["--model", src, "--out", out]) == 0
     assert quantize.run_cli(quantize.main, ["--model", src, "--out", out, "--force"]) == 0
-    assert quantize.is_quantized_output(out) and not quantize.is_quantized_output(src)
+    assert quantize.output_files(out, "01_quantize.py") and quantize.output_files(src, "01_quantize.py") is None
 
 
 def test_stale_temporaries_are_cleared(tmp_path):
@@ -487,7 +487,7 @@ def test_stale_temporaries_are_cleared(tmp_path):
     write(str(tmp_path / f".metrics.jsonl.tmp{dead}"), "half")
     os.makedirs(tmp_path / f".checkpoint-000020.tmp{dead}.old")  # checkpoint-000020 itself is missing
     os.makedirs(tmp_path / f".checkpoint-000030.tmp{os.getpid()}")  # a live writer's (ours)
-    removed = quantize.remove_stale_temps(str(tmp_path))
+    removed = quantize.remove_stale_temps(str(tmp_path), lambda name: True)
     assert removed == [f".checkpoint-000010.tmp{dead}", f".metrics.jsonl.tmp{dead}"]
     assert sorted(os.listdir(tmp_path)) == [f".checkpoint-000030.tmp{os.getpid()}", "checkpoint-000020"]
 
