@@ -966,11 +966,11 @@ class RunLog:
                   f"{'easier' if never else 'harder'} task or another base", flush=True)
 
     def summary(self, done, stopped, skipped, first_eval, last_eval, last_ckpt):
-        if stopped == "time budget" and not self.steps_logged:
-            raise ValueError(f"--time-budget {self.args.time_budget:g} s ran out before the first step (the first "
-                             f"evaluation took {first_eval['seconds'] if first_eval else 0:.0f} s, and 1.5x that is kept "
-                             f"for the last one): nothing to save; raise --time-budget (0: no limit) or lower "
-                             f"--eval-size")
+        if stopped == "time budget" and not self.steps_logged:  # then the run folder's files go (__exit__)
+            took = (f" (the first evaluation took {first_eval['seconds']:.0f} s, and 1.5x that is kept for the last "
+                    f"one)") if first_eval else ""
+            raise ValueError(f"--time-budget {self.args.time_budget:g} s ran out before the first step{took}: nothing "
+                             f"to save; raise --time-budget (0: no limit) or lower --eval-size")
         s = {"steps_done": done, "stopped_by": stopped, "skipped_updates": skipped, "wall_s": time.time() - self.t_start,
              "first_eval": first_eval, "final_eval": last_eval, "checkpoint": last_ckpt, "args": vars(self.args)}
         if first_eval and last_eval:
