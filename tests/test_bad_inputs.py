@@ -730,6 +730,7 @@ def test_double_ctrl_c_in_the_first_evaluation_keeps_a_users_file(tmp_path):
     proc = start_run(out, "--eval-size", "100", "--quiet")
     while not out.exists() and proc.poll() is None:  # the run holds its folder from before the evaluation
         time.sleep(0.05)
+    time.sleep(0.5)  # inside the evaluation (several seconds), past the setting up of the Ctrl-C handler
     write(str(out / "notes.txt"), "mine")
     proc.send_signal(signal.SIGINT)
     time.sleep(0.3)
