@@ -13,6 +13,8 @@ QERL_TRITON_CPU=1: then CPU inputs go through the kernel too, run by Triton's in
 stage 05's --gpu-path sets it). Later stages import this file as `importlib.import_module("01_quantize")`.
 """
 import argparse
+import contextlib
+import fcntl
 import functools
 import itertools
 import json
@@ -435,16 +437,17 @@ def _pid_alive(pid):
     return True
 
 
-def remove_stale_temps(folder):
-    """Clear what atomic_write leaves in `folder` when its process is killed mid-write (.NAME.tmpPID and
-    .NAME.tmpPID.old of a PID that is gone). If the kill fell between its two renames, NAME is missing and
-    .old holds its previous complete version: that is put back. Returns the names removed."""
+def remove_stale_temps(folder, ours):
+    """Clear what atomic_write leaves in `folder` when its process is killed mid-write: .NAME.tmpPID and
+    .NAME.tmpPID.old of a PID that is gone, for the NAMEs the caller writes there (ours(NAME) is true), so a
+    user's look-alike such as .draft.tmp2024 stays. If the kill fell between atomic_write's two renames, NAME
+    is missing and .old holds its previous complete version: that is put back. Returns the names removed."""
     removed = []
     if not os.path.isdir(folder):
         return removed
     for name in sorted(os.listdir(folder)):
         m = re.fullmatch(r"\.(.+)\.tmp(\d+)(\.old)?", name)
-        if not m or _pid_alive(int(m.group(2))):
+        if not m or not ours(m.group(1)) or _pid_alive(int(m.group(2))):
             continue
         path, target = os.path.join(folder, name), os.path.join(folder, m.group(1))
         if m.group(3) and not os.path.exists(target):
@@ -479,20 +482,109 @@ def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
     config, weight_map, has_index = find_weight_files(model_dir)
     if "quantization_config" in config:
         raise ValueError(f"{model_dir} is already quantized (its config.json has a quantization_config)")
-    check_out_dir(out_dir, [model_dir], force=force, ours=is_quantized_output, command="01_quantize.py")
+    check_out_dir(out_dir, [model_dir], force=force, ours=lambda f: output_files(f, QUANTIZE_COMMAND) is not None,
+                  command=QUANTIZE_COMMAND)
     return config, weight_map, has_index, pick_device(device)
 
 
-def is_quantized_output(folder):
-    """Whether `folder` is what quantize_checkpoint writes (and so what --force may replace): an NVFP4
-    config.json and nothing but shards, the index and tokenizer files."""
-    try:
-        config = read_json(os.path.join(folder, "config.json"))
-    except ValueError:
+# -----------------------------------------------------------------------------------------------------
+# Ownership. One process writes an output folder at a time: it holds an flock on a file in the folder,
+# which the kernel releases however the process ends. A command deletes only what it made: the folder's
+# manifest lists the files a command wrote there, and --force replaces those and nothing else.
+
+LOCK_FILE = ".qerl.lock"         # locked by the process writing the folder; it holds that process's PID
+MANIFEST = "qerl_manifest.json"  # {"command": ..., "files": [...]}: what that command wrote in the folder
+
+
+class OutputLock:
+    """`with OutputLock(folder):` this process is the folder's one writer (the folder is made if missing),
+    or one error naming the process that is. On exit, what the lock made goes again: its lock file, and
+    the folder if nothing else is in it."""
+
+    def __init__(self, folder):
+        self.folder, self.path = folder, os.path.join(folder, LOCK_FILE)
+
+    def __enter__(self):
+        self.made_folder = not os.path.isdir(self.folder)
+        os.makedirs(self.folder, exist_ok=True)
+        while True:
+            self.made_file = not os.path.exists(self.path)
+            self.file = open(self.path, "a+")
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.file.seek(0)
+                pid = self.file.read().strip()
+                self.file.close()
+                raise ValueError(f"{self.folder} is being written by {f'process {pid}' if pid else 'another process'}"
+                                 f": one process writes an output at a time; wait for it to end, or choose another "
+                                 f"--out") from None
+            try:  # the last holder may have removed the file between our open and our lock: then lock the new one
+                if os.path.samestat(os.fstat(self.file.fileno()), os.stat(self.path)):
+                    break
+            except FileNotFoundError:
+                pass
+            self.file.close()
+        self.file.truncate(0)
+        self.file.write(f"{os.getpid()}\n")
+        self.file.flush()
+        return self
+
+    def __exit__(self, *exc):
+        with contextlib.suppress(OSError):
+            if self.made_file:
+                os.remove(self.path)  # before the unlock, so that the next writer locks a file of its own
+        self.file.close()
+        if self.made_folder:
+            with contextlib.suppress(OSError):  # not empty: it holds an output, or a user's files
+                os.rmdir(self.folder)
         return False
-    ours = isinstance(config, dict) and config.get("quantization_config") == NVFP4_QUANT_CONFIG
-    allowed = {"config.json", "model.safetensors.index.json", *TOKENIZER_FILES}
-    return ours and all(n in allowed or n.endswith(".safetensors") for n in os.listdir(folder))
+
+
+def output_files(folder, command):
+    """The files an earlier run of `command` wrote in `folder` (its manifest's list), or None when the folder
+    has no manifest of that command. Only plain names count: a manifest cannot point outside its folder."""
+    try:
+        manifest = read_json(os.path.join(folder, MANIFEST))
+    except ValueError:
+        return None
+    files = manifest.get("files")
+    if manifest.get("command") != command or not isinstance(files, list):
+        return None
+    return [n for n in files if isinstance(n, str) and n not in ("", ".", "..") and os.path.basename(n) == n]
+
+
+def write_output(out, write, command):
+    """Write `command`'s output folder under OutputLock: write(tmp) makes a temporary folder beside `out`,
+    then each of its files moves into `out` with one rename (none is ever half-written) and the manifest
+    lists them. In `out` only the files of an earlier run's manifest are replaced or removed; a user's file
+    stays, and one that has the name of a new file is an error. Returns the absolute path of out."""
+    out = os.path.abspath(out)
+    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp{os.getpid()}")  # atomic_write's kind
+    with OutputLock(out):
+        remove_stale_temps(os.path.dirname(out), lambda name: name == os.path.basename(out))  # a killed run's
+        remove_stale_temps(out, lambda name: name == MANIFEST)
+        old = set(output_files(out, command) or ())
+        try:
+            write(tmp)  # which makes tmp, as for atomic_write
+            new = set(os.listdir(tmp))
+            taken = sorted(n for n in new - old if os.path.lexists(os.path.join(out, n)))
+            if taken:
+                raise ValueError(f"{os.path.join(out, taken[0])} was not written by {command}: move it away, or "
+                                 f"choose another --out")
+            # Listed first, so that a kill during the renames leaves a folder whose every file --force may replace
+            write_json(os.path.join(out, MANIFEST), {"command": command, "files": sorted(old | new)})
+            for name in sorted(old - new):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(out, name))
+            for name in sorted(new):
+                os.replace(os.path.join(tmp, name), os.path.join(out, name))
+            write_json(os.path.join(out, MANIFEST), {"command": command, "files": sorted(new)})
+        except OSError as e:  # a full disk, say: name the output, not the temporary
+            raise OSError(e.errno, e.strerror or str(e), out) from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -601,6 +693,7 @@ NVFP4_QUANT_CONFIG = {  # weight-only NVFP4 (W4A16): no input_activations, unlik
     "format": "nvfp4-pack-quantized", "global_compression_ratio": None, "ignore": ["lm_head"],
     "kv_cache_scheme": None, "moe_sparsity_config": None, "quant_method": "compressed-tensors",
     "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {}}
+QUANTIZE_COMMAND = "01_quantize.py"  # the command its output folders' manifest names
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 
@@ -668,12 +761,12 @@ def _shard_tensors(model_dir, s, plan, device, log, progress, method="rtn"):
 
 def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=None, log=print, method="rtn"):
     """Write the compressed-tensors NVFP4 version of the HF folder model_dir to out_dir. Everything goes
-    to a hidden temporary folder renamed into place at the end (atomic_write): nothing half-written.
+    to a hidden temporary folder whose files move into place at the end (write_output): nothing half-written,
+    and a user's other files in out_dir stay.
     method ("rtn" or "4over6") is recorded in each shard's safetensors metadata; readers ignore it."""
     from safetensors.torch import save_file
     _check_method(method)
     config, weight_map, has_index, device = _check_checkpoint_args(model_dir, out_dir, fmt, force, device)
-    remove_stale_temps(os.path.dirname(os.path.abspath(out_dir)))  # what a killed earlier run left
     plan = headers, where, groups = _plan_shards(model_dir, weight_map, config)
     n_quant = sum(map(len, groups.values()))
     t0, progress, new_map, sizes = time.time(), [0, n_quant], {}, []
@@ -693,7 +786,7 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
             if os.path.isfile(os.path.join(model_dir, name)):
                 shutil.copy2(os.path.join(model_dir, name), os.path.join(tmp, name))
 
-    out_dir = atomic_write(out_dir, write)
+    out_dir = write_output(out_dir, write, QUANTIZE_COMMAND)
     bytes_in = sum(v["data_offsets"][1] - v["data_offsets"][0] for h in headers.values() for v in h.values())
     bytes_out = sum(sizes)
     log(f"done | tensors {len(where)} | quantized {n_quant} | bytes {bytes_in / 1e6:.1f} MB -> "
@@ -752,16 +845,20 @@ def check_out_path(out, inputs=()):
 
 
 def check_out_dir(out, inputs=(), *, force=False, ours=None, command="this command"):
-    """Before any work, refuse an output folder whose writing would destroy something the command did not
-    make: check_out_path's rules, and an existing non-empty `out` needs force, which replaces it only when
-    ours(out) recognises it as an earlier output of `command`."""
+    """Before any work, refuse an output folder that another process is writing, or whose writing would
+    destroy something the command did not make: check_out_path's rules, and an existing non-empty `out`
+    needs force, which writes there only when ours(out) recognises an earlier output of `command`."""
     check_out_path(out, inputs)
-    if os.path.isdir(out) and os.listdir(out):
+    if not os.path.isdir(out):
+        return
+    with OutputLock(out):  # a live writer is named here, before any work
+        held = [n for n in os.listdir(out) if n != LOCK_FILE]
+    if held:
         if not force:
             raise FileExistsError(f"{os.path.abspath(out)} already exists: pass --force to replace it")
         if ours is None or not ours(out):
-            raise ValueError(f"--force replaces only an earlier output of {command}, and {out} is not one (it holds "
-                             f"other files): choose a new --out")
+            raise ValueError(f"--force replaces only an earlier output of {command}, and {out} is not one (no {MANIFEST} "
+                             f"of it there): choose a new --out")
 
 
 EXPECTED_ERRORS = (ValueError, OSError, SafetensorError)  # bad input, a missing or unreadable file, a full disk

@@ -29,7 +29,6 @@ import math
 import os
 import random
 import re
-import shutil
 import signal
 import sys
 import threading
@@ -603,7 +602,7 @@ def train(args, task=None):
     feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
         else None
     start = restore(ckpt, state, model, opt, feedback) if state else 0
-    # The run log writes the run folder (and removes it if the run fails before its first step); Ctrl-C
+    # The run log holds and writes the run folder (and removes what it wrote if no step is done); Ctrl-C
     # lets the step in flight finish, then checkpoints and stops.
     with RunLog(args, rank, start, t_start, model, world) as log, StopAtStepEnd() as interrupt:
         options = step_options(args)  # grpo_step's keyword arguments, the LossOptions among them
@@ -933,7 +932,8 @@ class RunLog:
     def __init__(self, args, rank, start, t_start, model, world):
         self.args, self.rank, self.t_start, self.flat_steps = args, rank, t_start, 0
         self.metrics = os.path.join(args.out, "metrics.jsonl")
-        self.created, self.opened, self.steps_logged = not os.path.exists(args.out), False, 0
+        self.opened, self.steps_logged, self.made = False, 0, []
+        self.lock = quantize.OutputLock(args.out) if rank == 0 else None  # held from __enter__ to __exit__
         self.kept_rows = read_metrics(self.metrics, start) if rank == 0 and os.path.exists(self.metrics) else []
         dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
         print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
@@ -966,15 +966,25 @@ class RunLog:
                 f.write(json.dumps(clean(rec)) + "\n")
 
     def __enter__(self):
+        """The run folder is this run's alone until it ends: a second run on it, or a --resume of it, fails
+        at once with one line naming this process."""
+        if self.lock:
+            self.lock.__enter__()
+            self.made = [n for n in RUN_FILES if not os.path.exists(os.path.join(self.args.out, n))]
         return self
 
     def __exit__(self, kind, exc, tb):
-        """A run that fails or is stopped before its first step leaves a new --out as it was (absent); Ctrl-C
-        ends in one line saying what to run to continue."""
+        """A run that ends before its first step removes the run files it wrote, then the folder if it made
+        it and nothing else is in it; every other file stays. Ctrl-C ends in one line saying what to run to
+        continue."""
+        if self.lock:
+            if self.steps_logged == 0:
+                for name in self.made:
+                    if os.path.exists(os.path.join(self.args.out, name)):
+                        os.remove(os.path.join(self.args.out, name))
+            self.lock.__exit__(kind, exc, tb)
         if kind is None:
             return False
-        if self.rank == 0 and self.created and self.steps_logged == 0:
-            shutil.rmtree(self.args.out, ignore_errors=True)
         if issubclass(kind, KeyboardInterrupt) and not str(exc) and self.rank == 0:  # rank 0 saves, and says so
             found = latest_checkpoint(self.args.out)
             hint = (f"{os.path.basename(found)} saved: continue with  python 05_grpo.py --resume {self.args.out}"
@@ -1008,6 +1018,11 @@ class RunLog:
                   f"{'easier' if never else 'harder'} task or another base", flush=True)
 
     def summary(self, done, stopped, skipped, first_eval, last_eval, last_ckpt):
+        if stopped == "time budget" and not self.steps_logged:  # then the run folder's files go (__exit__)
+            took = (f" (the first evaluation took {first_eval['seconds']:.0f} s, and 1.5x that is kept for the last "
+                    f"one)") if first_eval else ""
+            raise ValueError(f"--time-budget {self.args.time_budget:g} s ran out before the first step{took}: nothing "
+                             f"to save; raise --time-budget (0: no limit) or lower --eval-size")
         s = {"steps_done": done, "stopped_by": stopped, "skipped_updates": skipped, "wall_s": time.time() - self.t_start,
              "first_eval": first_eval, "final_eval": last_eval, "checkpoint": last_ckpt, "args": vars(self.args)}
         if first_eval and last_eval:
@@ -1062,6 +1077,11 @@ class StopAtStepEnd:
 RUN_FILES = ("args.json", "metrics.jsonl", "summary.json")
 
 
+def is_run_file(name):
+    """Whether `name` in a run folder is one of the files a run writes."""
+    return name in RUN_FILES or bool(re.fullmatch(r"checkpoint-\d+", name))
+
+
 def check_run_folder(args, ckpt=None):
     """--out: a folder without a run in it (other files are left alone, e.g. a launcher's log), or the
     folder of the run that `ckpt` (--resume) continues. Never a file, the model or a data file, or a
@@ -1069,9 +1089,10 @@ def check_run_folder(args, ckpt=None):
     inputs = [x for x in (args.model, args.data, args.eval_data) if x]
     quantize.check_out_path(args.out, inputs)
     if os.path.isdir(args.out) and rank_and_world()[0] == 0:
-        quantize.remove_stale_temps(args.out)  # what a killed run left: half-written checkpoints
+        with quantize.OutputLock(args.out):  # a live run on this folder is named here, before any work
+            quantize.remove_stale_temps(args.out, is_run_file)  # what a killed run left: half-written checkpoints
     held = sorted(os.listdir(args.out)) if os.path.isdir(args.out) else []
-    run = [n for n in held if n in RUN_FILES or re.fullmatch(r"checkpoint-\d+", n)]  # what a run would overwrite
+    run = [n for n in held if is_run_file(n)]  # what a run would overwrite
     own = ckpt is not None and os.path.realpath(os.path.dirname(os.path.abspath(ckpt))) == os.path.realpath(args.out)
     if run and not own:
         raise ValueError(f"--out {args.out} already holds a run ({', '.join(run[:3])}): continue it with --resume "

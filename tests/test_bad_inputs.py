@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -457,9 +458,34 @@ CASES_05 = [
 ]
 
 # -----------------------------------------------------------------------------
+# Ownership: a command deletes only what it made (01's and smollm2's manifest, the run files a 05 run
+# wrote), and one process writes an output at a time (OutputLock). The two-process tests are at the end.
+
+def _manifest(folder, change):  # an earlier output of 01 in {tmp}/q whose manifest is then edited
+    def setup(tmp):
+        _own_output(tmp)
+        edit_json(f"{tmp}/q/{quantize.MANIFEST}", change)
+    return setup
+
+
+NO_STEP = ["--time-budget", "0.01", "--eval-size", "4", "--steps", "2", "--batch", "2", "--group", "2",
+           "--max-new-tokens", "8", *RUN]  # the budget is spent by the first evaluation
+
+CASES_OWNERSHIP = [
+    Case("own-01-force-name-taken", "01_quantize", ["--model", "{model}", "--out", "{tmp}/q", "--force"],
+         "q/tokenizer.json was not written by 01_quantize.py: move it away",
+         setup=_manifest("q", lambda m: dict(m, files=[n for n in m["files"] if n != "tokenizer.json"]))),
+    Case("own-01-force-other-commands-output", "01_quantize", ["--model", "{model}", "--out", "{tmp}/q", "--force"],
+         "replaces only an earlier output of 01_quantize.py", setup=_manifest("q", lambda m: dict(m, command="x.py"))),
+    Case("own-05-no-step-in-time-budget", "05_grpo", NO_STEP, "--time-budget 0.01 s ran out before the first step"),
+    Case("own-05-no-step-keeps-a-folder-it-found", "05_grpo", NO_STEP, "ran out before the first step",
+         setup=lambda t: write(f"{t}/run/notes.txt", "mine")),
+]
+
+# -----------------------------------------------------------------------------
 # The table
 
-CASES = CASES_01 + CASES_02 + CASES_03 + CASES_04 + CASES_05
+CASES = CASES_01 + CASES_02 + CASES_03 + CASES_04 + CASES_05 + CASES_OWNERSHIP
 if torch.cuda.is_available():  # the GPU cases are a CPU machine's
     CASES = [c for c in CASES if "gpu" not in c.id]
 
@@ -475,7 +501,7 @@ def test_force_replaces_own_output_only(tmp_path):
     model_copy(str(tmp_path))
     assert quantize.run_cli(quantize.main, ["--model", src, "--out", out]) == 0
     assert quantize.run_cli(quantize.main, ["--model", src, "--out", out, "--force"]) == 0
-    assert quantize.is_quantized_output(out) and not quantize.is_quantized_output(src)
+    assert quantize.output_files(out, "01_quantize.py") and quantize.output_files(src, "01_quantize.py") is None
 
 
 def test_stale_temporaries_are_cleared(tmp_path):
@@ -487,7 +513,7 @@ def test_stale_temporaries_are_cleared(tmp_path):
     write(str(tmp_path / f".metrics.jsonl.tmp{dead}"), "half")
     os.makedirs(tmp_path / f".checkpoint-000020.tmp{dead}.old")  # checkpoint-000020 itself is missing
     os.makedirs(tmp_path / f".checkpoint-000030.tmp{os.getpid()}")  # a live writer's (ours)
-    removed = quantize.remove_stale_temps(str(tmp_path))
+    removed = quantize.remove_stale_temps(str(tmp_path), lambda name: True)
     assert removed == [f".checkpoint-000010.tmp{dead}", f".metrics.jsonl.tmp{dead}"]
     assert sorted(os.listdir(tmp_path)) == [f".checkpoint-000030.tmp{os.getpid()}", "checkpoint-000020"]
 
@@ -635,6 +661,132 @@ def test_cli_wiring_is_one_line():
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, (stage, r.stderr)
         assert r.stderr.startswith("error: "), (stage, r.stderr)
 
+
+
+# -----------------------------------------------------------------------------
+# Ownership: what the sweep, --force and the early-failure cleanup leave; two processes on one output
+
+def dead_pid():
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+
+
+def test_sweep_removes_only_the_commands_own_temporaries(tmp_path, capsys):
+    """01's and 05's start clear their own temporaries of a dead PID, and no look-alike of a user's."""
+    dead = dead_pid()
+    model_copy(str(tmp_path))
+    users = [".draft.tmp2024", f".draft.tmp{dead}", f".env.tmp{dead}.old", ".env.tmp99998.old",
+             f"run/.notes.txt.tmp{dead}", f"run/.checkpoint-000002.tmp{dead}x"]
+    for name in users:
+        write(str(tmp_path / name), "mine")
+    for folder in (".experiments.tmp99999", f".experiments.tmp{dead}"):
+        write(str(tmp_path / folder / "results.csv"), "mine")
+    own = [f".q.tmp{dead}", f"run/.checkpoint-000010.tmp{dead}", f"run/.metrics.jsonl.tmp{dead}"]
+    for path in (f".q.tmp{dead}/model.safetensors", f"run/.checkpoint-000010.tmp{dead}/trainer_state.pt",
+                 f"run/.metrics.jsonl.tmp{dead}"):
+        write(str(tmp_path / path), "half")
+    before = {k: v for k, v in snapshot(str(tmp_path)).items() if not any(k.startswith(o) for o in own)}
+    assert quantize.run_cli(quantize.main, ["--model", str(tmp_path / "model"), "--out", str(tmp_path / "q")]) == 0
+    grpo_argv = ["--task", "gsm8k", "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "run")]
+    assert quantize.run_cli(STAGES["05_grpo"].main, grpo_argv) == 1  # fails at the data, after the sweep
+    assert "none.jsonl" in capsys.readouterr().err
+    after = snapshot(str(tmp_path))
+    assert not [o for o in own if os.path.lexists(tmp_path / o)]
+    assert {k: v for k, v in after.items() if k in before} == before and all(k in after for k in before)
+
+
+def test_force_replaces_only_the_files_its_manifest_lists(tmp_path):
+    """01 --force on its earlier output with a user's files added: the listed files are replaced (one
+    listed file the new output lacks goes), every other file stays byte for byte, and a manifest naming a
+    path outside the folder deletes nothing there."""
+    src, out = str(tmp_path / "model"), tmp_path / "q"
+    model_copy(str(tmp_path))
+    assert quantize.run_cli(quantize.main, ["--model", src, "--out", str(out)]) == 0
+    first = quantize.output_files(str(out), "01_quantize.py")
+    assert "model.safetensors" in first and "config.json" in first
+    write(str(out / "adapter_model.safetensors"), b"user adapter", "wb")
+    write(str(out / "my_finetuned_lm_head.safetensors"), b"user head", "wb")
+    write(str(out / "notes" / "todo.txt"), "mine")
+    write(str(out / "model-00002-of-00002.safetensors"), b"an old shard", "wb")  # from the earlier output
+    write(str(tmp_path / "victim.txt"), "mine")
+    edit_json(str(out / quantize.MANIFEST), lambda m: dict(m, files=m["files"] + [
+        "model-00002-of-00002.safetensors", "../victim.txt", str(tmp_path / "victim.txt")]))
+    (out / "config.json").write_text("{}")  # listed: replaced
+    users = {k: v for k, v in snapshot(str(tmp_path)).items()
+             if k.startswith(("model/", "q/notes", "q/adapter", "q/my_", "victim"))}
+    assert quantize.run_cli(quantize.main, ["--model", src, "--out", str(out), "--force"]) == 0
+    after = snapshot(str(tmp_path))
+    assert {k: after.get(k) for k in users} == users
+    assert not (out / "model-00002-of-00002.safetensors").exists()
+    assert quantize.read_json(str(out / "config.json"))["quantization_config"] == quantize.NVFP4_QUANT_CONFIG
+    assert quantize.output_files(str(out), "01_quantize.py") == first
+    assert sorted(os.listdir(tmp_path)) == ["model", "q", "victim.txt"]  # no temporary left
+
+
+def test_double_ctrl_c_in_the_first_evaluation_keeps_a_users_file(tmp_path):
+    """A new run stopped in its first evaluation: it removes what it wrote and keeps the folder, because a
+    user put a file in it meanwhile."""
+    out = tmp_path / "run"
+    proc = start_run(out, "--eval-size", "100", "--quiet")
+    while not out.exists() and proc.poll() is None:  # the run holds its folder from before the evaluation
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside the evaluation (several seconds), past the setting up of the Ctrl-C handler
+    write(str(out / "notes.txt"), "mine")
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip().splitlines() == ["interrupted | no checkpoint yet: nothing to resume"]
+    assert sorted(os.listdir(out)) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+
+
+def test_two_05_runs_on_one_out_and_a_resume_of_the_live_one(tmp_path):
+    """Two runs started together on one --out: one fails at once with one line naming the other's PID; a
+    --resume while the other runs fails the same way; the live run's files are its own, step by step."""
+    out = tmp_path / "run"
+    write(str(tmp_path / "keep.txt"), "mine")
+    runs = [start_run(out, "--steps", "400", "--save-every", "5", "--quiet") for _ in range(2)]
+    while all(p.poll() is None for p in runs):
+        time.sleep(0.05)
+    loser = next(p for p in runs if p.poll() is not None)
+    winner = next(p for p in runs if p is not loser)
+    err = loser.communicate()[1].strip().splitlines()
+    assert loser.returncode == 1 and len(err) == 1, err
+    assert err[0] == (f"error: {out} is being written by process {winner.pid}: one process writes an output at a "
+                      f"time; wait for it to end, or choose another --out")
+    while not (out / "checkpoint-000005").exists() and winner.poll() is None:
+        time.sleep(0.05)
+    r = resume_run(out)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == err and "resume |" not in r.stdout
+    winner.send_signal(signal.SIGINT)
+    winner.communicate(timeout=120)
+    assert winner.returncode == 130
+    done = json.load(open(out / "summary.json"))["steps_done"]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "step" in r] == list(range(1, done + 1))
+    assert (tmp_path / "keep.txt").read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["keep.txt", "run"]
+
+
+def test_two_01_runs_on_one_out(tmp_path):
+    """A second 01 on the --out a first one is writing fails with one line naming it; the first ends as
+    if alone."""
+    out = tmp_path / "q"
+    argv = [sys.executable, os.path.join(ROOT, "01_quantize.py"), "--model", TINY, "--out", str(out)]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    wait_for_line(first, "nvfp4  [")  # inside the write: it holds the lock
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert second.returncode == 1 and second.stderr == (
+        f"error: {out} is being written by process {first.pid}: one process writes an output at a time; wait "
+        f"for it to end, or choose another --out\n")
+    rest, err = first.communicate(timeout=120)
+    assert first.returncode == 0 and "done |" in rest, err
+    assert sorted(os.listdir(out)) == sorted(quantize.output_files(str(out), "01_quantize.py") + [quantize.MANIFEST])
+    assert os.listdir(tmp_path) == ["q"]
 
 if __name__ == "__main__":  # the table in docs/reliability.md: every case, run, with the line it printed
     import contextlib

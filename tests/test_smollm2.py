@@ -247,8 +247,11 @@ def test_existing_folder_needs_force_and_the_marker(tiny, tmp_path, capsys):
     copy = tmp_path / "copy"
     assert smollm2.main(["--gguf", str(path), "--out", str(copy)]) == 0
     (copy / "config.json").write_text("{}")
-    assert smollm2.main(["--gguf", str(path), "--out", str(copy), "--force"]) == 0  # replaced whole
+    (copy / "notes").mkdir()
+    (copy / "notes" / "todo.txt").write_text("keep me")  # a user's, like a 01 output put inside: not listed
+    assert smollm2.main(["--gguf", str(path), "--out", str(copy), "--force"]) == 0  # its listed files replaced
     assert json.loads((copy / "config.json").read_text())["model_type"] == "llama"
+    assert (copy / "notes" / "todo.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "mine"]  # no temporary folder left behind
 
 
