@@ -493,8 +493,8 @@ def test_stale_temporaries_are_cleared(tmp_path):
 
 
 def test_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
-    """A write that fails (ENOSPC) mid-checkpoint: one line naming the output, not its temporary, and no
-    half-written folder."""
+    """A write that fails (ENOSPC) mid-checkpoint: one line naming the output's file, not its temporary, and
+    no half-written folder."""
     import errno
     import safetensors.torch
 
@@ -504,7 +504,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     out = str(tmp_path / "q")
     assert quantize.run_cli(quantize.main, ["--model", str(tmp_path / "model"), "--out", out]) == 1
-    assert capsys.readouterr().err == f"error: {out}: No space left on device\n"
+    assert capsys.readouterr().err == f"error: {out}/model.safetensors: No space left on device\n"
     assert sorted(os.listdir(tmp_path)) == ["model"]
 
 
