@@ -761,7 +761,7 @@ def error_line(e):
     return str(e) or type(e).__name__
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; a scheduler (Slurm, Kubernetes); a closed terminal
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; Slurm or Kubernetes; a closed terminal
 
 
 class Interrupted(KeyboardInterrupt):

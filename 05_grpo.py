@@ -809,9 +809,8 @@ def save_checkpoint(out, step, model, opt, params, args, feedback=None, extra=No
                         "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                         **(extra or {})}, file)
-        except RuntimeError as e:  # torch's zip writer reports a failed write (a full disk) this way
-            raise OSError(errno.EIO, f"torch.save could not write it ({str(e).splitlines()[0][:80]}): is the disk "
-                          f"full?", file) from None
+        except RuntimeError:  # torch's zip writer reports a failed write (a full disk) so, without the reason
+            raise OSError(errno.EIO, "torch.save could not write it: is the disk full?", file) from None
     return quantize.atomic_write(os.path.join(out, f"checkpoint-{step:06d}"), write)
 
 
@@ -858,10 +857,9 @@ def read_trainer_state(file):
         if not isinstance(state.get(k), kind) or isinstance(state[k], bool):
             raise ValueError(damaged.format(f"its {k} is {type(state.get(k)).__name__}, not {kind.__name__}"))
     defaults = vars(build_parser().parse_args([]))
-    kind = lambda x: "number" if type(x) in (int, float) else type(x)
     for k, v in state["args"].items():  # each saved flag's value has the kind of its default
         d = defaults.get(k)
-        if d is not None and v is not None and kind(v) != kind(d):
+        if d is not None and v is not None and type(v) is not type(d) and {type(v), type(d)} != {int, float}:
             raise ValueError(damaged.format(f"its args.{k} is {v!r}, not a value of --{k.replace('_', '-')}"))
     return state
 
@@ -905,10 +903,10 @@ def check_run_record(args, ckpt, state, defaults):
     args_json = os.path.join(os.path.dirname(os.path.abspath(ckpt)), "args.json")
     folder = quantize.read_json(args_json) if os.path.isfile(args_json) else {}
     keys = [k for k in ("quant", "quant_method", "lora_r", "lora_alpha") if k in folder and k in run]
-    shape = lambda a: ", ".join(f"{k} {a[k]}" for k in keys)
-    if shape(folder) != shape(run):
-        raise ValueError(f"--resume: {ckpt} is of a run with {shape(run)}, but its folder's args.json is of one with "
-                         f"{shape(folder)}: it belongs to another run; resume it from its own run folder")
+    ours, theirs = (", ".join(f"{k} {a[k]}" for k in keys) for a in (run, folder))
+    if ours != theirs:
+        raise ValueError(f"--resume: {ckpt} is of a run with {ours}, but its folder's args.json is of one with "
+                         f"{theirs}: it belongs to another run; resume it from its own run folder")
     model = args.model if args.model != defaults["model"] else run.get("model")
     found = model_fingerprint(model) if isinstance(model, str) and os.path.isdir(model) else None
     if found != run.get("model_fingerprint"):
