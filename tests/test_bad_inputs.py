@@ -506,10 +506,13 @@ REAL_RUN = {}  # a real 2-step run on the bundled model, made once: the metrics 
 
 def _real_run(tmp, metrics_line_1=None):
     if not REAL_RUN:
+        import atexit
         import contextlib
         import io
         import tempfile
-        REAL_RUN["out"] = os.path.join(tempfile.mkdtemp(prefix="qerl-real-run-"), "run")
+        folder = tempfile.mkdtemp(prefix="qerl-real-run-")
+        atexit.register(shutil.rmtree, folder, True)
+        REAL_RUN["out"] = os.path.join(folder, "run")
         with contextlib.redirect_stdout(io.StringIO()):
             STAGES["05_grpo"].train(STAGES["05_grpo"].build_parser().parse_args(
                 [*TINY_RUN, "--steps", "2", "--out", REAL_RUN["out"], "--quiet"]))
