@@ -584,6 +584,19 @@ def test_old_checkpoint_without_its_run_record_still_resumes(tmp_path, capsys):
     assert "has no record of its model (an older checkpoint): not checked" in capsys.readouterr().out
 
 
+def test_resume_takes_a_moved_model_given_again(tmp_path):
+    """The run's model moved: --resume alone says it is not there; with --model at its new place (same
+    fingerprint) the resume goes on there."""
+    grpo = STAGES["05_grpo"]
+    model_copy(str(tmp_path))
+    ckpt = _state(str(tmp_path))
+    os.rename(tmp_path / "model", tmp_path / "moved")
+    with pytest.raises(ValueError, match=r"model is not there: pass --model"):
+        grpo.resume_args(grpo.build_parser().parse_args(["--resume", ckpt]))
+    args = grpo.build_parser().parse_args(["--resume", ckpt, "--model", str(tmp_path / "moved")])
+    assert grpo.resume_args(args)[0] == ckpt and args.model == str(tmp_path / "moved")
+
+
 @pytest.mark.parametrize("limit, file", [(100_000, "adapter_model.safetensors"), (1_000_000, "trainer_state.pt")])
 def test_a_full_disk_during_a_checkpoint_is_one_line_naming_the_file(tmp_path, limit, file):
     """A real failed write (RLIMIT_FSIZE: EFBIG, as a full disk gives ENOSPC) in the adapter's safetensors or in
