@@ -14,6 +14,7 @@ stage 05's --gpu-path sets it). Later stages import this file as `importlib.impo
 """
 import argparse
 import contextlib
+import errno
 import fcntl
 import functools
 import itertools
@@ -22,7 +23,9 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -405,8 +408,10 @@ def atomic_write(path, write):
         if os.path.isdir(path):  # os.replace cannot overwrite a folder: move the old one aside first
             os.replace(path, old)
         os.replace(tmp, path)
-    except OSError as e:  # a full disk, say: name what was being written, not the temporary name
-        raise OSError(e.errno, e.strerror or str(e), path) from None
+    except (OSError, SafetensorError) as e:  # a full disk, say: name what was being written, not the temporary
+        name = getattr(e, "filename", None)
+        name = path + name[len(tmp):] if isinstance(name, str) and name.startswith(tmp) else path
+        raise OSError(getattr(e, "errno", None) or errno.EIO, getattr(e, "strerror", None) or str(e), name) from None
     finally:
         for leftover in (tmp, old):
             if os.path.isdir(leftover):
@@ -798,7 +803,7 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
 # Command lines. Every stage parses with ArgumentParser (a bad flag: one line, exit 2), declares each
 # number's range with `number` (what makes no sense is refused before any work), guards what it writes
 # with `check_out_dir` (or its path rules alone, `check_out_path`), and ends in `run_cli` (an expected
-# error: one line, exit 1; Ctrl-C: exit 130).
+# error: one line, exit 1; Ctrl-C, SIGTERM, SIGHUP: exit 128 + the signal's number).
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -871,17 +876,41 @@ def error_line(e):
     return str(e) or type(e).__name__
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; Slurm or Kubernetes; a closed terminal
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal raised as Ctrl-C's KeyboardInterrupt is, wherever the program is, so that every
+    `finally` and `with` removes its half-written output. Interrupted(message, signum)."""
+
+    def __init__(self, message="", signum=signal.SIGINT):
+        super().__init__(message)
+        self.signum = signum
+
+
+def raise_interrupted(signum, frame):  # a signal handler
+    raise Interrupted(signum=signum)
+
+
 def run_cli(main, argv=None):
-    """Run a stage's main(argv): an expected error prints `error: ...` on one line and returns 1; Ctrl-C
-    prints `interrupted` (with the KeyboardInterrupt's message, e.g. how to resume) and returns 130."""
+    """Run a stage's main(argv): an expected error prints `error: ...` on one line and returns 1; Ctrl-C,
+    SIGTERM or SIGHUP prints `interrupted` (with the signal's name and the exception's message, e.g. how
+    to resume) and returns 128 + the signal's number (130, 143, 129)."""
+    main_thread = threading.current_thread() is threading.main_thread()  # only it can take signals
+    previous = {s: signal.signal(s, raise_interrupted) for s in STOP_SIGNALS[1:]} if main_thread else {}
     try:
         return main(argv) or 0
     except KeyboardInterrupt as e:
-        print("interrupted" + (f" | {e}" if str(e) else ""), file=sys.stderr, flush=True)
-        return 130
+        signum = getattr(e, "signum", signal.SIGINT)
+        name = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
+        print("interrupted" + name + (f" | {e}" if str(e) else ""), file=sys.stderr, flush=True)
+        return 128 + signum
     except EXPECTED_ERRORS as e:
         print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 # -----------------------------------------------------------------------------------------------------

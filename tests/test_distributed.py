@@ -85,7 +85,7 @@ def run_case(name, flags, optimizer, rows, rank=0, world=1):
 
 def worker(case_file, out_dir):
     rank, world, _ = grpo.init_distributed("cpu")
-    cases = torch.load(case_file, weights_only=False)
+    cases = torch.load(case_file, weights_only=True)
     results = {name: run_case(name, flags, optimizer, rows, rank, world) for name, flags, optimizer, rows in cases}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     grpo.leave_distributed()
@@ -106,7 +106,7 @@ def test_two_ranks_take_the_same_step_as_one_process(tmp_path):
              for i, (name, flags, optimizer, n_groups, flat) in enumerate(CASES)]
     torch.save(cases, tmp_path / "cases.pt")
     torchrun(os.path.abspath(__file__), tmp_path / "cases.pt", tmp_path)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     before = [p.detach().clone() for p in lora.lora_parameters(model)]
     for name, flags, optimizer, rows in cases:
         want, report = run_case(name, flags, optimizer, rows)
