@@ -585,8 +585,10 @@ def write_output(out, write, command):
             for name in sorted(new):
                 os.replace(os.path.join(tmp, name), os.path.join(out, name))
             write_json(os.path.join(out, MANIFEST), {"command": command, "files": sorted(new)})
-        except OSError as e:  # a full disk, say: name the output, not the temporary
-            raise OSError(e.errno, e.strerror or str(e), out) from None
+        except (OSError, SafetensorError) as e:  # a full disk, say: name the output's file, not the temporary
+            name = getattr(e, "filename", None)
+            name = out + name[len(tmp):] if isinstance(name, str) and name.startswith(tmp) else out
+            raise OSError(getattr(e, "errno", None) or errno.EIO, getattr(e, "strerror", None) or str(e), name) from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -609,7 +609,7 @@ def train(args, task=None):
     start = restore(ckpt, state, model, opt, feedback) if state else 0
     # The run log holds and writes the run folder (and removes what it wrote if no step is done); Ctrl-C,
     # SIGTERM or SIGHUP lets the step in flight finish, then checkpoints and stops.
-    with RunLog(args, rank, start, t_start, model, world) as log, StopAtStepEnd() as interrupt:
+    with RunLog(args, rank, start, t_start, model, world) as log, StopAtStepEnd(StopAtStepEnd.REPEAT_S if world > 1 else 0.0) as interrupt:
         options = step_options(args)  # grpo_step's keyword arguments, the LossOptions among them
         evaluating = rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
 
@@ -1146,10 +1146,14 @@ def fmt(x):
 
 class StopAtStepEnd:
     """Ctrl-C, SIGTERM or SIGHUP during a run: the step in flight finishes, a checkpoint is written, the run
-    stops. A second signal, a second or more after the first, stops at once; a quicker one is the same
-    request arriving twice (a terminal or Slurm signals torchrun and the ranks, and torchrun passes it
-    on). Only the main thread can take signals; elsewhere this is a no-op."""
+    stops. A second signal stops at once, unless it comes within repeat_s of the first: under torchrun
+    (repeat_s REPEAT_S) that is the same request arriving twice (a terminal or Slurm signals torchrun and
+    the ranks, and torchrun passes it on); a single process takes a quick second Ctrl-C as meant. Only the
+    main thread can take signals; elsewhere this is a no-op."""
     REPEAT_S = 1.0
+
+    def __init__(self, repeat_s=0.0):
+        self.repeat_s = repeat_s
 
     def __enter__(self):
         self.signum, self.at, self.previous = 0, 0.0, {}
@@ -1159,7 +1163,7 @@ class StopAtStepEnd:
 
     def _ask(self, signum, frame):
         if self.signum:
-            if time.monotonic() - self.at > self.REPEAT_S:
+            if time.monotonic() - self.at >= self.repeat_s:
                 raise quantize.Interrupted(signum=signum)
             return
         self.signum, self.at = signum, time.monotonic()

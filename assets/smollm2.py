@@ -276,6 +276,24 @@ def read_gguf(path):
     return reader, meta
 
 
+OUTPUT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                "tokenizer_config.json", MARKER)  # what convert writes
+
+
+def adopt_unlisted_output(out):
+    """A folder this script wrote before output folders had a manifest: its MARKER names this script. Give it
+    the manifest of the files of OUTPUT_FILES it holds (so --force replaces those alone); False otherwise."""
+    try:
+        marker = quantize.read_json(os.path.join(out, MARKER))
+    except ValueError:
+        return False
+    if marker.get("script") != COMMAND or quantize.MANIFEST in os.listdir(out):
+        return False
+    files = [n for n in OUTPUT_FILES if os.path.isfile(os.path.join(out, n))]
+    quantize.write_json(os.path.join(out, quantize.MANIFEST), {"command": COMMAND, "files": files})
+    return True
+
+
 def check_out(out, force):
     """Whether to write `out`: a new folder, or with --force one whose manifest says this script wrote it
     (then only the files it lists are replaced). A folder another process is writing is an error."""
@@ -283,7 +301,7 @@ def check_out(out, force):
     if not out.exists():
         return True
     with quantize.OutputLock(out):  # a live writer is named here, before any work
-        ours = quantize.output_files(out, COMMAND) is not None
+        ours = quantize.output_files(out, COMMAND) is not None or adopt_unlisted_output(out)
     if not ours:
         raise ConvertError(f"{out} exists and was not written by this script (no {quantize.MANIFEST} of it); "
                            f"choose another --out")

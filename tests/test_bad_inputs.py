@@ -713,9 +713,10 @@ def test_sigterm_under_torchrun_stops_every_rank_at_one_step(tmp_path):
 
 def test_a_repeated_signal_within_a_second_is_the_same_request():
     """In a run, a stop signal asks for a stop at the step's end; the same again within REPEAT_S (torchrun
-    passing on what the ranks already got) changes nothing; later, it stops at once."""
+    passing on what the ranks already got) changes nothing; later, it stops at once. A single process
+    (repeat_s 0) stops at a second signal however quick."""
     grpo, before = STAGES["05_grpo"], signal.getsignal(signal.SIGTERM)
-    with grpo.StopAtStepEnd() as stop:
+    with grpo.StopAtStepEnd(grpo.StopAtStepEnd.REPEAT_S) as stop:  # as under torchrun
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)  # the handler runs between two bytecodes of this thread
         os.kill(os.getpid(), signal.SIGTERM)
@@ -726,6 +727,11 @@ def test_a_repeated_signal_within_a_second_is_the_same_request():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
     assert stopped.value.signum == signal.SIGTERM
+    with pytest.raises(quantize.Interrupted), grpo.StopAtStepEnd() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
     assert signal.getsignal(signal.SIGTERM) == before  # the handlers are put back
 
 
