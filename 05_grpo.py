@@ -640,7 +640,8 @@ def _gold_number(text):
     try:
         value = Fraction(text)
     except (ValueError, ZeroDivisionError):
-        raise ValueError(f"the answer after '####' is {text!r}, not a number (write it as 42, -3.5, 1e5 or 1/2)") from None
+        raise ValueError(f"the answer after '####' is {text!r}, not a number (write it as 42, -3.5, 1e5 or "
+                         f"1/2)") from None
     for k in range(16):  # the fewest decimals that write it exactly
         scaled = value * 10 ** k
         if scaled.denominator == 1:
@@ -693,7 +694,8 @@ def make_task(args):
         if name not in cls.reads and value != defaults.get_default(name):
             readers = " or ".join(f"--task {n}" for n, c in TASKS.items() if name in c.reads)
             flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} {value} is read only by {readers}, and --task {args.task} ignores it: drop {flag}")
+            raise ValueError(f"{flag} {value} is read only by {readers}, and --task {args.task} ignores it: drop "
+                             f"{flag}")
     system = args.system == "paper" or (args.system == "auto" and
                                         quantize.find_weight_files(args.model)[0].get("qerl_prompt") != "bare")
     return cls.from_args(args, system)
@@ -1109,8 +1111,8 @@ def check_sizes(args, task, world, device):
     parts = {f"sampling --batch {args.batch} x --group {args.group}": rollout.generate_memory(cfg, rows, P, N, b),
              f"evaluating --eval-chunk {args.eval_chunk} rows": rollout.generate_memory(cfg, eval_rows, P, N, b)
              if args.eval_size else 0,
-             f"the update (--micro-batch {args.micro_batch})": min(args.micro_batch or rows, rows) * T * (L * kept + layer)
-             + 4 * rollout.LOGITS_CHUNK_BYTES}
+             f"the update (--micro-batch {args.micro_batch})":
+             min(args.micro_batch or rows, rows) * T * (L * kept + layer) + 4 * rollout.LOGITS_CHUNK_BYTES}
     adapters = 16 * lora_numbers  # 4 bytes each for the weight, its gradient and AdamW's two moments
     largest = max(parts, key=parts.get) if max(parts.values()) > adapters else f"--lora-r {args.lora_r}'s adapters"
     quantize.check_memory_fits(adapters + max(parts.values()), device, f"this run (mostly {largest})")
