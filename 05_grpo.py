@@ -1086,37 +1086,42 @@ def policy_dtype(args, device):
     return getattr(torch, args.dtype or ("bfloat16" if str(device).startswith("cuda") or args.gpu_path else "float32"))
 
 
+def run_memory(args, cfg, P, world, b):
+    """About the bytes a run allocates beyond the model's weights (prompts up to P tokens, b bytes per
+    activation) -> (the adapters', {phase: its peak}); the adapters and one phase live at once. Sampling a
+    step or an evaluation chunk is stage 03's generate_memory; the update keeps each layer's activations of
+    its rows for backward; the adapters are fp32 with their gradients and AdamW's two moments."""
+    C, I, L, N = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, args.max_new_tokens
+    rows = -(-args.batch // world) * args.group  # this rank's rows of a step
+    k = args.eval_k  # evaluate()'s rows per generate() call: greedy, then k samples of fewer prompts
+    eval_rows = max(min(args.eval_size, args.eval_chunk), min(args.eval_size, max(1, args.eval_chunk // max(k, 1))) * k)
+    T, update_rows = P + N, min(args.micro_batch or rows, rows)
+    # A token's numbers autograd keeps per layer (bench_update_memory.py --per-token: 316 KiB at 7B widths in
+    # bf16) and SDPA's fp32 additive mask, (rows, 1, G*T, T); a checkpointed layer keeps only its input.
+    layer = (18 * C + 5 * I) * b + cfg.num_attention_heads // cfg.num_key_value_heads * T * 4
+    kept = C * b if args.grad_checkpoint else layer
+    logits = 4 * min(rollout.LOGITS_CHUNK_BYTES, update_rows * T * cfg.vocab_size * 4)  # a chunk and its gradients
+    q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    adapter_numbers = args.lora_r * L * (2 * (C + q_out) + 2 * (C + kv_out) + 3 * (C + I))  # A, B of 7 projections
+    return 16 * adapter_numbers, {
+        f"sampling --batch {args.batch} x --group {args.group}": rollout.generate_memory(cfg, rows, P, N, b),
+        f"evaluating --eval-chunk {args.eval_chunk}": rollout.generate_memory(cfg, eval_rows, P, N, b)
+        if args.eval_size else 0,
+        f"the update, {update_rows} rows at a time (--micro-batch)": update_rows * T * (L * kept + layer) + logits}
+
+
 def check_sizes(args, task, world, device):
-    """Before the model loads: every prompt within the context (check_prompts_fit), --batch within what the
-    task gives a step, and a step's or an evaluation's largest allocation within the memory free on the
-    device. Sampling is stage 03's generate_memory for
-    this rank's rows; the update keeps each layer's activations of its rows for backward (--micro-batch,
-    --grad-checkpoint); the adapters are fp32 with their gradients and AdamW's two moments. The model's
-    weights are not counted: the loader brings them in one tensor at a time."""
+    """Before the model loads: every prompt within the context (check_prompts_fit), what run_memory
+    estimates within the memory free on the device, and --batch within what the task gives a step."""
     raw = quantize.find_weight_files(args.model)[0]
     cfg, tok = rollout.ModelConfig.from_dict(raw), rollout.load_tokenizer(args.model, raw)
     P = check_prompts_fit(task, tok, cfg.max_position_embeddings, args.max_new_tokens,
                           task.problems(args.seed, 0, min(args.batch, 64)))  # the longest prompt, in tokens
-    N, T, b = args.max_new_tokens, P + args.max_new_tokens, policy_dtype(args, device).itemsize
-    C, I, L, H, H_kv = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-                        cfg.num_key_value_heads)
-    rows = -(-args.batch // world) * args.group  # this rank's rows of a step
-    eval_rows = max(min(args.eval_size, args.eval_chunk),  # evaluate()'s rows per generate() call
-                    min(args.eval_size, max(1, args.eval_chunk // max(args.eval_k, 1))) * args.eval_k)
-    # A token's numbers autograd keeps per layer (bench_update_memory.py --per-token: 316 KiB at 7B widths in
-    # bf16), and the fp32 additive attention mask SDPA makes, (rows, 1, G*T, T); a checkpointed layer keeps its input.
-    layer = (18 * C + 5 * I) * b + H // H_kv * T * 4
-    kept = C * b if args.grad_checkpoint else layer
-    lora_numbers = args.lora_r * L * (2 * (C + H * cfg.head_dim) + 2 * (C + H_kv * cfg.head_dim) + 3 * (C + I))
-    parts = {f"sampling --batch {args.batch} x --group {args.group}": rollout.generate_memory(cfg, rows, P, N, b),
-             f"evaluating --eval-chunk {args.eval_chunk} rows": rollout.generate_memory(cfg, eval_rows, P, N, b)
-             if args.eval_size else 0,
-             f"the update (--micro-batch {args.micro_batch})":
-             min(args.micro_batch or rows, rows) * T * (L * kept + layer) + 4 * rollout.LOGITS_CHUNK_BYTES}
-    adapters = 16 * lora_numbers  # 4 bytes each for the weight, its gradient and AdamW's two moments
-    largest = max(parts, key=parts.get) if max(parts.values()) > adapters else f"--lora-r {args.lora_r}'s adapters"
-    quantize.check_memory_fits(adapters + max(parts.values()), device, f"this run (mostly {largest})")
-    given = len(task.problems(args.seed, 0, args.batch))
+    adapters, phases = run_memory(args, cfg, P, world, policy_dtype(args, device).itemsize)
+    largest = max(phases, key=phases.get)
+    what = largest if phases[largest] > adapters else f"--lora-r {args.lora_r}'s adapters"
+    quantize.check_memory_fits(adapters + phases[largest], device, f"this run (mostly {what})")
+    given = len(task.problems(args.seed, 0, args.batch))  # drawn after the memory check bounded --batch
     if given < args.batch:
         raise ValueError(f"--batch {args.batch} is more than --task {args.task} gives a step ({given} problems): "
                          f"lower --batch to {given} or less")
