@@ -1105,8 +1105,8 @@ def run_memory(args, cfg, P, world, b):
     adapter_numbers = args.lora_r * L * (2 * (C + q_out) + 2 * (C + kv_out) + 3 * (C + I))  # A, B of 7 projections
     return 16 * adapter_numbers, {
         f"sampling --batch {args.batch} x --group {args.group}": rollout.generate_memory(cfg, rows, P, N, b),
-        f"evaluating --eval-chunk {args.eval_chunk}": rollout.generate_memory(cfg, eval_rows, P, N, b)
-        if args.eval_size else 0,
+        f"evaluating {eval_rows} rows at a time (--eval-chunk, --eval-k)":
+        rollout.generate_memory(cfg, eval_rows, P, N, b) if args.eval_size else 0,
         f"the update, {update_rows} rows at a time (--micro-batch)": update_rows * T * (L * kept + layer) + logits}
 
 
