@@ -389,6 +389,36 @@ def model_device(model):
     return t.device if t is not None else torch.device("cpu")
 
 
+def free_memory(device):
+    """Bytes a new allocation can still take on `device` (None where unknown): the GPU's free memory plus
+    what torch's caching allocator holds unused; on the CPU, the RAM Linux calls available (MemAvailable),
+    within the container's cgroup limit if it has one."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        if os.path.isfile("/sys/fs/cgroup/memory.max"):
+            with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+                limit = f.read().strip()
+                free = free if limit == "max" else min(free, int(limit) - int(g.read()))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return free
+
+
+def check_memory_fits(need, device, what):
+    """Refuse, before allocating, what needs more than `device` has free: one line with both figures.
+    `need` is an estimate in bytes, `what` names the request (the flags that set its size)."""
+    free = free_memory(device)
+    if free is not None and need > free:
+        where = "GPU memory free" if torch.device(device).type == "cuda" else "RAM available"
+        raise ValueError(f"{what} needs about {need / 2 ** 30:.1f} GiB, and this machine has {free / 2 ** 30:.1f} GiB "
+                         f"of {where}: lower those sizes")
+
+
 def replace_module(model, name, new):
     """Put `new` where model's submodule `name` (e.g. "model.layers.0.mlp.up_proj") is; returns `new`."""
     parent, _, leaf = name.rpartition(".")
@@ -627,9 +657,14 @@ def _read_header(path):
                 raise ValueError(f"header length {n} does not fit a {size}-byte file")
             header = json.loads(f.read(n))
         header.pop("__metadata__", None)
-        for v in header.values():
+        for k, v in header.items():
             if v["dtype"] not in ST_DTYPE_BYTES:
                 raise ValueError(f"unsupported dtype {v['dtype']}")
+            shape, offsets = v.get("shape"), v.get("data_offsets")  # JSON: anything may be any type
+            if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and
+                    isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+                raise ValueError(f"tensor {k} needs a list of sizes as its shape and two byte offsets as its "
+                                 f"data_offsets, got {shape!r} and {offsets!r}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
     for k, v in header.items():  # checked before anything is written: a cut-off download fails here

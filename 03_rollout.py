@@ -450,6 +450,7 @@ def load_model(path, quant="none", dtype=None, device=None, method="rtn"):
     cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
     quant, prequantized = _load_format(path, raw, quant, method)
     tokenizer = load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
+    _check_vocab(tokenizer, cfg, path)
     device = quantize.pick_device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -772,6 +773,38 @@ def _rope_scaling(d, where):
     return scaling if kind == "llama3" else None
 
 
+def _check_vocab(tokenizer, cfg, path):
+    # config.json's vocab_size is the embedding's rows, often padded past the tokenizer for faster matmuls
+    # (Qwen2.5-0.5B: 151,665 tokens, 151,936 rows): a few percent more rows is normal. A token id past the
+    # rows has no embedding, and a tokenizer under half the rows belongs to another model (288 tokens
+    # beside a 49,152-row model: it runs, and samples gibberish).
+    top = max(tokenizer.tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= cfg.vocab_size or 2 * (top + 1) < cfg.vocab_size:
+        raise ValueError(f"{path / 'tokenizer.json'} has token ids up to {top}, but config.json's vocab_size is "
+                         f"{cfg.vocab_size}: the tokenizer belongs to another model; put this model's own "
+                         f"tokenizer.json beside it")
+
+
+# Below this (0 aside, which is greedy) logit / temperature heads for fp32's overflow (1e-40 gives inf,
+# then NaN probabilities), and long before it the draw is the greedy token in all but ties.
+MIN_TEMPERATURE = 1e-4
+
+
+def generate_memory(cfg, rows, prompt_len, max_new_tokens, dtype_bytes):
+    """About the bytes generate() allocates, beyond the weights, for `rows` rows (prompts x samples) of
+    prompts up to prompt_len tokens: the KV cache, the prefill's largest activations (one layer at a
+    time), the sampler's fp32 logits and the outputs. For refusing up front what cannot fit."""
+    slots = -(-(prompt_len + max_new_tokens) // 64) * 64  # generate rounds the cache up to 64 slots
+    kv_cache = 2 * cfg.num_hidden_layers * rows * cfg.num_key_value_heads * slots * cfg.head_dim * dtype_bytes
+    # SwiGLU's three (rows, P, I) tensors, and attention's scores and mask (rows, H, P, slots) if the
+    # kernel materialises them
+    prefill = rows * prompt_len * (3 * cfg.intermediate_size * dtype_bytes
+                                   + cfg.num_attention_heads * slots * (dtype_bytes + 1))
+    sampler = 4 * rows * cfg.vocab_size * 4  # logits, tempered, log-probs and probabilities, (rows, V) fp32
+    outputs = rows * max_new_tokens * (8 + 3 * 4)  # ids, mask, log-probs and entropies
+    return kv_cache + prefill + sampler + outputs
+
+
 def _check_generate(cfg, prompts, num_samples, max_new_tokens, temperature, top_k, top_p):
     if isinstance(prompts, torch.Tensor):
         raise ValueError("generate: prompts must be a list of token-id lists (prompt.tolist() for a tensor)")
@@ -782,11 +815,12 @@ def _check_generate(cfg, prompts, num_samples, max_new_tokens, temperature, top_
             raise ValueError(f"generate: prompt {i} must be a non-empty list of int token ids, got "
                              f"{type(p).__name__} {str(p)[:40]}")
     settings = (temperature, top_k, top_p, max_new_tokens, num_samples)
-    if (not all(isinstance(v, (int, float)) and math.isfinite(v) for v in settings) or temperature < 0
+    if (not all(isinstance(v, (int, float)) and math.isfinite(v) for v in settings)
+            or not (temperature == 0 or temperature >= MIN_TEMPERATURE)
             or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 1 or num_samples < 1):
-        raise ValueError(f"generate: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1 "
-                         f"and num_samples >= 1, all finite; got temperature={temperature}, top_p={top_p}, "
-                         f"top_k={top_k}, max_new_tokens={max_new_tokens}, num_samples={num_samples}")
+        raise ValueError(f"generate: need temperature 0 or >= {MIN_TEMPERATURE:g}, 0 < top_p <= 1, top_k >= 0, "
+                         f"max_new_tokens >= 1 and num_samples >= 1, all finite; got temperature={temperature}, "
+                         f"top_p={top_p}, top_k={top_k}, max_new_tokens={max_new_tokens}, num_samples={num_samples}")
     for i, p in enumerate(prompts):
         if len(p) + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
@@ -826,6 +860,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.quant_method != "rtn" and args.quant != "nvfp4":
         ap.error(f"--quant-method {args.quant_method} is a rounding of NVFP4 weights: it needs --quant nvfp4")
+    if 0 < args.temperature < MIN_TEMPERATURE:
+        ap.error(f"argument --temperature: {args.temperature:g} is too small to sample with: need 0 (greedy) or "
+                 f">= {MIN_TEMPERATURE:g}")
     device = quantize.pick_device(args.device)  # before loading: no GPU is one line, not a late traceback
     t0 = time.perf_counter()
     model, tok = load_model(args.model, quant=args.quant, device=device, method=args.quant_method)
@@ -838,6 +875,9 @@ def main(argv=None):
     if system is None and not args.no_system:
         system = tok.default_system  # what the model's own chat template writes
     prompt = tok.encode(chat_prompt(args.prompt, system))
+    dtype_bytes = model.model.embed_tokens.weight.element_size()
+    quantize.check_memory_fits(generate_memory(cfg, args.num_samples, len(prompt), args.max_new_tokens, dtype_bytes),
+                               device, f"--num-samples {args.num_samples} with --max-new-tokens {args.max_new_tokens}")
     gen = torch.Generator(device=device).manual_seed(args.seed)
     r = generate(model, [prompt], num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen, tokenizer=tok,

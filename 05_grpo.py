@@ -115,6 +115,7 @@ class AnswerTask:
     """Problems {"question", "answer"} answered as <think>...</think><answer>number</answer>."""
     system = False  # whether prompts carry PAPER_INSTRUCTION as the system message
     reads_data = False  # whether the task trains on the --data file
+    reads = ("system",)  # the task-specific flags (make_task's TASK_FLAGS) that from_args reads
 
     def prompt(self, problem):
         return rollout.chat_prompt(problem["question"], system=PAPER_INSTRUCTION if self.system else None)
@@ -167,6 +168,7 @@ def arithmetic_problems(n, seed, digits=3, nops=2, exclude=frozenset()):
 class ArithmeticTask(AnswerTask):
     """The synthetic task (~4e9 problems at 3 digits and 2 operations); training skips the whole
     held-out pool, not only the part that is evaluated."""
+    reads = ("digits", "nops", "system")
 
     def __init__(self, digits=3, nops=2, eval_size=500, system=False):
         self.digits, self.nops, self.system = digits, nops, system
@@ -188,7 +190,7 @@ class ArithmeticTask(AnswerTask):
 class JsonlTask(AnswerTask):
     """A GSM8K-style file (read by load_jsonl); the held-out set is --eval-data, or a fixed random slice
     of the file."""
-    reads_data = True
+    reads_data, reads = True, ("data", "eval_data", "system")
 
     def __init__(self, path, eval_path=None, eval_size=500, system=True):
         train, self.system = load_jsonl(path), system
@@ -226,6 +228,7 @@ class ChatArithmeticTask(AnswerTask):
     reply; no format bonus, since such a model writes no tags. +/- on 0..20 and x on 2..12 (1,003
     problems): SmolLM2 solves 17% of the held-out ones greedily, mostly losing to long-winded replies
     that run out of tokens."""
+    reads = ()  # its system message is the model's own
 
     def __init__(self, eval_size=200, system_message=None):
         pool = [(f"What is {a} + {b}?", a + b) for a in range(21) for b in range(21)]
@@ -556,9 +559,8 @@ def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, 
 def build_policy(args, device):
     """The frozen (quantized) base with fresh LoRA adapters and their AdamW -> (model, tok, params, opt).
     The adapter initialisation depends on --seed alone, so every rank builds the same one."""
-    default = "bfloat16" if str(device).startswith("cuda") or args.gpu_path else "float32"
-    dtype = getattr(torch, args.dtype or default)
-    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device, method=args.quant_method)
+    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=policy_dtype(args, device), device=device,
+                                    method=args.quant_method)
     model.grad_checkpoint = args.grad_checkpoint  # acts in the update's forward only (it needs gradients)
     lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
     params = lora.lora_parameters(model)
@@ -602,8 +604,8 @@ def train(args, task=None):
     if args.gpu_path:
         use_gpu_path(device)
     task = task or make_task(args)  # bad data fails here, before the model loads
+    check_sizes(args, task, world, device)  # prompts within the context, --batch within the task, memory
     model, tok, params, opt = build_policy(args, device)
-    check_prompts_fit(task, tok, model.config.max_position_embeddings, args.max_new_tokens)
     feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
         else None
     start = restore(ckpt, state, model, opt, feedback) if state else 0
@@ -669,16 +671,38 @@ def train(args, task=None):
 
 
 def _gsm8k_problem(line):
-    """{question, answer} from one JSONL line, the gold being the number after the last '####'; or None."""
+    """{question, answer} from one JSONL line, the gold being the number after the last '####'; None for a
+    line that is no problem (not JSON, no question, no '####'); an error for a gold that is not a number."""
     try:
-        row = json.loads(line)
+        row = json.loads(line.lstrip("\ufeff"))  # a byte-order mark, as some editors write, is not content
     except json.JSONDecodeError:
         return None
     if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip() \
             or not isinstance(row.get("answer"), str) or "####" not in row["answer"]:
         return None
     gold = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")  # "... #### 1,200" -> "1200"
-    return {"question": row["question"].strip(), "answer": gold} if parse_number(gold) is not None else None
+    return {"question": row["question"].strip(), "answer": _gold_number(gold)}
+
+
+def _gold_number(text):
+    """A gold answer as the scorer reads numbers (parse_number: the digits as written, one sign): itself
+    when it is one such number, else 1e5, 1/2 or a Unicode minus (−7) rewritten as one (100000, 0.5, -7).
+    Anything else would be scored as its last digits (1e5 as 5): an error."""
+    text = text.replace("\u2212", "-")
+    if _NUMBER.fullmatch(text):
+        return text
+    try:
+        value = Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"the answer after '####' is {text!r}, not a number (write it as 42, -3.5, 1e5 or "
+                         f"1/2)") from None
+    for k in range(16):  # the fewest decimals that write it exactly
+        scaled = value * 10 ** k
+        if scaled.denominator == 1:
+            digits = str(abs(scaled.numerator)).rjust(k + 1, "0")
+            return ("-" if value < 0 else "") + (f"{digits[:-k]}.{digits[-k:]}" if k else digits)
+    raise ValueError(f"the answer after '####' is {text!r}, which no decimal writes exactly (the scorer reads "
+                     f"decimals): round it, e.g. {float(value):.6g}")
 
 
 def load_jsonl(path):
@@ -687,8 +711,13 @@ def load_jsonl(path):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path!r} not found (expected JSONL lines with 'question' and "
                                 f"'answer' ending in '#### <number>', or use --task arithmetic)")
+    parsed = []
     with open(path, encoding="utf-8", errors="replace") as f:  # undecodable bytes -> a malformed line
-        parsed = [(n, _gsm8k_problem(line)) for n, line in enumerate(f, 1) if line.strip()]
+        for n, line in enumerate(f, 1):
+            try:
+                parsed += [(n, _gsm8k_problem(line))] if line.strip() else []
+            except ValueError as e:  # a gold the scorer would misread
+                raise ValueError(f"{path}:{n}: {e}") from None
     problems, bad = [dict(p, where=f"{path}:{n}") for n, p in parsed if p], [n for n, p in parsed if not p]
     if bad:
         print(f"data | {path}: skipped {len(bad)} malformed line(s) (first at line {bad[0]}); kept {len(problems)}")
@@ -696,6 +725,9 @@ def load_jsonl(path):
         raise ValueError(f"data file {path!r} has no usable problems (need JSON lines with 'question' and "
                          f"'answer' ending in '#### <number>')")
     return problems
+
+
+TASK_FLAGS = ("data", "eval_data", "digits", "nops", "system")  # the flags that only some tasks read
 
 
 def make_task(args):
@@ -710,6 +742,14 @@ def make_task(args):
     if args.data and not cls.reads_data:
         raise ValueError(f"--data is the file of {file_tasks}, but the task is {args.task}: add {file_tasks} to "
                          f"train on {args.data!r}, or drop --data")
+    defaults = build_parser()
+    for name in TASK_FLAGS:  # a flag the task does not read would be recorded in args.json as if it counted
+        value = getattr(args, name)
+        if name not in cls.reads and value != defaults.get_default(name):
+            readers = " or ".join(f"--task {n}" for n, c in TASKS.items() if name in c.reads)
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {value} is read only by {readers}, and --task {args.task} ignores it: drop "
+                             f"{flag}")
     system = args.system == "paper" or (args.system == "auto" and
                                         quantize.find_weight_files(args.model)[0].get("qerl_prompt") != "bare")
     return cls.from_args(args, system)
@@ -1205,15 +1245,68 @@ def check_run_folder(args, ckpt=None):
                          f"{args.out} (without --out), or choose a new --out")
 
 
-def check_prompts_fit(task, tok, context, max_new_tokens):
-    """Every held-out and file problem's prompt plus --max-new-tokens fits the model's context, checked
-    at the start with the problem's file line (not found steps later as 'prompt 1')."""
-    for p in [*task.held, *getattr(task, "train", [])]:
+def check_prompts_fit(task, tok, context, max_new_tokens, problems=()):
+    """Every held-out and file problem's prompt (and those of `problems`) plus --max-new-tokens fits the
+    model's context, checked at the start with the problem's file line (not found steps later as 'prompt
+    1'). Returns the longest prompt's length in tokens."""
+    longest = 0
+    for p in [*task.held, *getattr(task, "train", []), *problems]:
         n = len(tok.encode(task.prompt(p)))
         if n + max_new_tokens > context:
             where = p.get("where", f"question {p['question'][:40]!r}")
             raise ValueError(f"{where}: the prompt has {n} tokens; with --max-new-tokens {max_new_tokens} that exceeds "
                              f"the model's context of {context} (shorten or drop it, or lower --max-new-tokens)")
+        longest = max(longest, n)
+    return longest
+
+
+def policy_dtype(args, device):
+    """--dtype, by default bfloat16 on CUDA (and on --gpu-path's CUDA code path), float32 on the CPU."""
+    return getattr(torch, args.dtype or ("bfloat16" if str(device).startswith("cuda") or args.gpu_path else "float32"))
+
+
+def run_memory(args, cfg, P, world, b):
+    """About the bytes a run allocates beyond the model's weights (prompts up to P tokens, b bytes per
+    activation) -> (the adapters', {phase: its peak}); the adapters and one phase live at once. Sampling a
+    step or an evaluation chunk is stage 03's generate_memory; the update keeps each layer's activations of
+    its rows for backward; the adapters are fp32 with their gradients and AdamW's two moments."""
+    C, I, L, N = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, args.max_new_tokens
+    rows = -(-args.batch // world) * args.group  # this rank's rows of a step
+    k = args.eval_k  # evaluate()'s rows per generate() call: greedy, then k samples of fewer prompts
+    eval_rows = max(min(args.eval_size, args.eval_chunk), min(args.eval_size, max(1, args.eval_chunk // max(k, 1))) * k)
+    T, update_rows = P + N, min(args.micro_batch or rows, rows)
+    # A token's numbers autograd keeps per layer (bench_update_memory.py --per-token: 316 KiB at 7B widths in
+    # bf16) and SDPA's fp32 additive mask, (rows, 1, G*T, T); a checkpointed layer keeps only its input.
+    layer = (18 * C + 5 * I) * b + cfg.num_attention_heads // cfg.num_key_value_heads * T * 4
+    kept = C * b if args.grad_checkpoint else layer
+    logits = 4 * min(rollout.LOGITS_CHUNK_BYTES, update_rows * T * cfg.vocab_size * 4)  # a chunk and its gradients
+    q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    adapter_numbers = args.lora_r * L * (2 * (C + q_out) + 2 * (C + kv_out) + 3 * (C + I))  # A, B of 7 projections
+    return 16 * adapter_numbers, {
+        f"sampling --batch {args.batch} x --group {args.group}": rollout.generate_memory(cfg, rows, P, N, b),
+        f"evaluating {eval_rows} rows at a time (--eval-chunk, --eval-k)":
+        rollout.generate_memory(cfg, eval_rows, P, N, b) if args.eval_size else 0,
+        f"the update, {update_rows} rows at a time (--micro-batch)": update_rows * T * (L * kept + layer) + logits}
+
+
+def check_sizes(args, task, world, device):
+    """Before the model loads: every prompt within the context (check_prompts_fit), what run_memory
+    estimates within the memory free on the device, and --batch within what the task gives a step."""
+    raw = quantize.find_weight_files(args.model)[0]
+    cfg, tok = rollout.ModelConfig.from_dict(raw), rollout.load_tokenizer(args.model, raw)
+    P = check_prompts_fit(task, tok, cfg.max_position_embeddings, args.max_new_tokens,
+                          task.problems(args.seed, 0, min(args.batch, 64)))  # the longest prompt, in tokens
+    adapters, phases = run_memory(args, cfg, P, world, policy_dtype(args, device).itemsize)
+    largest = max(phases, key=phases.get)
+    what = largest if phases[largest] > adapters else f"--lora-r {args.lora_r}'s adapters"
+    quantize.check_memory_fits(adapters + phases[largest], device, f"this run (mostly {what})")
+    given = len(task.problems(args.seed, 0, args.batch))  # drawn after the memory check bounded --batch
+    if given < args.batch:
+        raise ValueError(f"--batch {args.batch} is more than --task {args.task} gives a step ({given} problems): "
+                         f"lower --batch to {given} or less")
+
+
+MAX_EVAL_SIZE = 100_000  # every evaluation samples each held-out problem (greedy, then --eval-k times)
 
 
 def check_args(args, world, ckpt=None):
@@ -1229,6 +1322,9 @@ def check_args(args, world, ckpt=None):
     if args.quant_method != "rtn" and args.quant != "nvfp4":
         raise ValueError(f"--quant-method {args.quant_method} is a rounding of NVFP4 weights: it needs --quant nvfp4 "
                          f"(got --quant {args.quant})")
+    if args.temperature < rollout.MIN_TEMPERATURE:
+        raise ValueError(f"--temperature {args.temperature:g} is too small to sample with: need >= "
+                         f"{rollout.MIN_TEMPERATURE:g}")
     if args.train_norms and args.beta > 0:
         raise ValueError("--train-norms with --beta > 0 is not supported: the KL reference (the base under "
                          "lora_disabled) would keep the trained gains; drop one of the two")
@@ -1263,8 +1359,8 @@ def build_parser():
                    "(the --data file) or chat-arithmetic (for a real instruct model, e.g. SmolLM2)")
     p.add_argument("--data", default=None, help="gsm8k: the GSM8K-style JSONL file to train on")
     p.add_argument("--eval-data", default=None, help="gsm8k: held-out JSONL (default: a slice of --data is held out)")
-    p.add_argument("--digits", type=N(int, 1), default=3, help="arithmetic: max digits per operand")
-    p.add_argument("--nops", type=N(int, 1), default=2, help="arithmetic: number of operations")
+    p.add_argument("--digits", type=N(int, 1, 100), default=3, help="arithmetic: max digits per operand")
+    p.add_argument("--nops", type=N(int, 1, 100), default=2, help="arithmetic: number of operations")
     p.add_argument("--system", choices=("auto", "paper", "none"), default="auto",
                    help="system prompt: the paper's instruction, none, or auto (the instruction unless "
                    "config.json says \"qerl_prompt\": \"bare\", as the bundled model's does)")
@@ -1319,7 +1415,8 @@ def build_parser():
     p.add_argument("--lora-alpha", type=N(int, 1), default=32)
     p.add_argument("--seed", type=N(int, 0), default=0)
     # evaluation, output
-    p.add_argument("--eval-size", type=N(int, 0), default=500, help="held-out problems (0: no evaluation)")
+    p.add_argument("--eval-size", type=N(int, 0, MAX_EVAL_SIZE), default=500,
+                   help=f"held-out problems (0: no evaluation; at most {MAX_EVAL_SIZE:,})")
     p.add_argument("--eval-every", type=N(int, 0), default=100,
                    help="greedy evaluation every N steps (0: at the start and end only)")
     p.add_argument("--eval-k", type=N(int, 0), default=8, help="pass@k at --temperature at the start and end (0: off)")

@@ -13,7 +13,6 @@ every pre-norm (the input of q/k/v and gate/up), by least squares. It prints |g|
     python bench/bench_aqn_landing.py --dtypes bfloat16 --sigmas 5e-4 --prompts 4
     python bench/bench_aqn_landing.py --model path/to/hf-folder
 """
-import argparse
 import importlib
 import os
 import sys
@@ -26,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 aqn = importlib.import_module("04_aqn")
+quantize = importlib.import_module("01_quantize")
 
 
 @torch.no_grad()
@@ -67,11 +67,12 @@ def landed_noise(model, ids, sigma, generator=None, in_gain=False):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    N = quantize.number
+    p = quantize.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=os.path.join(ROOT, "assets", "tiny-qwen"))
-    p.add_argument("--sigmas", type=float, nargs="+", default=[1e-2, 5e-4])
-    p.add_argument("--prompts", type=int, default=16, help="number of problems whose tokens run through")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sigmas", type=N(above=0), nargs="+", default=[1e-2, 5e-4])
+    p.add_argument("--prompts", type=N(int, 1), default=16, help="number of problems whose tokens run through")
+    p.add_argument("--seed", type=N(int, 0), default=0)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
     for dname in args.dtypes:
@@ -92,4 +93,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quantize.run_cli(main))

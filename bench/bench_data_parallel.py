@@ -15,7 +15,7 @@ only way to use them all. Run on a quiet machine:
     python bench/bench_data_parallel.py --ranks 4 --steps 40 --repeats 1
     python bench/bench_data_parallel.py -- --quant none --no-aqn   # after --: 05_grpo.py flags
 """
-import argparse
+import importlib
 import json
 import os
 import statistics
@@ -25,6 +25,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+quantize = importlib.import_module("01_quantize")  # the command-line pieces
 OWNED = ("--out", "--steps", "--eval-size", "--time-budget", "--save-every", "--resume", "--device")
 
 
@@ -48,21 +50,23 @@ def run(ranks, threads, steps, extra, out):
     return [row for row in rows if "eval" not in row], time.time() - t0
 
 
-def main(argv):
-    extra = []
+def main(argv=None):
+    argv, extra = sys.argv[1:] if argv is None else argv, []
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=2, help="torchrun processes (the single process gets as many threads)")
-    p.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
-    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the mean")
-    p.add_argument("--repeats", type=int, default=2, help="runs of each configuration, alternating")
+    N = quantize.number
+    p = quantize.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=N(int, 2), default=2,
+                   help="torchrun processes (the single process gets as many threads)")
+    p.add_argument("--steps", type=N(int, 1), default=30, help="GRPO steps per run")
+    p.add_argument("--warmup", type=N(int, 0), default=5, help="first steps left out of the mean")
+    p.add_argument("--repeats", type=N(int, 1), default=2, help="runs of each configuration, alternating")
     args = p.parse_args(argv)
-    if args.ranks < 2 or args.steps <= args.warmup or args.repeats < 1:
-        raise SystemExit("error: need --ranks >= 2, --steps > --warmup and --repeats >= 1")
+    if args.steps <= args.warmup:
+        p.error(f"--steps {args.steps} must be more than --warmup {args.warmup}")
     if any(a.split("=")[0] in OWNED for a in extra):
-        raise SystemExit(f"error: {', '.join(OWNED)} are set by this script; pass other 05_grpo.py flags after --")
+        raise ValueError(f"{', '.join(OWNED)} are set by this script; pass other 05_grpo.py flags after --")
     configs = {f"1 process x {args.ranks} threads": (1, args.ranks), f"{args.ranks} ranks x 1 thread": (args.ranks, 1)}
     per_step = {name: [] for name in configs}
     rollout_share = {name: [] for name in configs}
@@ -87,4 +91,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(quantize.run_cli(main))

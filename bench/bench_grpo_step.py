@@ -20,11 +20,11 @@ expected to be *slower* here; the rollout gain is a GPU effect (bench/bench_roll
     python bench/bench_grpo_step.py --quants none nvfp4 --steps 10 --warmup 3 --threads 2
     python bench/bench_grpo_step.py -- --no-aqn --max-new-tokens 64   # after --: 05_grpo.py flags
 """
-import argparse
 import importlib
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -63,7 +63,7 @@ class PhaseTimer:
 
 def setup(args):
     """Model, tokenizer, optimizer and the other inputs of grpo_step, made by 05's own functions."""
-    device = args.device or quantize.autodetect_device()
+    device = str(quantize.pick_device(args.device))
     task = grpo.make_task(args)
     model, tok, params, opt = grpo.build_policy(args, device)
     return dict(model=model, tok=tok, opt=opt, params=params, task=task)
@@ -76,7 +76,9 @@ def measure(bench_args, train_argv):
     runs = {}
     for q in bench_args.quants:
         args = grpo.build_parser().parse_args(train_argv + ["--quant", q])
-        grpo.check_args(args, 1)
+        with tempfile.TemporaryDirectory() as scratch:  # check_args checks a run folder; this script writes none
+            args.out = scratch
+            grpo.check_args(args, 1)
         runs[q] = (args, setup(args), [])
     timer = PhaseTimer()
     orig = grpo.reward_fn, grpo.group_advantages
@@ -120,24 +122,22 @@ def print_table(results, base):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Split one GRPO step (05_grpo.grpo_step) into rollout / reward / update "
+    p = quantize.ArgumentParser(description="Split one GRPO step (05_grpo.grpo_step) into rollout / reward / update "
                                 "per quantization (arguments after -- go to 05_grpo.py's parser)")
     p.add_argument("--quants", nargs="+", default=["none", "nf4", "nvfp4"], choices=quantize.QUANT_CHOICES)
-    p.add_argument("--steps", type=int, default=5, help="measured steps per quantization")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 on a shared machine)")
+    p.add_argument("--steps", type=quantize.number(int, 1), default=5, help="measured steps per quantization")
+    p.add_argument("--warmup", type=quantize.number(int, 0), default=2, help="unmeasured steps first")
+    p.add_argument("--threads", type=quantize.number(int, 1), default=1,
+                   help="torch CPU threads (1 on a shared machine)")
     return p
 
 
-def main(argv):
-    train_argv = []
+def main(argv=None):
+    argv, train_argv = sys.argv[1:] if argv is None else argv, []
     if "--" in argv:
         i = argv.index("--")
         argv, train_argv = argv[:i], argv[i + 1:]
     args = build_parser().parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.threads < 1:
-        raise ValueError(f"need --steps >= 1, --warmup >= 0, --threads >= 1 (got {args.steps}, {args.warmup}, "
-                         f"{args.threads})")
     if any(a.split("=")[0] in ("--quant", "--out", "--resume") for a in train_argv):
         raise ValueError("--quant/--out/--resume after -- are not used here: pick quantizations with --quants")
     torch.set_num_threads(args.threads)
@@ -155,7 +155,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    sys.exit(quantize.run_cli(main))

@@ -15,7 +15,6 @@ checks that the kernel agrees with deq+mm.
     python bench/bench_kernel.py --m 1 8 --split-k 1
     python bench/bench_kernel.py --host [--compare-root DIR]   # CPU: the wrapper's Python cost per call
 """
-import argparse
 import importlib
 import os
 import sys
@@ -24,6 +23,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+quantize = importlib.import_module("01_quantize")  # the command-line pieces
 
 # -----------------------------------------------------------------------------
 # Shapes: (name, N = out_features, K = in_features)
@@ -180,19 +180,23 @@ def bench_row(name, n, k, m, args, gen, nvfp4_matmul, do_bench):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    N = quantize.number
+    parser = quantize.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", choices=["square", "qwen7b"], default="square")
-    parser.add_argument("--m", type=int, nargs="+", default=None, help="batch sizes (rows of x)")
-    parser.add_argument("--split-k", type=int, default=None, help="force split-K (default: rule of thumb)")
-    parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
-    parser.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--m", type=N(int, 1), nargs="+", default=None, help="batch sizes (rows of x)")
+    parser.add_argument("--split-k", type=N(int, 1), default=None, help="force split-K (default: rule of thumb)")
+    parser.add_argument("--warmup", type=N(int, 1), default=25, help="do_bench warmup, ms")
+    parser.add_argument("--rep", type=N(int, 1), default=100, help="do_bench repetitions, ms")
+    parser.add_argument("--seed", type=N(int, 0), default=0)
     parser.add_argument("--host", action="store_true",
                         help="CPU only: the wrapper's microseconds per call with the launch stubbed out")
-    parser.add_argument("--host-repeats", type=int, default=5)
+    parser.add_argument("--host-repeats", type=N(int, 1), default=5)
     parser.add_argument("--compare-root", default=None,
                         help="with --host: also time the kernels/ of another checkout (e.g. an older commit)")
     args = parser.parse_args(argv)
+    if args.compare_root and not os.path.isfile(os.path.join(args.compare_root, "kernels", "__init__.py")):
+        raise ValueError(f"--compare-root {args.compare_root} has no kernels/__init__.py: give a checkout of this "
+                         f"repository")
     if args.host:
         return bench_host(args)
 
@@ -218,4 +222,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quantize.run_cli(main))

@@ -27,7 +27,6 @@ every forward materialises one layer's weight in full precision at a time. Autog
 their backward (01_quantize's _RebuiltWeightLinear, and the Triton kernel's on the GPU) dequantizes the
 frozen weight again for dL/dx, so a training step holds only the packed weights plus activations.
 """
-import argparse
 import gc
 import importlib
 import json
@@ -226,25 +225,26 @@ def print_table(results, configs, args, device):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    N = ro.quantize.number
+    ap = ro.quantize.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="none,nf4,nvfp4", help=f"comma-separated from {','.join(QUANTS)} (first = baseline)")
     ap.add_argument("--one", default=None, help="run one configuration in this process and print a RESULT line")
     ap.add_argument("--shape", default="350m", help=f"model shape preset: {', '.join(SHAPES)}")
-    ap.add_argument("--layers", type=int, default=None, help="override: decoder layers")
-    ap.add_argument("--hidden", type=int, default=None, help="override: hidden size (head_dim = hidden / heads)")
-    ap.add_argument("--intermediate", type=int, default=None, help="override: MLP intermediate size")
-    ap.add_argument("--heads", type=int, default=None, help="override: attention heads")
-    ap.add_argument("--kv-heads", type=int, default=None, help="override: key/value heads")
-    ap.add_argument("--vocab", type=int, default=None, help="override: vocabulary size")
+    ap.add_argument("--layers", type=N(int, 1), default=None, help="override: decoder layers")
+    ap.add_argument("--hidden", type=N(int, 1), default=None, help="override: hidden size (head_dim = hidden / heads)")
+    ap.add_argument("--intermediate", type=N(int, 1), default=None, help="override: MLP intermediate size")
+    ap.add_argument("--heads", type=N(int, 1), default=None, help="override: attention heads")
+    ap.add_argument("--kv-heads", type=N(int, 1), default=None, help="override: key/value heads")
+    ap.add_argument("--vocab", type=N(int, 1), default=None, help="override: vocabulary size")
     ap.add_argument("--dtype", default=None, choices=list(DTYPES), help="compute dtype (default: fp32 CPU, bf16 CUDA)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--completion-len", type=int, default=32)
-    ap.add_argument("--rank", type=int, default=32, help="LoRA rank (alpha = 2 * rank)")
-    ap.add_argument("--steps", type=int, default=2, help="training steps (the 2nd one holds AdamW state)")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=N(int, 1), default=2)
+    ap.add_argument("--prompt-len", type=N(int, 1), default=32)
+    ap.add_argument("--completion-len", type=N(int, 1), default=32)
+    ap.add_argument("--rank", type=N(int, 1), default=32, help="LoRA rank (alpha = 2 * rank)")
+    ap.add_argument("--steps", type=N(int, 1), default=2, help="training steps (the 2nd one holds AdamW state)")
+    ap.add_argument("--threads", type=N(int, 0), default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--seed", type=N(int, 0), default=0)
     args = ap.parse_args(argv)
 
     device = pick_device(args.device)
@@ -254,8 +254,6 @@ def main(argv=None):
         args.heads = SHAPES[args.shape]["num_attention_heads"]
     if args.hidden and args.hidden % args.heads:
         raise SystemExit(f"error: --hidden {args.hidden} must be a multiple of the number of heads ({args.heads})")
-    if min(args.batch, args.prompt_len, args.completion_len, args.rank, args.steps) < 1:
-        raise SystemExit("error: --batch, --prompt-len, --completion-len, --rank and --steps must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -296,4 +294,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ro.quantize.run_cli(main))

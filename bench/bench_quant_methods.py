@@ -19,7 +19,6 @@ way. Every table is measured in one run, side by side:
     python bench/bench_quant_methods.py --parts weights      # tables 1 and 3 only (~1 min)
     python bench/bench_quant_methods.py --model assets/smollm2-135m-instruct --task chat-arithmetic --eval-size 200
 """
-import argparse
 import copy
 import importlib
 import os
@@ -180,15 +179,16 @@ def table_accuracy(models, tok, task, max_new_tokens):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    N = quantize.number
+    ap = quantize.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=grpo.TINY_MODEL, help="Hugging Face folder (default: the bundled model)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--task", default="arithmetic", choices=["arithmetic", "chat-arithmetic"],
                     help="05's task whose held-out prompts tables 4 and 5 use (chat-arithmetic for an instruct model)")
-    ap.add_argument("--kl-prompts", type=int, default=128)
-    ap.add_argument("--eval-size", type=int, default=1000)
-    ap.add_argument("--max-new-tokens", type=int, default=42)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kl-prompts", type=N(int, 1), default=128)
+    ap.add_argument("--eval-size", type=N(int, 1), default=1000)
+    ap.add_argument("--max-new-tokens", type=N(int, 1), default=42)
+    ap.add_argument("--seed", type=N(int, 0), default=0)
     ap.add_argument("--json", default=None, help="also write every figure to this file")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -219,4 +219,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quantize.run_cli(main))

@@ -6,7 +6,6 @@ a minute on 2 CPU cores.
 
     python bench/bench_quantize.py [--size 4096] [--repeats 3] [--device cpu]
 """
-import argparse
 import importlib
 import os
 import statistics
@@ -24,24 +23,25 @@ def timed(fn, repeats, device):
     fn()
     times = []
     for _ in range(repeats):
-        if device == "cuda":
+        if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
-        if device == "cuda":
+        if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", type=int, default=4096, help="weight is size x size")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default=q.autodetect_device())
-    args = p.parse_args()
+def main(argv=None):
+    p = q.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=q.number(int, 1, 65536), default=4096, help="weight is size x size")
+    p.add_argument("--repeats", type=q.number(int, 1), default=3)
+    p.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
+    args = p.parse_args(argv)
+    device = q.pick_device(args.device)
     g = torch.Generator().manual_seed(0)
-    w = (torch.randn(args.size, args.size, generator=g) * 0.02).to(torch.bfloat16).to(args.device)
+    w = (torch.randn(args.size, args.size, generator=g) * 0.02).to(torch.bfloat16).to(device)
     mb = w.numel() * 2 / 1e6                                             # MB of bf16 weight per call
     nv = q.quantize_nvfp4(w)
     nf = q.quantize_nf4(w)
@@ -51,13 +51,13 @@ def main():
         ("nf4", "quantize", lambda: q.quantize_nf4(w)),
         ("nf4", "dequantize", lambda: q.dequantize_nf4(nf[0], nf[1], w.shape).to(torch.bfloat16)),
     ]
-    print(f"device {args.device} | threads {torch.get_num_threads()} | weight {args.size}x{args.size} bf16 "
+    print(f"device {device} | threads {torch.get_num_threads()} | weight {args.size}x{args.size} bf16 "
           f"({mb:.1f} MB) | median of {args.repeats}")
     print(f"{'format':<7}| {'op':<11}| {'ms':>9} | {'MB/s (bf16)':>11} | {'Mweights/s':>10}")
     for fmt, op, fn in rows:
-        sec = timed(fn, args.repeats, args.device)
+        sec = timed(fn, args.repeats, device)
         print(f"{fmt:<7}| {op:<11}| {sec * 1e3:>9.1f} | {mb / sec:>11.0f} | {w.numel() / sec / 1e6:>10.1f}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(q.run_cli(main))

@@ -190,39 +190,32 @@ def bench_quant(cfg, quant, args, device, dtype):
 # ---------------------------------------------------------------------------------------------------
 # Command line
 
-def pick_device(name):
-    """--device (None, "cpu" or "cuda") -> torch.device, or exit with a one-line error."""
-    if name not in (None, "cpu", "cuda"):
-        raise SystemExit(f"error: --device must be cpu or cuda, got {name!r}")
-    device = torch.device(name or ro.quantize.autodetect_device())
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but torch sees no CUDA GPU; use --device cpu")
-    return device
+pick_device = ro.quantize.pick_device  # --device: stage 01's rule
 
 
-def parse_int_list(text, flag):
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"error: {flag} must be comma-separated integers, got {text!r}")
-    if not values or min(values) < 1:
-        raise SystemExit(f"error: {flag} needs positive integers, got {text!r}")
+def int_list(text):
+    """An argparse type: comma-separated integers >= 1 ("1,16")."""
+    values = [ro.quantize.number(int, 1)(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} holds no integers: give them comma-separated, e.g. 1,16")
     return values
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    N = ro.quantize.number
+    ap = ro.quantize.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default=None, help=f"one of {', '.join(SHAPES)} (default: tiny on CPU, qwen2.5-7b on CUDA)")
     ap.add_argument("--quants", default="none,nvfp4", help="comma-separated, from none,nvfp4,nf4 (first = baseline)")
-    ap.add_argument("--batches", default="1,16", help="batch sizes (rows decoded together)")
-    ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per row (default 64 CPU, 128 CUDA)")
-    ap.add_argument("--decode-steps", type=int, default=32, help="decode forwards timed per cell")
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per cell (the best is kept)")
+    ap.add_argument("--batches", type=int_list, default="1,16", help="batch sizes (rows decoded together)")
+    ap.add_argument("--prompt-len", type=N(int, 1), default=None,
+                    help="prompt tokens per row (default 64 CPU, 128 CUDA)")
+    ap.add_argument("--decode-steps", type=N(int, 1), default=32, help="decode forwards timed per cell")
+    ap.add_argument("--repeats", type=N(int, 1), default=2, help="timed runs per cell (the best is kept)")
     ap.add_argument("--dtype", default=None, choices=list(DTYPES), help="compute dtype (default: bf16 CUDA, fp32 CPU)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
-    ap.add_argument("--layers", type=int, default=None, help="override the shape's number of layers")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=N(int, 1), default=None, help="override the shape's number of layers")
+    ap.add_argument("--threads", type=N(int, 0), default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--seed", type=N(int, 0), default=0)
     args = ap.parse_args(argv)
 
     device = pick_device(args.device)
@@ -237,10 +230,7 @@ def main(argv=None):
     bad = [s for s in quants if s not in QUANTS]
     if bad or not quants:
         raise SystemExit(f"error: --quants takes names from {','.join(QUANTS)}, got {args.quants!r}")
-    args.batches = parse_int_list(args.batches, "--batches")
     args.prompt_len = args.prompt_len or (128 if device.type == "cuda" else 64)
-    if min(args.prompt_len, args.decode_steps, args.repeats) < 1:
-        raise SystemExit("error: --prompt-len, --decode-steps and --repeats must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -281,4 +271,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ro.quantize.run_cli(main))

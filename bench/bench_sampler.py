@@ -273,8 +273,8 @@ def kv_vs_recompute(args, ro, device, sync):
     model = ro.CausalLM(cfg).to(device=device, dtype=dtype).eval()
     print(f"model | hidden {cfg.hidden_size} | layers {cfg.num_hidden_layers} | device {device} | dtype {dtype} "
           f"| threads {torch.get_num_threads()}")
-    for ctx in map(int, args.contexts.split(",")):
-        for batch in map(int, args.batches.split(",")):
+    for ctx in args.contexts:
+        for batch in args.batches:
             ids = torch.randint(0, cfg.vocab_size, (batch, ctx + 1), device=device)  # (B, ctx+1)
             # The cache already holds `ctx` tokens (random keys/values: decode cost does not depend on
             # them); each timed call rewinds pos so every step writes slot ctx after ctx keys.
@@ -295,38 +295,40 @@ def kv_vs_recompute(args, ro, device, sync):
                   f"{batch / t_full:9.0f} | speedup {t_full / t_cache:7.1f}x", flush=True)
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None):
+    ro = importlib.import_module("03_rollout")
+    br = importlib.import_module("bench_rollout")  # its random-model builder, shapes and --batches type
+    quantize, N = ro.quantize, ro.quantize.number
+    ap = quantize.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
     ap.add_argument("--shape", default="small", help="small (the default above) or a bench_rollout.py shape")
     ap.add_argument("--model", default=None, help="a Hugging Face folder with one model.safetensors (e.g. "
                     "assets/smollm2-135m-instruct) instead of random weights; prompts are random token ids")
-    ap.add_argument("--layers", type=int, default=None, help="override the shape's number of layers")
+    ap.add_argument("--layers", type=N(int, 1), default=None, help="override the shape's number of layers")
     ap.add_argument("--quants", default="none", help="comma list of none / nvfp4 / nf4")
-    ap.add_argument("--lora", type=int, default=0, help="LoRA rank of unmerged adapters on every projection (0: none)")
+    ap.add_argument("--lora", type=N(int, 0), default=0,
+                    help="LoRA rank of unmerged adapters on every projection (0: none)")
     ap.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, else fp32")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=N(int, 1), default=16)
+    ap.add_argument("--prompt-len", type=N(int, 1), default=32)
+    ap.add_argument("--new-tokens", type=N(int, 1), default=96)
+    ap.add_argument("--repeats", type=N(int, 1), default=3)
     ap.add_argument("--hf-python", default=None, help="interpreter with transformers (default: this one)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers column")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads, both sides (0: torch's default)")
+    ap.add_argument("--threads", type=N(int, 0), default=1, help="torch CPU threads, both sides (0: torch's default)")
     ap.add_argument("--kv-vs-recompute", action="store_true", help="the KV cache vs recompute table instead")
-    ap.add_argument("--steps", type=int, default=3, help="--kv-vs-recompute: decode steps measured per cell")
-    ap.add_argument("--budget-s", type=float, default=1.5, help="--kv-vs-recompute: seconds per cell (>= 1 step)")
-    ap.add_argument("--contexts", default="64,256,1024", help="--kv-vs-recompute")
-    ap.add_argument("--batches", default="1,16,64", help="--kv-vs-recompute")
+    ap.add_argument("--steps", type=N(int, 1), default=3, help="--kv-vs-recompute: decode steps measured per cell")
+    ap.add_argument("--budget-s", type=N(above=0), default=1.5, help="--kv-vs-recompute: seconds per cell (>= 1 step)")
+    ap.add_argument("--contexts", type=br.int_list, default="64,256,1024", help="--kv-vs-recompute")
+    ap.add_argument("--batches", type=br.int_list, default="1,16,64", help="--kv-vs-recompute")
     ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.hf_worker:
         hf_worker(args.hf_worker, args.threads)
-        sys.exit(0)
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    ro = importlib.import_module("03_rollout")
-    br = importlib.import_module("bench_rollout")  # its random-model builder and shapes
-    device = torch.device(args.device or ro.quantize.autodetect_device())
+    device = quantize.pick_device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     if args.kv_vs_recompute:
@@ -334,3 +336,8 @@ if __name__ == "__main__":
     else:
         compare(args, ro, br, device, sync)
     print(f"total_s {time.perf_counter() - t0:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(importlib.import_module("01_quantize").run_cli(main))

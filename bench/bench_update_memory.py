@@ -26,7 +26,6 @@ built from it. `--smoke` is bench/gpu_check.sh's CUDA run of 05: a random model'
 group would have signal, so no update would run), so it replaces the reward by 0, 1, 0, 1, ... and
 reports s/step and the peak GPU memory of sampling and of the update.
 """
-import argparse
 import importlib
 import json
 import itertools
@@ -243,17 +242,19 @@ def smoke(model_dir, flags):
               f"{peaks['update'] / 2 ** 30:.2f} GiB | reserved {torch.cuda.max_memory_reserved() / 2 ** 30:.2f} GiB")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--micro-batch", type=int, default=4, help="rows per forward/backward in the table")
+def main(argv=None):
+    p = quantize.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--micro-batch", type=quantize.number(int, 1), default=4,
+                   help="rows per forward/backward in the table")
     p.add_argument("--grad-checkpoint", action="store_true", help="the table's chunked rows with 05's --grad-checkpoint")
     p.add_argument("--default-malloc", action="store_true", help="children keep glibc's dynamic mmap threshold")
-    p.add_argument("--one", nargs=4, type=int, metavar=("ROWS", "T", "MB", "CHUNKED"), help="(child) one configuration")
+    p.add_argument("--one", nargs=4, type=quantize.number(int, 0), metavar=("ROWS", "T", "MB", "CHUNKED"),
+                   help="(child) one configuration")
     p.add_argument("--per-token", action="store_true")
     p.add_argument("--write-model", metavar="DIR")
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=quantize.number(int, 1), default=2)
     p.add_argument("--smoke", metavar="DIR")
-    args, rest = p.parse_known_args()
+    args, rest = p.parse_known_args(argv)
     if args.one:
         run_one(*args.one[:3], bool(args.one[3]), args.grad_checkpoint)
     elif args.per_token:
@@ -267,4 +268,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quantize.run_cli(main))

@@ -289,26 +289,28 @@ def summarise(res):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    quantize = importlib.import_module("01_quantize")  # the command-line pieces (torch, not 05, is imported)
+    N = quantize.number
+    ap = quantize.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trl-python", default=None, help="interpreter of a venv with trl, peft, transformers, "
                     "accelerate (required)")
     ap.add_argument("--model", default=os.path.join(ROOT, "assets", "tiny-qwen"),
                     help="Hugging Face model folder (default: the bundled tiny model)")
     ap.add_argument("--task", default=None, choices=("arithmetic", "chat-arithmetic"),
                     help="default: arithmetic for the bundled tiny model, chat-arithmetic for any other")
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--batch", type=int, default=16, help="prompts per step")
-    ap.add_argument("--group", type=int, default=8, help="samples per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=42)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--lora-r", type=int, default=16)
-    ap.add_argument("--lora-alpha", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 500; 200 for "
+    ap.add_argument("--steps", type=N(int, 2), default=150)
+    ap.add_argument("--batch", type=N(int, 1), default=16, help="prompts per step")
+    ap.add_argument("--group", type=N(int, 2), default=8, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=N(int, 1), default=42)
+    ap.add_argument("--temperature", type=N(above=0), default=1.0)
+    ap.add_argument("--lr", type=N(above=0), default=1e-3)
+    ap.add_argument("--warmup", type=N(int, 0), default=10)
+    ap.add_argument("--lora-r", type=N(int, 1), default=16)
+    ap.add_argument("--lora-alpha", type=N(int, 1), default=32)
+    ap.add_argument("--seed", type=N(int, 0), default=0)
+    ap.add_argument("--eval-size", type=N(int, 0), default=None, help="held-out problems (default 500; 200 for "
                     "chat-arithmetic)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of each side")
+    ap.add_argument("--threads", type=N(int, 1), default=2, help="torch threads of each side")
     ap.add_argument("--workdir", default=None, help="where the runs, adapters and logs go (default: a temp folder)")
     ap.add_argument("--out", default=None, help="also write the results to this JSON file")
     ap.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)
@@ -320,9 +322,6 @@ def main(argv=None):
         (ours_worker if side == "ours" else trl_worker)(job, result_file)
         return 0
 
-    if args.steps < 2 or args.batch < 1 or args.group < 2 or args.threads < 1:
-        print("error: need --steps >= 2, --batch >= 1, --group >= 2 and --threads >= 1", file=sys.stderr)
-        return 1
     if args.workdir and os.path.isdir(args.workdir) and os.listdir(args.workdir):  # 05 refuses a run folder twice
         print(f"error: --workdir {args.workdir} is not empty (an earlier comparison?): choose a new folder",
               file=sys.stderr)
@@ -437,4 +436,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(importlib.import_module("01_quantize").run_cli(main))

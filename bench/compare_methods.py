@@ -72,7 +72,6 @@ difference), of pass@8 and of first-fifth entropy. --max-wall SECONDS starts no 
 (running ones finish) and the same command resumes; Ctrl-C or `kill` stops the runs it started, keeping
 the finished ones. Study runs keep a compact metrics.jsonl (what the table and the curves read).
 """
-import argparse
 import contextlib
 import hashlib
 import importlib
@@ -94,6 +93,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+quantize = importlib.import_module("01_quantize")  # the command-line pieces
 aqn = importlib.import_module("04_aqn")  # its schedule kinds are the scheduler study's methods
 GRPO = os.path.join(ROOT, "05_grpo.py")
 DEFAULT_OUT = os.path.join(ROOT, "bench", "results")
@@ -1099,22 +1099,24 @@ def invocation_lines(out):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Train LoRA / QLoRA / NVFP4-LoRA / QeRL / LoRA+AQN with identical "
+    N = quantize.number
+    p = quantize.ArgumentParser(description="Train LoRA / QLoRA / NVFP4-LoRA / QeRL / LoRA+AQN with identical "
                                 "budgets and compare them (arguments after -- go to 05_grpo.py)")
     p.add_argument("--study", choices=list(STUDIES), help="one of the ablation studies instead of the paper's "
                    "comparison: its own methods, 1000 held-out problems, results under bench/results/<study>/")
     p.add_argument("--methods", nargs="+", help="a subset of the methods (default: all of the comparison's, or "
                    "of the study's)")
-    p.add_argument("--noise-level", type=float, help="--study noise/hard: the sigma_start of the second phase "
+    p.add_argument("--noise-level", type=N(above=0), help="--study noise/hard: the sigma_start of the second phase "
                    "instead of the noise sweep's best")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=300, help="GRPO steps per run (the identical budget)")
-    p.add_argument("--parallel", type=int, default=2, help="runs at a time")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    p.add_argument("--eval-size", type=int, help="held-out problems (default: 500, 05's; 1000 for a --study)")
-    p.add_argument("--eval-every", type=int, default=50, help="greedy evaluation every N steps")
-    p.add_argument("--eval-k", type=int, default=8, help="pass@k at the start and the end")
-    p.add_argument("--threshold", type=float, default=10.0, help="points above the start for steps-to-threshold")
+    p.add_argument("--seeds", nargs="+", type=N(int, 0), default=[0, 1, 2])
+    p.add_argument("--steps", type=N(int, 1), default=300, help="GRPO steps per run (the identical budget)")
+    p.add_argument("--parallel", type=N(int, 1), default=2, help="runs at a time")
+    p.add_argument("--threads", type=N(int, 1), default=1, help="torch threads per run")
+    p.add_argument("--eval-size", type=N(int, 1), help="held-out problems (default: 500, 05's; 1000 for a --study); "
+                   "the comparison is on held-out accuracy")
+    p.add_argument("--eval-every", type=N(int, 1), default=50, help="greedy evaluation every N steps")
+    p.add_argument("--eval-k", type=N(int, 0), default=8, help="pass@k at the start and the end")
+    p.add_argument("--threshold", type=N(above=0), default=10.0, help="points above the start for steps-to-threshold")
     p.add_argument("--out", help=f"results folder (runs go to <out>/runs/<method>-s<seed>; default "
                    f"{short(DEFAULT_OUT)}, or {short(DEFAULT_OUT)}/<study>)")
     p.add_argument("--from-results", action="store_true", help="only re-render results/table/plot from the runs in "
@@ -1123,7 +1125,7 @@ def build_parser():
                    "(training does it after its report; with --from-results: re-render, then pack)")
     p.add_argument("--force", action="store_true", help="retrain runs that are already done")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final adapter checkpoint")
-    p.add_argument("--max-wall", type=float, default=0, help="start no new run after this many seconds "
+    p.add_argument("--max-wall", type=N(float, 0), default=0, help="start no new run after this many seconds "
                    "(running ones finish; 0: no limit)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     return p
@@ -1154,18 +1156,10 @@ def parse_args(argv):
         if flag.split("=")[0] in OWNED_FLAGS:
             raise ValueError(f"{flag} after -- would change one run's budget or identity; use this script's own "
                              f"flag instead (--steps, --seeds, --eval-size, --methods, ...)")
-    if args.steps < 1 or args.parallel < 1 or args.threads < 1:
-        raise ValueError(f"need --steps, --parallel and --threads >= 1 (got {args.steps}, {args.parallel}, "
-                         f"{args.threads})")
-    if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
-        raise ValueError(f"--seeds must be distinct non-negative integers (got {args.seeds})")
+    if len(set(args.seeds)) != len(args.seeds):
+        raise ValueError(f"--seeds must be distinct (got {args.seeds})")
     if len(set(args.methods)) != len(args.methods):
         raise ValueError(f"--methods lists a method twice ({args.methods})")
-    if args.eval_size < 1 or args.eval_every < 1:
-        raise ValueError(f"need --eval-size and --eval-every >= 1 (got {args.eval_size}, {args.eval_every}): the "
-                         f"comparison is on held-out accuracy")
-    if args.eval_k < 0 or args.threshold <= 0:
-        raise ValueError(f"need --eval-k >= 0 and --threshold > 0 (got {args.eval_k}, {args.threshold})")
     return args
 
 
@@ -1173,7 +1167,8 @@ def interrupted(signum, frame):
     raise KeyboardInterrupt  # `kill PID` stops the runs this script started, as Ctrl-C does
 
 
-def main(argv):
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGTERM, interrupted)
     args = parse_args(argv)
     if args.from_results or args.pack:
@@ -1213,7 +1208,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    sys.exit(quantize.run_cli(main))

@@ -21,7 +21,6 @@ These are counts read from machine code, not timings: bench/bench_kernel.py time
     python bench/kernel_sass.py                   # ~1-3 minutes on one CPU core
     python bench/kernel_sass.py --out /tmp/sass   # also writes NAME.cubin, NAME.sass, NAME.json
 """
-import argparse
 import importlib
 import json
 import os
@@ -34,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real, whatever the caller's environment says
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+quantize = importlib.import_module("01_quantize")  # the command-line pieces
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -189,7 +189,7 @@ def opcode_histogram(body, top=8):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = quantize.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write NAME.cubin, NAME.sass and NAME.json here")
     parser.add_argument("--only", default=None, help="only configurations whose name contains this")
     parser.add_argument("--ops", action="store_true", help="also print the loop's commonest opcodes")
@@ -245,4 +245,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quantize.run_cli(main))

@@ -791,10 +791,186 @@ def test_smollm2_sighup_during_the_download_leaves_no_temporaries(tmp_path):
     assert os.listdir(cache) == [] and sorted(os.listdir(tmp_path)) == ["cache", "fake-pip"]
 
 
+# Sizes, inputs and bench scripts: requests that cannot fit refused before allocating, sizes within what the
+# task gives, headers, temperatures, tokenizers and gold answers checked, and bench/ through the same CLI
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+STAGES.update({f"bench/{n}": importlib.import_module(n) for n in (
+    "bench_quantize", "bench_aqn_landing", "bench_rollout", "bench_memory", "bench_sampler", "bench_vs_trl",
+    "bench_data_parallel", "bench_grpo_step", "bench_kernel", "bench_update_memory", "bench_quant_methods",
+    "compare_methods")})
+
+
+def _edit_header(change):  # setup: model.safetensors with its header's first tensor entry changed
+    def setup(tmp):
+        path = f"{tmp}/model/model.safetensors"
+        data = open(path, "rb").read()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        first = next(k for k in header if k != "__metadata__")
+        header[first] = change(header[first])
+        text = json.dumps(header).encode()
+        write(path, len(text).to_bytes(8, "little") + text + data[8 + n:], "wb")
+    return setup
+
+
+def _drop(key):
+    return lambda entry: {k: v for k, v in entry.items() if k != key}
+
+
+def _gsm8k_with(line_3):  # a GSM8K file whose third line's gold answer is line_3
+    return lambda t: _jsonl(f"{t}/d.jsonl", [*_gsm8k(2), {"question": "q", "answer": f"#### {line_3}"}, *_gsm8k(5)])
+
+
+GSM8K = ["--task", "gsm8k", "--data", "{tmp}/d.jsonl", *RUN]
+CHAT = ["--task", "chat-arithmetic", *RUN]
+CASES_LIMITS = [
+    Case("03-samples-beyond-memory", "03_rollout", [*M, "--num-samples", "1000000"],
+         "--num-samples 1000000 with --max-new-tokens 64 needs about"),
+    Case("03-temperature-underflow", "03_rollout", [*M, "--temperature", "1e-40"],
+         "--temperature: 1e-40 is too small to sample with: need 0 (greedy) or >= 0.0001", code=2),
+    Case("03-tokenizer-too-small", "03_rollout", M, "has token ids up to 287, but config.json's vocab_size is 49152",
+         setup=_config(vocab_size=49152)),
+    Case("03-tokenizer-ids-past-vocab", "03_rollout", M, "has token ids up to 287, but config.json's vocab_size is 200",
+         setup=_config(vocab_size=200)),
+    Case("03-header-without-offsets", "03_rollout", M, "model.safetensors is not a readable safetensors file (tensor "
+         "model.embed_tokens.weight needs a list of sizes as its shape and two byte offsets", setup=_edit_header(
+             _drop("data_offsets"))),
+    Case("01-header-shape-string", "01_quantize", ["--model", "{model}", "--out", "{tmp}/q"], "got '288' and [0, 147456]",
+         setup=_edit_header(lambda e: {**e, "shape": "288"})),
+    Case("05-batch-beyond-memory", "05_grpo", ["--batch", "100000", *RUN], "this run (mostly the update, 800000 rows at a "
+         "time (--micro-batch)) needs about"),
+    Case("05-group-beyond-memory", "05_grpo", ["--group", "100000", *RUN], "needs about"),
+    Case("05-lora-rank-beyond-memory", "05_grpo", ["--lora-r", "1000000", *RUN],
+         "this run (mostly --lora-r 1000000's adapters) needs about 14"),
+    Case("05-temperature-underflow", "05_grpo", ["--temperature", "1e-40", *RUN],
+         "--temperature 1e-40 is too small to sample with: need >= 0.0001"),
+    Case("05-eval-size-unbounded", "05_grpo", ["--eval-size", "10000000", *RUN], "need >= 0 and <= 100000", code=2),
+    Case("05-digits-unbounded", "05_grpo", ["--digits", "1000000", *RUN], "need >= 1 and <= 100", code=2),
+    Case("05-batch-beyond-task", "05_grpo", [*CHAT, "--batch", "1000", "--group", "2"],
+         "--batch 1000 is more than --task chat-arithmetic gives a step (503 problems)"),
+    Case("05-digits-ignored", "05_grpo", [*CHAT, "--digits", "4"],
+         "--digits 4 is read only by --task arithmetic, and --task chat-arithmetic ignores it: drop --digits"),
+    Case("05-system-ignored", "05_grpo", [*CHAT, "--system", "paper"],
+         "--system paper is read only by --task arithmetic or --task gsm8k"),
+    Case("05-nops-ignored", "05_grpo", [*GSM8K, "--nops", "3"], "--task gsm8k ignores it: drop --nops",
+         setup=lambda t: _jsonl(f"{t}/d.jsonl", _gsm8k(8))),
+    Case("05-eval-data-ignored", "05_grpo", ["--eval-data", "{tmp}/e.jsonl", *RUN],
+         "is read only by --task gsm8k, and --task arithmetic ignores it"),
+    Case("05-gold-not-a-number", "05_grpo", GSM8K, "d.jsonl:3: the answer after '####' is 'five', not a number",
+         setup=_gsm8k_with("five")),
+    Case("05-gold-no-decimal", "05_grpo", GSM8K, "d.jsonl:3: the answer after '####' is '1/3', which no decimal "
+         "writes exactly", setup=_gsm8k_with("1/3")),
+    Case("bench-quantize-zero-size", "bench/bench_quantize", ["--size", "0"], "--size: 0 is out of range", code=2),
+    Case("bench-quantize-no-gpu", "bench/bench_quantize", ["--device", "cuda"], "no GPU is available"),
+    Case("bench-aqn-landing-missing-model", "bench/bench_aqn_landing", ["--model", "{tmp}/nope"],
+         "model folder not found"),
+    Case("bench-aqn-landing-zero-sigma", "bench/bench_aqn_landing", ["--sigmas", "0"], "need > 0", code=2),
+    Case("bench-rollout-zero-batch", "bench/bench_rollout", ["--batches", "1,0"], "--batches: 0 is out of range",
+         code=2),
+    Case("bench-rollout-bad-device", "bench/bench_rollout", ["--device", "tpu"], "unknown device 'tpu'"),
+    Case("bench-memory-zero-rank", "bench/bench_memory", ["--rank", "0"], "--rank: 0 is out of range", code=2),
+    Case("bench-sampler-text-context", "bench/bench_sampler", ["--contexts", "64,long"], "'long' is not an integer",
+         code=2),
+    Case("bench-vs-trl-one-step", "bench/bench_vs_trl", ["--steps", "1"], "--steps: 1 is out of range: need >= 2",
+         code=2),
+    Case("bench-data-parallel-one-rank", "bench/bench_data_parallel", ["--ranks", "1"], "need >= 2", code=2),
+    Case("bench-grpo-step-zero-steps", "bench/bench_grpo_step", ["--steps", "0"], "--steps: 0 is out of range",
+         code=2),
+    Case("bench-kernel-zero-rows", "bench/bench_kernel", ["--m", "0"], "--m: 0 is out of range", code=2),
+    Case("bench-update-memory-zero-layers", "bench/bench_update_memory", ["--layers", "0"],
+         "--layers: 0 is out of range", code=2),
+    Case("bench-quant-methods-missing-model", "bench/bench_quant_methods", ["--model", "{tmp}/nope", "--parts",
+                                                                           "accuracy"], "model folder not found"),
+    Case("bench-compare-methods-seed-twice", "bench/compare_methods", ["--seeds", "1", "1"], "--seeds must be distinct"),
+]
+
+
+def test_gold_answers_read_as_the_scorer_reads_numbers(tmp_path, capsys):
+    """1e5, 1/2 and a Unicode minus are the numbers they say (scored as 100000, 0.5, -7, not 5, 2, 7); a
+    byte-order mark on a line is not a malformed line."""
+    grpo = STAGES["05_grpo"]
+    path = str(tmp_path / "d.jsonl")
+    write(path, "\ufeff" + "".join(json.dumps({"question": f"q{i}", "answer": f"#### {gold}"}) + "\n"
+                                   for i, gold in enumerate(["1e5", "1/2", "\u22127", "1,200", "-3.5"])))
+    rows = grpo.load_jsonl(path)
+    assert [r["answer"] for r in rows] == ["100000", "0.5", "-7", "1200", "-3.5"]
+    assert "skipped" not in capsys.readouterr().out  # the BOM line is line 1, read
+    assert grpo.reward_fn("<think>.</think><answer>100000</answer>", rows[0]["answer"]) == pytest.approx(1.1)
+    assert grpo.reward_fn("<think>.</think><answer>5</answer>", rows[0]["answer"]) == pytest.approx(0.1)
+    assert grpo.answer_correct("<answer>0.5</answer>", rows[1]["answer"])
+    assert grpo.answer_correct("<answer>-7</answer>", rows[2]["answer"])
+    assert not grpo.answer_correct("<answer>7</answer>", rows[2]["answer"])
+
+
+def _fake_model(folder, config):  # a model folder check_sizes reads: config.json, an index, the tiny tokenizer
+    os.makedirs(folder)
+    shutil.copy(os.path.join(TINY, "tokenizer.json"), folder)
+    write(os.path.join(folder, "config.json"), json.dumps(config))
+    write(os.path.join(folder, "model.safetensors.index.json"), json.dumps({"weight_map": {"x": "a.safetensors"}}))
+    write(os.path.join(folder, "a.safetensors"), "")
+
+
+SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
+QWEN7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+              num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768)
+
+
+def test_memory_estimates_pass_the_documented_runs_and_refuse_the_rest(tmp_path, monkeypatch):
+    """The estimates at real widths: SmolLM2's documented run (docs/real-model.md) fits a 16 GiB laptop,
+    the 7B run of docs/scaling.md an H200's 139 GiB; 8,000 new tokens x 64 samples of SmolLM2 need ~24 GiB
+    of fp32 KV cache alone."""
+    grpo = STAGES["05_grpo"]
+    asked = []
+    monkeypatch.setattr(quantize, "check_memory_fits", lambda need, device, what: asked.append((need, what)))
+    smol, qwen = str(tmp_path / "smol"), str(tmp_path / "qwen7b")
+    _fake_model(smol, SMOLLM2)
+    _fake_model(qwen, QWEN7B)
+    args = grpo.build_parser().parse_args(["--model", smol, "--task", "chat-arithmetic", "--batch", "4", "--group", "8",
+                                           "--max-new-tokens", "48", "--eval-size", "200", "--eval-k", "0"])
+    grpo.check_sizes(args, grpo.make_task(args), 1, "cpu")
+    assert 1 * 2 ** 30 < asked[-1][0] < 16 * 2 ** 30, asked
+    _jsonl(str(tmp_path / "gsm8k.jsonl"), [{"question": "Natalia sold clips to 48 of her friends in April, and then she "
+                                            "sold half as many clips in May. " * 3 + str(i), "answer": f"#### {i}"}
+                                           for i in range(600)])
+    args = grpo.build_parser().parse_args([  # docs/scaling.md's command, as check_sizes sees it
+        "--model", qwen, "--task", "gsm8k", "--data", str(tmp_path / "gsm8k.jsonl"), "--quant", "nvfp4", "--dtype",
+        "bfloat16", "--batch", "16", "--group", "8", "--mu", "4", "--lora-r", "32", "--max-new-tokens", "4096",
+        "--eval-size", "500", "--eval-k", "4", "--eval-chunk", "128", "--micro-batch", "8", "--grad-checkpoint"])
+    grpo.check_sizes(args, grpo.make_task(args), 1, "cuda")
+    assert 20 * 2 ** 30 < asked[-1][0] < 139 * 2 ** 30, asked
+    args.grad_checkpoint, args.micro_batch = False, 0  # all 128 rows' activations at once: no GPU holds that
+    grpo.check_sizes(args, grpo.make_task(args), 1, "cuda")
+    assert asked[-1][0] > 1000 * 2 ** 30 and "mostly the update" in asked[-1][1], asked
+    cfg = rollout.ModelConfig.from_dict(SMOLLM2)
+    assert 23 * 2 ** 30 < rollout.generate_memory(cfg, 64, 40, 8000, 4) < 26 * 2 ** 30
+
+
+def test_memory_refusal_names_both_figures(monkeypatch):
+    monkeypatch.setattr(quantize, "free_memory", lambda device: 3 * 2 ** 30)
+    with pytest.raises(ValueError, match=r"^--x 9 needs about 4.0 GiB, and this machine has 3.0 GiB of RAM available"):
+        quantize.check_memory_fits(4 * 2 ** 30, "cpu", "--x 9")
+    quantize.check_memory_fits(2 * 2 ** 30, "cpu", "--x 1")  # fits: no error
+    monkeypatch.undo()
+    assert 0 < quantize.free_memory("cpu") < 2 ** 50  # this machine's MemAvailable
+
+
+def test_sampling_at_the_smallest_temperature_is_finite(tiny):
+    """MIN_TEMPERATURE samples (no NaN probabilities in torch.multinomial); below it generate refuses."""
+    model, tok = tiny
+    r = rollout.generate(model, [[1, 2, 3]], num_samples=4, max_new_tokens=4, temperature=rollout.MIN_TEMPERATURE,
+                         generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(r.logprobs).all() and (r.completion_ids < 288).all()
+    with pytest.raises(ValueError, match=r"need temperature 0 or >= 0.0001"):
+        rollout.generate(model, [[1, 2, 3]], max_new_tokens=2, temperature=1e-40)
+
+
 # -----------------------------------------------------------------------------
 # The table
 
-CASES = CASES_01 + CASES_02 + CASES_03 + CASES_04 + CASES_05 + CASES_OWNERSHIP + CASES_CHECKPOINTS
+CASES = (CASES_01 + CASES_02 + CASES_03 + CASES_04 + CASES_05 + CASES_OWNERSHIP + CASES_CHECKPOINTS
+         + CASES_LIMITS)
 if torch.cuda.is_available():  # the GPU cases are a CPU machine's
     CASES = [c for c in CASES if "gpu" not in c.id]
 

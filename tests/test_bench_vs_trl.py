@@ -33,11 +33,18 @@ def test_venv_without_trl(capsys, tmp_path):
     assert "cannot import trl" in err and "No module named 'trl'" in err and "torch==2.13.0" in err
 
 
-@pytest.mark.parametrize("argv", [["--model", "no/such/folder"], ["--model", "assets/smollm2-missing"],
-                                  ["--steps", "1"], ["--group", "1"]])
-def test_bad_model_or_sizes(capsys, argv):
-    err = refusal(capsys, argv + ["--trl-python", sys.executable])
-    assert "model folder" in err or "need --steps" in err
+@pytest.mark.parametrize("argv", [["--model", "no/such/folder"], ["--model", "assets/smollm2-missing"]])
+def test_bad_model(capsys, argv):
+    assert "model folder" in refusal(capsys, argv + ["--trl-python", sys.executable])
+
+
+@pytest.mark.parametrize("argv", [["--steps", "1"], ["--group", "1"]])
+def test_bad_sizes_are_the_command_lines_error(capsys, argv):
+    with pytest.raises(SystemExit) as e:  # argparse, through 01's ArgumentParser: exit 2
+        vs_trl.main(argv + ["--trl-python", sys.executable])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: argument {argv[0]}: 1 is out of range: need >= 2"), err
 
 
 def test_used_workdir(capsys, tmp_path):
