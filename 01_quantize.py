@@ -9,8 +9,8 @@ bitsandbytes `quantize_4bit(nf4)` write them, so a checkpoint written here loads
     python 01_quantize.py --model DIR --out DIR [--force]  # HF folder -> compressed-tensors NVFP4 folder
 
 NVFP4Linear runs CUDA inputs through the Triton kernel (kernels/) and dequantizes for CPU inputs, unless
-QERL_TRITON_CPU=1: then CPU inputs go through the kernel too, run by Triton's interpreter (TRITON_INTERPRET=1;
-stage 05's --gpu-path sets it). Later stages import this file as `importlib.import_module("01_quantize")`.
+NVFP4Linear.kernel_on_cpu is True: then CPU inputs go through the kernel too, run by Triton's interpreter
+(TRITON_INTERPRET=1; stage 05's --gpu-path sets both). Later stages import this file as `importlib.import_module("01_quantize")`.
 """
 import argparse
 import contextlib
@@ -187,7 +187,7 @@ def dequantize_nf4(packed, absmax, shape, blocksize=64):
 
 
 @functools.cache
-def _nvfp4_kernel():
+def nvfp4_kernel():
     """kernels.nvfp4_matmul when Triton is usable, else None (imported lazily: CPU-only installs work)."""
     try:
         from kernels import HAS_TRITON, nvfp4_matmul
@@ -263,6 +263,7 @@ class _QuantLinear(nn.Module):
 
 class NVFP4Linear(_QuantLinear):
     """y = x @ W_hat^T + b with W_hat stored as NVFP4; its buffers are a compressed-tensors checkpoint's."""
+    kernel_on_cpu = False  # True: CPU inputs too go through the Triton kernel (05's --gpu-path)
     methods = NVFP4_METHODS
     global_scale = True
     BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")  # quantize_nvfp4's outputs, in order
@@ -285,7 +286,7 @@ class NVFP4Linear(_QuantLinear):
         return w[:, : self.in_features]                                  # (out, in), padding dropped
 
     def forward(self, x):                                                # (..., in) -> (..., out)
-        kernel = _nvfp4_kernel() if (x.is_cuda or os.environ.get("QERL_TRITON_CPU") == "1") else None
+        kernel = nvfp4_kernel() if (x.is_cuda or self.kernel_on_cpu) else None
         if kernel is not None:
             return kernel(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
         return super().forward(x)
@@ -844,7 +845,11 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line naming the flag, not a usage block."""
+    """argparse whose errors are one line naming the flag, not a usage block. No abbreviations: a new flag
+    must not change what an old command line (--loss for --loss-agg) means."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")

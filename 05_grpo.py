@@ -596,8 +596,6 @@ def train(args, task=None):
     to <out>/summary.json)."""
     t_start = time.time()
     rank, world, device = init_distributed(str(quantize.pick_device(args.device)))
-    if rank > 0:
-        sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors still reach stderr
     ckpt, state = resume_args(args)  # --resume: the checkpoint's hyper-parameters replace the flags
     args.out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     check_args(args, world, ckpt)  # every flag and the run folder, before any work
@@ -762,8 +760,8 @@ def make_task(args):
 # weights, and a merged copy of a 7B model costs its full size: the modules run as they are.
 
 
-def merge_for_sampling(device):  # --gpu-path (QERL_TRITON_CPU=1) takes the CUDA path on the CPU too
-    return torch.device(device).type == "cpu" and os.environ.get("QERL_TRITON_CPU") != "1"
+def merge_for_sampling(device):  # --gpu-path (NVFP4Linear.kernel_on_cpu) takes the CUDA path on the CPU too
+    return torch.device(device).type == "cpu" and not quantize.NVFP4Linear.kernel_on_cpu
 
 
 def merged_sampling_weights(model, enabled=True):
@@ -777,9 +775,9 @@ def use_gpu_path(device):
             raise ValueError("--gpu-path on the CPU runs the Triton kernel under the interpreter, which must be "
                              "on before triton is imported: set TRITON_INTERPRET=1 in the environment")
         os.environ["TRITON_INTERPRET"] = "1"
-    if quantize._nvfp4_kernel() is None:
+    if quantize.nvfp4_kernel() is None:
         raise ValueError("--gpu-path needs triton (pip install triton; Linux only)")
-    os.environ["QERL_TRITON_CPU"] = "1"
+    quantize.NVFP4Linear.kernel_on_cpu = True
 
 
 @torch.inference_mode()
@@ -876,7 +874,7 @@ RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_e
                 "micro_batch", "grad_checkpoint", "gpu_path", "compile")  # how to compute, not what: a resume may change them
 INHERITED_RUNTIME_ARGS = ("time_budget", "eval_every", "save_every", "quiet", "micro_batch", "grad_checkpoint",
                           "compile")  # a resume keeps these unless given again
-TRAINED_NORMS = ("input_layernorm", "post_attention_layernorm")  # the official --ln True's modules_to_save
+TRAINED_NORMS = aqn.AQN_NORMS  # --train-norms trains the norms AQN perturbs: the official --ln True's modules_to_save
 
 
 def save_checkpoint(out, step, model, opt, params, args, feedback=None, extra=None):
@@ -1161,8 +1159,11 @@ class RunLog:
              "first_eval": first_eval, "final_eval": last_eval, "checkpoint": last_ckpt, "args": vars(self.args)}
         if first_eval and last_eval:
             s["greedy_gain"] = last_eval["greedy"] - first_eval["greedy"]
-            print(f"summary | steps {done} | greedy {first_eval['greedy']:.3f} -> {last_eval['greedy']:.3f} "
-                  f"({100 * s['greedy_gain']:+.1f} points) | wall {s['wall_s']:.0f}s | out {self.args.out}")
+            why = {"steps": f"--steps {self.args.steps}", "time budget": f"--time-budget {self.args.time_budget:g}s",
+                   "stop-at": f"--stop-at {self.args.stop_at}"}.get(stopped, stopped)  # or the signal's name
+            print(f"summary | steps {done} | stopped by {why} | greedy {first_eval['greedy']:.3f} -> "
+                  f"{last_eval['greedy']:.3f} ({100 * s['greedy_gain']:+.1f} points) | wall {s['wall_s']:.0f}s | "
+                  f"out {self.args.out}")
         if self.rank == 0 and self.steps_logged:
             quantize.write_json(os.path.join(self.args.out, "summary.json"), clean(s))
         return s
@@ -1433,7 +1434,10 @@ def build_parser():
 
 
 def main(argv=None):
-    train(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's: rank 0 alone prints; errors still reach stderr
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull if rank > 0 else sys.stdout):
+        train(args)
 
 
 if __name__ == "__main__":

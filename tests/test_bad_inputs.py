@@ -457,6 +457,8 @@ CASES_05 = [
     Case("05-resume-damaged-state", "05_grpo", ["--resume", "{tmp}/old", "--quiet"], "trainer_state.pt cannot be read",
          setup=_damaged_checkpoint),
     Case("05-train-norms-with-beta", "05_grpo", ["--train-norms", "--beta", "0.1", *RUN], "--train-norms with --beta"),
+    Case("05-abbreviated-flag", "05_grpo", ["--loss", "token-mean", *RUN], "unrecognized arguments: --loss token-mean",
+         code=2),  # no abbreviations: a new flag must not change what an old command means
 ]
 
 # -----------------------------------------------------------------------------

@@ -369,9 +369,10 @@ def step_rows(out):
     return [strip(r) for r in rows if "eval" not in r], [strip(r["eval"]) for r in rows if "eval" in r]
 
 
-def test_smoke_run_writes_metrics_checkpoints_and_summary(tmp_path):
+def test_smoke_run_writes_metrics_checkpoints_and_summary(tmp_path, capsys):
     out = tmp_path / "run"
     summary = grpo.train(tiny_args(out))
+    assert "summary | steps 4 | stopped by --steps 4 | greedy" in capsys.readouterr().out  # why it stopped
     steps, evals = step_rows(out)
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
@@ -768,15 +769,15 @@ def test_gpu_code_path_runs_two_steps(tmp_path, monkeypatch):
     """--gpu-path runs on the CPU what CUDA runs: NVFP4Linear through the Triton kernel (interpreted),
     no merged sampling weights, bf16 activations; here with micro-batches and checkpointing on.
     On a GPU machine the same test runs on CUDA itself."""
-    monkeypatch.setenv("QERL_TRITON_CPU", "0")  # restored after the test (--gpu-path sets it to 1)
-    real_kernel, calls = grpo.quantize._nvfp4_kernel(), []
+    monkeypatch.setattr(grpo.quantize.NVFP4Linear, "kernel_on_cpu", False)  # restored after (--gpu-path sets it)
+    real_kernel, calls = grpo.quantize.nvfp4_kernel(), []
     assert real_kernel is not None
 
     def counting_kernel(x, *a, **kw):
         calls.append((x.dtype, torch.is_grad_enabled() and x.requires_grad))
         return real_kernel(x, *a, **kw)
 
-    monkeypatch.setattr(grpo.quantize, "_nvfp4_kernel", lambda: counting_kernel)
+    monkeypatch.setattr(grpo.quantize, "nvfp4_kernel", lambda: counting_kernel)
     merged = []
     real_merged = grpo.merged_sampling_weights
     monkeypatch.setattr(grpo, "merged_sampling_weights", lambda m, enabled=True: merged.append(enabled) or

@@ -214,10 +214,10 @@ def test_nvfp4_linear_through_triton_kernel_on_cpu(monkeypatch):
     if not kernels.HAS_TRITON:
         pytest.skip("triton not installed")
     # Without a GPU the kernel runs on CPU tensors through Triton's interpreter (conftest turns it
-    # on), which QERL_TRITON_CPU=1 routes to; with a GPU the interpreter is off, so use CUDA tensors.
+    # on), which NVFP4Linear.kernel_on_cpu routes to; with a GPU the interpreter is off: CUDA tensors.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
-        monkeypatch.setenv("QERL_TRITON_CPU", "1")
+        monkeypatch.setattr(q.NVFP4Linear, "kernel_on_cpu", True)
     lin = nn.Linear(40, 24, bias=True)
     m = q.NVFP4Linear.from_linear(lin).to(device)
     x = torch.randn(3, 40, generator=torch.Generator().manual_seed(3)).to(device)
