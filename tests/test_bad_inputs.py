@@ -1296,6 +1296,7 @@ if __name__ == "__main__":  # the table in docs/reliability.md: every case, run,
         with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
             with contextlib.redirect_stderr(cap.err):
                 line = run_case(case, os.path.join(tmp, "work"), cap)
-            line = line.replace(os.path.join(tmp, "work", "model"), "M").replace(os.path.join(tmp, "work") + "/", "")
+            work = os.path.join(tmp, "work")
+            line = line.replace(os.path.join(work, "model"), "M").replace(work + "/", "").replace(work, ".")
         argv = " ".join(a.replace("{tmp}/", "").replace("{model}", "M") for a in case.argv)
         print(f"| {case.id} | `{case.stage}.py {argv}` | {case.code} | {line.replace('|', '/')} |")
