@@ -150,10 +150,12 @@ def test_torchrun_run_prints_once_checkpoints_and_resumes_on_one_process(tmp_pat
             assert 0.0 <= r["reward"] <= 1.1 and 0.0 <= r["frac_zero_std"] <= 1.0 and r["len"] > 0
 
 
-def test_ctrl_c_under_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
-    """Ctrl-C in a terminal signals the whole foreground group: launcher and ranks. The ranks agree (an
-    all-reduce) to stop after the same step; rank 0 checkpoints and prints the resume line. torchrun then
-    exits non-zero with its own SignalException report, which is the launcher's, not ours."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_under_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path, signame):
+    """Ctrl-C in a terminal signals the whole foreground group, and Slurm every process of a job: launcher
+    and ranks, and torchrun passes the signal on (a second one a moment later, the same request). The
+    ranks agree (an all-reduce) to stop after the same step; rank 0 checkpoints and prints the resume
+    line. torchrun then exits non-zero with its own SignalException report, which is the launcher's."""
     import signal
     out = tmp_path / "dp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "05_grpo.py",
@@ -165,16 +167,17 @@ def test_ctrl_c_under_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tm
     for line in p.stdout:
         if line.startswith("step 3/"):
             break
-    os.killpg(p.pid, signal.SIGINT)
+    os.killpg(p.pid, getattr(signal, signame))
     _, err = p.communicate(timeout=120)
     summary = json.load(open(out / "summary.json"))
-    assert summary["stopped_by"] == "interrupt" and 3 <= summary["steps_done"] < 60, err[-2000:]
+    stopped, said_as = ("interrupt", "interrupted") if signame == "SIGINT" else (signame, f"interrupted ({signame})")
+    assert summary["stopped_by"] == stopped and 3 <= summary["steps_done"] < 60, err[-2000:]
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == \
         [f"checkpoint-{summary['steps_done']:06d}"]
-    said = sorted(line for line in err.splitlines() if line.startswith("interrupted"))  # rank 1: the bare word
-    resume = (f"interrupted | checkpoint-{summary['steps_done']:06d} saved: continue with  python 05_grpo.py "
+    said = sorted(line for line in err.splitlines() if line.startswith("interrupted"))  # rank 1: the bare words
+    resume = (f"{said_as} | checkpoint-{summary['steps_done']:06d} saved: continue with  python 05_grpo.py "
               f"--resume {out}")
-    assert said == ["interrupted", resume], err[-2000:]
+    assert said == [said_as, resume], err[-2000:]
 
 
 def test_shards_are_whole_contiguous_and_balanced():
