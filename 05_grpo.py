@@ -53,214 +53,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL = os.path.join(ROOT, "assets", "tiny-qwen")
 
 # -----------------------------------------------------------------------------
-# The task: one object with `problems(seed, step, n)` (a pure function of (seed, step), so a resumed run
-# draws what an uninterrupted one would), `held` (the held-out problems), `prompt`, `correct` and `reward`.
-# The loop only calls these. Three tasks ship, chosen by --task from TASKS: synthetic arithmetic, a
-# GSM8K-style JSONL file, and chat arithmetic for a real instruct model (tests add another).
-
-# The paper's instruction (App. E). The bundled tiny model learned the format in pretraining, so its
-# prompt is the bare problem ("qerl_prompt": "bare" in its config.json).
-PAPER_INSTRUCTION = ("Solve the following math problem step by step. The reasoning process and direct answer "
-                     "are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., "
-                     "<think> reasoning process here </think> <answer> answer here </answer>.")
-EVAL_SEED, EVAL_POOL = 1234, 2000  # the held-out stream; its first EVAL_POOL questions never train
-FORMAT_REWARD = 0.1
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-# exactly one think block then one answer block (whitespace allowed between and around)
-_FORMAT = re.compile(r"\s*<think>((?!</?think>).)*</think>\s*<answer>((?!</?answer>).)*</answer>\s*", re.S)
-_EOS_STRINGS = ("<|im_end|>", "<|endoftext|>")
-
-
-def parse_number(text):
-    """The last number in `text` as an exact Fraction ("1,234.50" -> 2469/2), or None."""
-    found = _NUMBER.findall(text or "")
-    try:
-        return Fraction(found[-1].replace(",", "")) if found else None
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def _strip_eos(completion):  # a sampler may or may not decode the stop token
-    text = completion if isinstance(completion, str) else ""
-    for eos in _EOS_STRINGS:
-        text = text.replace(eos, "")
-    return text
-
-
-def extract_answer(completion):
-    """The number in the last <answer>...</answer> of a completion, or None."""
-    blocks = _ANSWER.findall(_strip_eos(completion))
-    return parse_number(blocks[-1]) if blocks else None
-
-
-def answer_correct(completion, gold):
-    """The one definition of "solved": the last <answer> holds the gold number."""
-    pred, want = extract_answer(completion), parse_number(str(gold))
-    return pred is not None and want is not None and pred == want
-
-
-def format_ok(completion):
-    """Whether a completion is exactly <think>...</think><answer>number</answer>: one block of each, in
-    that order, whitespace allowed around them, a decoded stop token ignored."""
-    return _FORMAT.fullmatch(_strip_eos(completion)) is not None and extract_answer(completion) is not None
-
-
-def reward_fn(completion, gold):
-    """1.0 if correct, plus 0.1 if format_ok. Never raises: malformed text just scores lower."""
-    return float(answer_correct(completion, gold)) + (FORMAT_REWARD if format_ok(completion) else 0.0)
-
-
-class AnswerTask:
-    """Problems {"question", "answer"} answered as <think>...</think><answer>number</answer>."""
-    system = False  # whether prompts carry PAPER_INSTRUCTION as the system message
-    reads_data = False  # whether the task trains on the --data file
-    reads = ("system",)  # the task-specific flags (make_task's TASK_FLAGS) that from_args reads
-
-    def prompt(self, problem):
-        return rollout.chat_prompt(problem["question"], system=PAPER_INSTRUCTION if self.system else None)
-
-    def reward(self, problem, completion):
-        return reward_fn(completion, problem["answer"])
-
-    def correct(self, problem, completion):
-        return answer_correct(completion, problem["answer"])
-
-
-def make_problem(rng, digits=3, nops=2, ops="+-"):
-    """One problem {question, answer, solution} from a random.Random: `a op b op c = ?`, worked left to
-    right; `solution` is the completion the tiny model was pretrained on."""
-    def operand():  # the digit count is drawn first: small numbers are as common as large ones
-        d = rng.randint(1, digits)
-        return rng.randint(0 if d == 1 else 10 ** (d - 1), 10 ** d - 1)
-
-    nums = [operand() for _ in range(nops + 1)]
-    chosen = [rng.choice(ops) for _ in range(nops)]
-    acc, steps = nums[0], []
-    for op, n in zip(chosen, nums[1:]):
-        new = acc + n if op == "+" else acc - n
-        steps.append(f"{acc}{op}{n}={new}")
-        acc = new
-    question = str(nums[0]) + "".join(op + str(n) for op, n in zip(chosen, nums[1:])) + "=?"
-    solution = "<think>" + ",".join(steps) + "</think><answer>" + str(acc) + "</answer>"
-    return {"question": question, "answer": str(acc), "solution": solution}
-
-
-def arithmetic_space(digits, nops, ops="+-"):
-    """How many distinct questions make_problem can write: 10^digits operand values, len(ops) operators."""
-    return (10 ** digits) ** (nops + 1) * len(ops) ** nops
-
-
-def arithmetic_problems(n, seed, digits=3, nops=2, exclude=frozenset()):
-    """The first n distinct problems of the stream `seed` whose questions are not in `exclude`."""
-    rng, seen, out = random.Random(seed), set(exclude), []
-    if len(seen) + n > arithmetic_space(digits, nops):
-        raise ValueError(f"{n} new problems wanted but --digits {digits} --nops {nops} has only "
-                         f"{arithmetic_space(digits, nops)} distinct ones, {len(exclude)} of them held out")
-    while len(out) < n:
-        p = make_problem(rng, digits, nops)
-        if p["question"] not in seen:
-            seen.add(p["question"])
-            out.append(p)
-    return out
-
-
-class ArithmeticTask(AnswerTask):
-    """The synthetic task (~4e9 problems at 3 digits and 2 operations); training skips the whole
-    held-out pool, not only the part that is evaluated."""
-    reads = ("digits", "nops", "system")
-
-    def __init__(self, digits=3, nops=2, eval_size=500, system=False):
-        self.digits, self.nops, self.system = digits, nops, system
-        pool_size, space = max(EVAL_POOL, eval_size), arithmetic_space(digits, nops)
-        if space < 2 * pool_size:  # drawing distinct problems from a nearly exhausted space never ends
-            raise ValueError(f"--digits {digits} --nops {nops} makes only {space} distinct problems, and the held-out "
-                             f"pool alone takes {pool_size} (with as many left to train on): raise --digits or --nops")
-        pool = arithmetic_problems(max(EVAL_POOL, eval_size), EVAL_SEED, digits, nops)
-        self.held, self.exclude = pool[:eval_size], frozenset(p["question"] for p in pool)
-
-    @classmethod
-    def from_args(cls, args, system):
-        return cls(args.digits, args.nops, args.eval_size, system)
-
-    def problems(self, seed, step, n):
-        return arithmetic_problems(n, seed * 1_000_003 + step, self.digits, self.nops, self.exclude)
-
-
-class JsonlTask(AnswerTask):
-    """A GSM8K-style file (read by load_jsonl); the held-out set is --eval-data, or a fixed random slice
-    of the file."""
-    reads_data, reads = True, ("data", "eval_data", "system")
-
-    def __init__(self, path, eval_path=None, eval_size=500, system=True):
-        train, self.system = load_jsonl(path), system
-        if eval_path:
-            held = load_jsonl(eval_path)[:eval_size]
-        else:
-            n_eval = min(eval_size, len(train) // 2)
-            random.Random(EVAL_SEED).shuffle(train)
-            held, train = train[:n_eval], train[n_eval:]
-        self.held, held_q = held, {p["question"] for p in held}
-        self.train = [p for p in train if p["question"] not in held_q]  # eval problems never train
-        if not self.train:
-            raise ValueError(f"no training problems left in {path!r} after removing the evaluation set")
-        if eval_size > 0 and not self.held:
-            raise ValueError(f"{path!r} has {len(train)} problem(s), too few to hold any out for evaluation: pass "
-                             f"--eval-data FILE, or --eval-size 0 for no evaluation")
-
-    @classmethod
-    def from_args(cls, args, system):
-        return cls(args.data, args.eval_data, args.eval_size, system)
-
-    def problems(self, seed, step, n):  # walk epoch-wise seeded shuffles of the file
-        out = []
-        for i in range(step * n, step * n + n):
-            epoch, j = divmod(i, len(self.train))
-            order = list(range(len(self.train)))
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)
-            out.append(self.train[order[j]])
-        return out
-
-
-class ChatArithmeticTask(AnswerTask):
-    """For a real instruct model (SmolLM2-135M-Instruct, assets/smollm2.py): "What is 13 - 4?" in its own
-    chat template, system message included, answered in its own words. Correct = the last number of the
-    reply; no format bonus, since such a model writes no tags. +/- on 0..20 and x on 2..12 (1,003
-    problems): SmolLM2 solves 17% of the held-out ones greedily, mostly losing to long-winded replies
-    that run out of tokens."""
-    reads = ()  # its system message is the model's own
-
-    def __init__(self, eval_size=200, system_message=None):
-        pool = [(f"What is {a} + {b}?", a + b) for a in range(21) for b in range(21)]
-        pool += [(f"What is {a} - {b}?", a - b) for a in range(21) for b in range(21)]
-        pool += [(f"What is {a} times {b}?", a * b) for a in range(2, 13) for b in range(2, 13)]
-        if not 0 <= eval_size <= len(pool) // 2:
-            raise ValueError(f"--task chat-arithmetic has {len(pool)} problems: --eval-size must be 0..{len(pool) // 2}")
-        problems = [{"question": q, "answer": str(a)} for q, a in pool]
-        random.Random(EVAL_SEED).shuffle(problems)
-        self.held, self.train, self.system_message = problems[:eval_size], problems[eval_size:], system_message
-
-    @classmethod
-    def from_args(cls, args, system):  # the model's own default system message, not the paper's instruction
-        return cls(args.eval_size, rollout.template_default_system(Path(args.model) / "tokenizer_config.json"))
-
-    def prompt(self, problem):
-        return rollout.chat_prompt(problem["question"], system=self.system_message)
-
-    def reward(self, problem, completion):
-        return float(self.correct(problem, completion))
-
-    def correct(self, problem, completion):
-        return parse_number(_strip_eos(completion)) == parse_number(problem["answer"])
-
-    def problems(self, seed, step, n):  # a fresh seeded sample of the training problems each step
-        return random.Random(seed * 1_000_003 + step).sample(self.train, min(n, len(self.train)))
-
-
-# --task NAME -> its class; make_task builds it with `from_args(args, system)`
-TASKS = {"arithmetic": ArithmeticTask, "gsm8k": JsonlTask, "chat-arithmetic": ChatArithmeticTask}
-
-# -----------------------------------------------------------------------------
+# A step's problems come from the task (Part 2, TASKS: synthetic arithmetic, a GSM8K-style file, chat
+# arithmetic), an object with problems(seed, step, n), held, prompt(p), reward(p, text), correct(p, text).
+#
 # Sampling under AQN: G completions per prompt from the policy with noise on its RMSNorm gains (stage
 # 04); their log-probs are pi_old in the loss under --pi-old sampler. On a CPU it samples from merged
 # weights (Part 2).
@@ -664,7 +459,215 @@ def train(args, task=None):
         return summary
 
 
-# ============ Part 2: plumbing (data files, evaluation, processes, checkpoints, the run log, command line) ============
+# ======== Part 2: plumbing (tasks, data files, evaluation, processes, checkpoints, the run log, command line) ========
+# -----------------------------------------------------------------------------
+# Tasks: each one object with `problems(seed, step, n)` (a pure function of (seed, step), so a resumed run
+# draws what an uninterrupted one would), `held` (the held-out problems), `prompt`, `correct` and `reward`.
+# The loop only calls these. Three tasks ship, chosen by --task from TASKS: synthetic arithmetic, a
+# GSM8K-style JSONL file, and chat arithmetic for a real instruct model (tests add another).
+
+# The paper's instruction (App. E). The bundled tiny model learned the format in pretraining, so its
+# prompt is the bare problem ("qerl_prompt": "bare" in its config.json).
+PAPER_INSTRUCTION = ("Solve the following math problem step by step. The reasoning process and direct answer "
+                     "are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., "
+                     "<think> reasoning process here </think> <answer> answer here </answer>.")
+EVAL_SEED, EVAL_POOL = 1234, 2000  # the held-out stream; its first EVAL_POOL questions never train
+FORMAT_REWARD = 0.1
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+# exactly one think block then one answer block (whitespace allowed between and around)
+_FORMAT = re.compile(r"\s*<think>((?!</?think>).)*</think>\s*<answer>((?!</?answer>).)*</answer>\s*", re.S)
+_EOS_STRINGS = ("<|im_end|>", "<|endoftext|>")
+
+
+def parse_number(text):
+    """The last number in `text` as an exact Fraction ("1,234.50" -> 2469/2), or None."""
+    found = _NUMBER.findall(text or "")
+    try:
+        return Fraction(found[-1].replace(",", "")) if found else None
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _strip_eos(completion):  # a sampler may or may not decode the stop token
+    text = completion if isinstance(completion, str) else ""
+    for eos in _EOS_STRINGS:
+        text = text.replace(eos, "")
+    return text
+
+
+def extract_answer(completion):
+    """The number in the last <answer>...</answer> of a completion, or None."""
+    blocks = _ANSWER.findall(_strip_eos(completion))
+    return parse_number(blocks[-1]) if blocks else None
+
+
+def answer_correct(completion, gold):
+    """The one definition of "solved": the last <answer> holds the gold number."""
+    pred, want = extract_answer(completion), parse_number(str(gold))
+    return pred is not None and want is not None and pred == want
+
+
+def format_ok(completion):
+    """Whether a completion is exactly <think>...</think><answer>number</answer>: one block of each, in
+    that order, whitespace allowed around them, a decoded stop token ignored."""
+    return _FORMAT.fullmatch(_strip_eos(completion)) is not None and extract_answer(completion) is not None
+
+
+def reward_fn(completion, gold):
+    """1.0 if correct, plus 0.1 if format_ok. Never raises: malformed text just scores lower."""
+    return float(answer_correct(completion, gold)) + (FORMAT_REWARD if format_ok(completion) else 0.0)
+
+
+class AnswerTask:
+    """Problems {"question", "answer"} answered as <think>...</think><answer>number</answer>."""
+    system = False  # whether prompts carry PAPER_INSTRUCTION as the system message
+    reads_data = False  # whether the task trains on the --data file
+    reads = ("system",)  # the task-specific flags (make_task's TASK_FLAGS) that from_args reads
+
+    def prompt(self, problem):
+        return rollout.chat_prompt(problem["question"], system=PAPER_INSTRUCTION if self.system else None)
+
+    def reward(self, problem, completion):
+        return reward_fn(completion, problem["answer"])
+
+    def correct(self, problem, completion):
+        return answer_correct(completion, problem["answer"])
+
+
+def make_problem(rng, digits=3, nops=2, ops="+-"):
+    """One problem {question, answer, solution} from a random.Random: `a op b op c = ?`, worked left to
+    right; `solution` is the completion the tiny model was pretrained on."""
+    def operand():  # the digit count is drawn first: small numbers are as common as large ones
+        d = rng.randint(1, digits)
+        return rng.randint(0 if d == 1 else 10 ** (d - 1), 10 ** d - 1)
+
+    nums = [operand() for _ in range(nops + 1)]
+    chosen = [rng.choice(ops) for _ in range(nops)]
+    acc, steps = nums[0], []
+    for op, n in zip(chosen, nums[1:]):
+        new = acc + n if op == "+" else acc - n
+        steps.append(f"{acc}{op}{n}={new}")
+        acc = new
+    question = str(nums[0]) + "".join(op + str(n) for op, n in zip(chosen, nums[1:])) + "=?"
+    solution = "<think>" + ",".join(steps) + "</think><answer>" + str(acc) + "</answer>"
+    return {"question": question, "answer": str(acc), "solution": solution}
+
+
+def arithmetic_space(digits, nops, ops="+-"):
+    """How many distinct questions make_problem can write: 10^digits operand values, len(ops) operators."""
+    return (10 ** digits) ** (nops + 1) * len(ops) ** nops
+
+
+def arithmetic_problems(n, seed, digits=3, nops=2, exclude=frozenset()):
+    """The first n distinct problems of the stream `seed` whose questions are not in `exclude`."""
+    rng, seen, out = random.Random(seed), set(exclude), []
+    if len(seen) + n > arithmetic_space(digits, nops):
+        raise ValueError(f"{n} new problems wanted but --digits {digits} --nops {nops} has only "
+                         f"{arithmetic_space(digits, nops)} distinct ones, {len(exclude)} of them held out")
+    while len(out) < n:
+        p = make_problem(rng, digits, nops)
+        if p["question"] not in seen:
+            seen.add(p["question"])
+            out.append(p)
+    return out
+
+
+class ArithmeticTask(AnswerTask):
+    """The synthetic task (~4e9 problems at 3 digits and 2 operations); training skips the whole
+    held-out pool, not only the part that is evaluated."""
+    reads = ("digits", "nops", "system")
+
+    def __init__(self, digits=3, nops=2, eval_size=500, system=False):
+        self.digits, self.nops, self.system = digits, nops, system
+        pool_size, space = max(EVAL_POOL, eval_size), arithmetic_space(digits, nops)
+        if space < 2 * pool_size:  # drawing distinct problems from a nearly exhausted space never ends
+            raise ValueError(f"--digits {digits} --nops {nops} makes only {space} distinct problems, and the held-out "
+                             f"pool alone takes {pool_size} (with as many left to train on): raise --digits or --nops")
+        pool = arithmetic_problems(max(EVAL_POOL, eval_size), EVAL_SEED, digits, nops)
+        self.held, self.exclude = pool[:eval_size], frozenset(p["question"] for p in pool)
+
+    @classmethod
+    def from_args(cls, args, system):
+        return cls(args.digits, args.nops, args.eval_size, system)
+
+    def problems(self, seed, step, n):
+        return arithmetic_problems(n, seed * 1_000_003 + step, self.digits, self.nops, self.exclude)
+
+
+class JsonlTask(AnswerTask):
+    """A GSM8K-style file (read by load_jsonl); the held-out set is --eval-data, or a fixed random slice
+    of the file."""
+    reads_data, reads = True, ("data", "eval_data", "system")
+
+    def __init__(self, path, eval_path=None, eval_size=500, system=True):
+        train, self.system = load_jsonl(path), system
+        if eval_path:
+            held = load_jsonl(eval_path)[:eval_size]
+        else:
+            n_eval = min(eval_size, len(train) // 2)
+            random.Random(EVAL_SEED).shuffle(train)
+            held, train = train[:n_eval], train[n_eval:]
+        self.held, held_q = held, {p["question"] for p in held}
+        self.train = [p for p in train if p["question"] not in held_q]  # eval problems never train
+        if not self.train:
+            raise ValueError(f"no training problems left in {path!r} after removing the evaluation set")
+        if eval_size > 0 and not self.held:
+            raise ValueError(f"{path!r} has {len(train)} problem(s), too few to hold any out for evaluation: pass "
+                             f"--eval-data FILE, or --eval-size 0 for no evaluation")
+
+    @classmethod
+    def from_args(cls, args, system):
+        return cls(args.data, args.eval_data, args.eval_size, system)
+
+    def problems(self, seed, step, n):  # walk epoch-wise seeded shuffles of the file
+        out = []
+        for i in range(step * n, step * n + n):
+            epoch, j = divmod(i, len(self.train))
+            order = list(range(len(self.train)))
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+            out.append(self.train[order[j]])
+        return out
+
+
+class ChatArithmeticTask(AnswerTask):
+    """For a real instruct model (SmolLM2-135M-Instruct, assets/smollm2.py): "What is 13 - 4?" in its own
+    chat template, system message included, answered in its own words. Correct = the last number of the
+    reply; no format bonus, since such a model writes no tags. +/- on 0..20 and x on 2..12 (1,003
+    problems): SmolLM2 solves 17% of the held-out ones greedily, mostly losing to long-winded replies
+    that run out of tokens."""
+    reads = ()  # its system message is the model's own
+
+    def __init__(self, eval_size=200, system_message=None):
+        pool = [(f"What is {a} + {b}?", a + b) for a in range(21) for b in range(21)]
+        pool += [(f"What is {a} - {b}?", a - b) for a in range(21) for b in range(21)]
+        pool += [(f"What is {a} times {b}?", a * b) for a in range(2, 13) for b in range(2, 13)]
+        if not 0 <= eval_size <= len(pool) // 2:
+            raise ValueError(f"--task chat-arithmetic has {len(pool)} problems: --eval-size must be 0..{len(pool) // 2}")
+        problems = [{"question": q, "answer": str(a)} for q, a in pool]
+        random.Random(EVAL_SEED).shuffle(problems)
+        self.held, self.train, self.system_message = problems[:eval_size], problems[eval_size:], system_message
+
+    @classmethod
+    def from_args(cls, args, system):  # the model's own default system message, not the paper's instruction
+        return cls(args.eval_size, rollout.template_default_system(Path(args.model) / "tokenizer_config.json"))
+
+    def prompt(self, problem):
+        return rollout.chat_prompt(problem["question"], system=self.system_message)
+
+    def reward(self, problem, completion):
+        return float(self.correct(problem, completion))
+
+    def correct(self, problem, completion):
+        return parse_number(_strip_eos(completion)) == parse_number(problem["answer"])
+
+    def problems(self, seed, step, n):  # a fresh seeded sample of the training problems each step
+        return random.Random(seed * 1_000_003 + step).sample(self.train, min(n, len(self.train)))
+
+
+# --task NAME -> its class; make_task builds it with `from_args(args, system)`
+TASKS = {"arithmetic": ArithmeticTask, "gsm8k": JsonlTask, "chat-arithmetic": ChatArithmeticTask}
+
 # GSM8K-style data (--task gsm8k): a JSONL file of {"question", "answer": "... #### n"} lines, and make_task
 
 
