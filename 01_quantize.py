@@ -12,26 +12,18 @@ NVFP4Linear runs CUDA inputs through the Triton kernel (kernels/) and dequantize
 NVFP4Linear.kernel_on_cpu is True: then CPU inputs go through the kernel too, run by Triton's interpreter
 (TRITON_INTERPRET=1; stage 05's --gpu-path sets both). Later stages import this file as `importlib.import_module("01_quantize")`.
 """
-import argparse
-import contextlib
-import errno
-import fcntl
 import functools
-import itertools
-import json
 import math
 import os
-import re
 import shutil
-import signal
 import sys
-import threading
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import SafetensorError
+
+import common  # the project's plumbing (device, atomic IO, folder readers, command line): imports no stage
 
 # -----------------------------------------------------------------------------------------------------
 # NVFP4: E2M1 values, an FP8 E4M3 scale per 16 inputs, an FP32 scale per tensor (all maths in fp32)
@@ -361,63 +353,7 @@ def quantize_model(model, fmt="nvfp4", skip=("lm_head",), method="rtn"):
 
 
 # ========= Part 2: plumbing (shared helpers, checks, compressed-tensors writer, demo, command line) =========
-# Helpers every stage uses, and checks
-
-
-def autodetect_device():
-    """The one device rule every stage uses: the GPU when there is one, else the CPU."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def pick_device(name=None):
-    """--device as a torch.device: autodetect for None; one clear error for a name torch does not know or
-    a GPU that is not there (instead of a traceback at the first tensor moved)."""
-    try:
-        device = torch.device(name or autodetect_device())
-    except RuntimeError:
-        raise ValueError(f"unknown device {name!r}: use cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name} requested but no GPU is available here: use --device cpu (or leave "
-                         f"--device out to autodetect)")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {name!r} is not supported: use cpu or cuda")
-    return device
-
-
-def model_device(model):
-    """The device of a module's first parameter or buffer (the CPU for a module with neither)."""
-    t = next(itertools.chain(model.parameters(), model.buffers()), None)
-    return t.device if t is not None else torch.device("cpu")
-
-
-def free_memory(device):
-    """Bytes a new allocation can still take on `device` (None where unknown): the GPU's free memory plus
-    what torch's caching allocator holds unused; on the CPU, the RAM Linux calls available (MemAvailable),
-    within the container's cgroup limit if it has one."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return torch.cuda.mem_get_info(device)[0] + cached
-    try:
-        with open("/proc/meminfo") as f:
-            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        if os.path.isfile("/sys/fs/cgroup/memory.max"):
-            with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
-                limit = f.read().strip()
-                free = free if limit == "max" else min(free, int(limit) - int(g.read()))
-    except (OSError, StopIteration, ValueError):
-        return None
-    return free
-
-
-def check_memory_fits(need, device, what):
-    """Refuse, before allocating, what needs more than `device` has free: one line with both figures.
-    `need` is an estimate in bytes, `what` names the request (the flags that set its size)."""
-    free = free_memory(device)
-    if free is not None and need > free:
-        where = "GPU memory free" if torch.device(device).type == "cuda" else "RAM available"
-        raise ValueError(f"{what} needs about {need / 2 ** 30:.1f} GiB, and this machine has {free / 2 ** 30:.1f} GiB "
-                         f"of {where}: lower those sizes")
+# Helpers and checks (the project's plumbing, shared by every stage, is common.py)
 
 
 def replace_module(model, name, new):
@@ -425,73 +361,6 @@ def replace_module(model, name, new):
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent), leaf, new)  # get_submodule("") is the model itself
     return new
-
-
-def atomic_write(path, write):
-    """Call write(tmp) with a hidden name next to `path`, then rename it to `path`: a reader (or a resume
-    after a crash) sees the old file or folder or the complete new one, never half of it. Returns path."""
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
-    old = tmp + ".old"
-    try:
-        write(tmp)
-        if os.path.isdir(path):  # os.replace cannot overwrite a folder: move the old one aside first
-            os.replace(path, old)
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as e:  # a full disk, say: name what was being written, not the temporary
-        name = getattr(e, "filename", None)
-        name = path + name[len(tmp):] if isinstance(name, str) and name.startswith(tmp) else path
-        raise OSError(getattr(e, "errno", None) or errno.EIO, getattr(e, "strerror", None) or str(e), name) from None
-    finally:
-        for leftover in (tmp, old):
-            if os.path.isdir(leftover):
-                shutil.rmtree(leftover, ignore_errors=True)
-            elif os.path.exists(leftover):
-                os.remove(leftover)
-    return path
-
-
-def write_text(path, text):
-    def write(tmp):
-        with open(tmp, "w") as f:
-            f.write(text)
-    return atomic_write(path, write)
-
-
-def write_json(path, obj):
-    return write_text(path, json.dumps(obj, indent=2) + "\n")
-
-
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def remove_stale_temps(folder, ours):
-    """Clear what atomic_write leaves in `folder` when its process is killed mid-write: .NAME.tmpPID and
-    .NAME.tmpPID.old of a PID that is gone, for the NAMEs the caller writes there (ours(NAME) is true), so a
-    user's look-alike such as .draft.tmp2024 stays. If the kill fell between atomic_write's two renames, NAME
-    is missing and .old holds its previous complete version: that is put back. Returns the names removed."""
-    removed = []
-    if not os.path.isdir(folder):
-        return removed
-    for name in sorted(os.listdir(folder)):
-        m = re.fullmatch(r"\.(.+)\.tmp(\d+)(\.old)?", name)
-        if not m or not ours(m.group(1)) or _pid_alive(int(m.group(2))):
-            continue
-        path, target = os.path.join(folder, name), os.path.join(folder, m.group(1))
-        if m.group(3) and not os.path.exists(target):
-            os.replace(path, target)
-            continue
-        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-        removed.append(name)
-    return removed
 
 
 def _check_weight(w, name, global_scale=None):
@@ -515,197 +384,16 @@ def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
     """quantize_checkpoint's checks, before any tensor is read -> (config, weight_map, has_index, device)."""
     if fmt != "nvfp4":
         raise ValueError(f"checkpoint format {fmt!r} not supported: only nvfp4 (compressed-tensors) is written")
-    config, weight_map, has_index = find_weight_files(model_dir)
+    config, weight_map, has_index = common.find_weight_files(model_dir)
     if "quantization_config" in config:
         raise ValueError(f"{model_dir} is already quantized (its config.json has a quantization_config)")
-    check_out_dir(out_dir, [model_dir], force=force, ours=lambda f: output_files(f, QUANTIZE_COMMAND) is not None,
+    common.check_out_dir(out_dir, [model_dir], force=force, ours=lambda f: common.output_files(f, QUANTIZE_COMMAND) is not None,
                   command=QUANTIZE_COMMAND)
-    return config, weight_map, has_index, pick_device(device)
+    return config, weight_map, has_index, common.pick_device(device)
 
 
-# -----------------------------------------------------------------------------------------------------
-# Ownership. One process writes an output folder at a time: it holds an flock on a file in the folder,
-# which the kernel releases however the process ends. A command deletes only what it made: the folder's
-# manifest lists the files a command wrote there, and --force replaces those and nothing else.
-
-LOCK_FILE = ".qerl.lock"         # locked by the process writing the folder; it holds that process's PID
-MANIFEST = "qerl_manifest.json"  # {"command": ..., "files": [...]}: what that command wrote in the folder
-
-
-class OutputLock:
-    """`with OutputLock(folder):` this process is the folder's one writer (the folder is made if missing),
-    or one error naming the process that is. On exit, what the lock made goes again: its lock file, and
-    the folder if nothing else is in it."""
-
-    def __init__(self, folder):
-        self.folder, self.path = folder, os.path.join(folder, LOCK_FILE)
-
-    def __enter__(self):
-        self.made_folder = not os.path.isdir(self.folder)
-        os.makedirs(self.folder, exist_ok=True)
-        while True:
-            self.made_file = not os.path.exists(self.path)
-            self.file = open(self.path, "a+")
-            try:
-                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self.file.seek(0)
-                pid = self.file.read().strip()
-                self.file.close()
-                raise ValueError(f"{self.folder} is being written by {f'process {pid}' if pid else 'another process'}"
-                                 f": one process writes an output at a time; wait for it to end, or choose another "
-                                 f"--out") from None
-            try:  # the last holder may have removed the file between our open and our lock: then lock the new one
-                if os.path.samestat(os.fstat(self.file.fileno()), os.stat(self.path)):
-                    break
-            except FileNotFoundError:
-                pass
-            self.file.close()
-        self.file.truncate(0)
-        self.file.write(f"{os.getpid()}\n")
-        self.file.flush()
-        return self
-
-    def __exit__(self, *exc):
-        with contextlib.suppress(OSError):
-            if self.made_file:
-                os.remove(self.path)  # before the unlock, so that the next writer locks a file of its own
-        self.file.close()
-        if self.made_folder:
-            with contextlib.suppress(OSError):  # not empty: it holds an output, or a user's files
-                os.rmdir(self.folder)
-        return False
-
-
-def output_files(folder, command):
-    """The files an earlier run of `command` wrote in `folder` (its manifest's list), or None when the folder
-    has no manifest of that command. Only plain names count: a manifest cannot point outside its folder."""
-    try:
-        manifest = read_json(os.path.join(folder, MANIFEST))
-    except ValueError:
-        return None
-    files = manifest.get("files")
-    if manifest.get("command") != command or not isinstance(files, list):
-        return None
-    return [n for n in files if isinstance(n, str) and n not in ("", ".", "..") and os.path.basename(n) == n]
-
-
-def write_output(out, write, command):
-    """Write `command`'s output folder under OutputLock: write(tmp) makes a temporary folder beside `out`,
-    then each of its files moves into `out` with one rename (none is ever half-written) and the manifest
-    lists them. In `out` only the files of an earlier run's manifest are replaced or removed; a user's file
-    stays, and one that has the name of a new file is an error. Returns the absolute path of out."""
-    out = os.path.abspath(out)
-    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp{os.getpid()}")  # atomic_write's kind
-    with OutputLock(out):
-        remove_stale_temps(os.path.dirname(out), lambda name: name == os.path.basename(out))  # a killed run's
-        remove_stale_temps(out, lambda name: name == MANIFEST)
-        old = set(output_files(out, command) or ())
-        try:
-            write(tmp)  # which makes tmp, as for atomic_write
-            new = set(os.listdir(tmp))
-            taken = sorted(n for n in new - old if os.path.lexists(os.path.join(out, n)))
-            if taken:
-                raise ValueError(f"{os.path.join(out, taken[0])} was not written by {command}: move it away, or "
-                                 f"choose another --out")
-            # Listed first, so that a kill during the renames leaves a folder whose every file --force may replace
-            write_json(os.path.join(out, MANIFEST), {"command": command, "files": sorted(old | new)})
-            for name in sorted(old - new):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(out, name))
-            for name in sorted(new):
-                os.replace(os.path.join(tmp, name), os.path.join(out, name))
-            write_json(os.path.join(out, MANIFEST), {"command": command, "files": sorted(new)})
-        except (OSError, SafetensorError) as e:  # a full disk, say: name the output's file, not the temporary
-            name = getattr(e, "filename", None)
-            name = out + name[len(tmp):] if isinstance(name, str) and name.startswith(tmp) else out
-            raise OSError(getattr(e, "errno", None) or errno.EIO, getattr(e, "strerror", None) or str(e), name) from None
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-# -----------------------------------------------------------------------------------------------------
-# Reading Hugging Face folders. A safetensors file is: 8-byte little-endian header length, a JSON header
-# {name: {dtype, shape, data_offsets}}, then the raw bytes.
-
-ST_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-                  "F8_E4M3": 1, "F8_E5M2": 1}
+# The projections of a decoder layer, and the shapes config.json implies for its weights
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def read_json(path):
-    """A JSON object from `path` (every Hugging Face folder file is one); one error naming the file otherwise."""
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
-    except ValueError as e:  # also what a UTF-8 decoding error is
-        raise ValueError(f"{path} is not valid JSON ({e}); write or download it again") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path} should hold a JSON object {{...}}, found a {type(obj).__name__}")
-    return obj
-
-
-def _read_header(path):
-    """-> ({name: {dtype, shape, data_offsets}}, byte where the data starts)."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if not 2 <= n <= size - 8:  # random bytes: a "header length" of exabytes
-                raise ValueError(f"header length {n} does not fit a {size}-byte file")
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        for k, v in header.items():
-            if v["dtype"] not in ST_DTYPE_BYTES:
-                raise ValueError(f"unsupported dtype {v['dtype']}")
-            shape, offsets = v.get("shape"), v.get("data_offsets")  # JSON: anything may be any type
-            if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and
-                    isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-                raise ValueError(f"tensor {k} needs a list of sizes as its shape and two byte offsets as its "
-                                 f"data_offsets, got {shape!r} and {offsets!r}")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
-    for k, v in header.items():  # checked before anything is written: a cut-off download fails here
-        b, e = v["data_offsets"]
-        if e - b != ST_DTYPE_BYTES[v["dtype"]] * math.prod(v["shape"]) or 8 + n + e > size:
-            raise ValueError(f"{path}: tensor {k} needs bytes {8 + n + b}..{8 + n + e} but the file has {size}; "
-                             f"the file is truncated or corrupt, download it again")
-    return header, 8 + n
-
-
-def safetensors_problem(path):
-    """One line saying what is wrong with a safetensors file (unreadable header, a tensor past the end of
-    the file), or None when its header and sizes are sound. For reporting a file safetensors refuses."""
-    try:
-        _read_header(path)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def find_weight_files(model_dir):
-    """-> (config, {tensor name: shard file name}, has_index); one clear error for a bad folder."""
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"model folder not found: {model_dir}")
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise FileNotFoundError(f"{model_dir} has no config.json (expected a Hugging Face model folder)")
-    config = read_json(os.path.join(model_dir, "config.json"))
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no weight_map")
-    elif os.path.isfile(os.path.join(model_dir, "model.safetensors")):
-        weight_map = {k: "model.safetensors" for k in _read_header(os.path.join(model_dir, "model.safetensors"))[0]}
-    else:
-        raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
-    for shard in set(weight_map.values()):
-        if not os.path.isfile(os.path.join(model_dir, shard)):
-            raise FileNotFoundError(f"shard {shard} listed in the index is missing from {model_dir}")
-    return config, weight_map, os.path.isfile(index)
 
 
 def _expected_shape(name, config):
@@ -745,7 +433,7 @@ def _plan_shards(model_dir, weight_map, config):
     """-> (headers {shard: {tensor: info}}, where {tensor: shard}, fused groups {gid: [weight names]}).
     Every header, size and shape is checked here, before anything is written."""
     shards = sorted(set(weight_map.values()))
-    headers = {s: _read_header(os.path.join(model_dir, s))[0] for s in shards}
+    headers = {s: common.read_safetensors_header(os.path.join(model_dir, s))[0] for s in shards}
     where = {k: s for s in shards for k in headers[s]}
     for k, s in where.items():
         want, got = _expected_shape(k, config), tuple(headers[s][k]["shape"])
@@ -821,138 +509,20 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
             save_file(tensors, os.path.join(tmp, s), metadata={"format": "pt", "nvfp4_method": method})
             sizes.append(sum(t.numel() * t.element_size() for t in tensors.values()))
             new_map.update(dict.fromkeys(tensors, s))
-        write_json(os.path.join(tmp, "config.json"), dict(config, quantization_config=NVFP4_QUANT_CONFIG))
+        common.write_json(os.path.join(tmp, "config.json"), dict(config, quantization_config=NVFP4_QUANT_CONFIG))
         if has_index:
-            write_json(os.path.join(tmp, "model.safetensors.index.json"),
+            common.write_json(os.path.join(tmp, "model.safetensors.index.json"),
                        {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(new_map.items()))})
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(model_dir, name)):
                 shutil.copy2(os.path.join(model_dir, name), os.path.join(tmp, name))
 
-    out_dir = write_output(out_dir, write, QUANTIZE_COMMAND)
+    out_dir = common.write_output(out_dir, write, QUANTIZE_COMMAND)
     bytes_in = sum(v["data_offsets"][1] - v["data_offsets"][0] for h in headers.values() for v in h.values())
     bytes_out = sum(sizes)
     log(f"done | tensors {len(where)} | quantized {n_quant} | bytes {bytes_in / 1e6:.1f} MB -> "
         f"{bytes_out / 1e6:.1f} MB ({bytes_out / max(bytes_in, 1):.3f}x) | time {time.time() - t0:.1f}s | out {out_dir}")
     return {"bytes_in": bytes_in, "bytes_out": bytes_out, "quantized": n_quant, "tensors": len(where)}
-
-
-# -----------------------------------------------------------------------------------------------------
-# Command lines. Every stage parses with ArgumentParser (a bad flag: one line, exit 2), declares each
-# number's range with `number` (what makes no sense is refused before any work), guards what it writes
-# with `check_out_dir` (or its path rules alone, `check_out_path`), and ends in `run_cli` (an expected
-# error: one line, exit 1; Ctrl-C, SIGTERM, SIGHUP: exit 128 + the signal's number).
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line naming the flag, not a usage block. No abbreviations: a new flag
-    must not change what an old command line (--loss for --loss-agg) means."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
-def _range_text(lo, hi, above, below):
-    parts = [f">= {lo:g}" if lo is not None else None, f"> {above:g}" if above is not None else None,
-             f"<= {hi:g}" if hi is not None else None, f"< {below:g}" if below is not None else None]
-    return " and ".join(p for p in parts if p) or "a finite number"
-
-
-def number(kind=float, lo=None, hi=None, *, above=None, below=None):
-    """An argparse type: kind(text), finite, with lo <= x <= hi and above < x < below (each bound optional).
-    NaN, inf and out-of-range values are refused with the allowed range."""
-    def parse(text):
-        try:
-            x = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        ok = (math.isfinite(x) and (lo is None or x >= lo) and (hi is None or x <= hi)
-              and (above is None or x > above) and (below is None or x < below))
-        if not ok:
-            raise argparse.ArgumentTypeError(f"{text} is out of range: need {_range_text(lo, hi, above, below)}")
-        return x
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def check_out_path(out, inputs=()):
-    """An output folder's path: not a file, and neither one of `inputs` nor a folder containing one."""
-    out_real = os.path.realpath(out)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out} is a file, not a folder: choose a folder name")
-    for src in inputs:
-        src_real = os.path.realpath(src)
-        if src_real == out_real or src_real.startswith(out_real.rstrip(os.sep) + os.sep):
-            relation = "is" if src_real == out_real else "contains"
-            raise ValueError(f"--out {out} {relation} the input {src}: writing there would replace it; choose a "
-                             f"new folder for the output")
-
-
-def check_out_dir(out, inputs=(), *, force=False, ours=None, command="this command"):
-    """Before any work, refuse an output folder that another process is writing, or whose writing would
-    destroy something the command did not make: check_out_path's rules, and an existing non-empty `out`
-    needs force, which writes there only when ours(out) recognises an earlier output of `command`."""
-    check_out_path(out, inputs)
-    if not os.path.isdir(out):
-        return
-    with OutputLock(out):  # a live writer is named here, before any work
-        held = [n for n in os.listdir(out) if n != LOCK_FILE]
-    if held:
-        if not force:
-            raise FileExistsError(f"{os.path.abspath(out)} already exists: pass --force to replace it")
-        if ours is None or not ours(out):
-            raise ValueError(f"--force replaces only an earlier output of {command}, and {out} is not one (no {MANIFEST} "
-                             f"of it there): choose a new --out")
-
-
-EXPECTED_ERRORS = (ValueError, OSError, SafetensorError)  # bad input, a missing or unreadable file, a full disk
-
-
-def error_line(e):
-    """The one line an expected error prints: an OSError as 'file: reason', anything else as its message."""
-    if isinstance(e, OSError) and e.filename and e.strerror:
-        return f"{e.filename}: {e.strerror}"
-    return str(e) or type(e).__name__
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; Slurm or Kubernetes; a closed terminal
-
-
-class Interrupted(KeyboardInterrupt):
-    """A stop signal raised as Ctrl-C's KeyboardInterrupt is, wherever the program is, so that every
-    `finally` and `with` removes its half-written output. Interrupted(message, signum)."""
-
-    def __init__(self, message="", signum=signal.SIGINT):
-        super().__init__(message)
-        self.signum = signum
-
-
-def raise_interrupted(signum, frame):  # a signal handler
-    raise Interrupted(signum=signum)
-
-
-def run_cli(main, argv=None):
-    """Run a stage's main(argv): an expected error prints `error: ...` on one line and returns 1; Ctrl-C,
-    SIGTERM or SIGHUP prints `interrupted` (with the signal's name and the exception's message, e.g. how
-    to resume) and returns 128 + the signal's number (130, 143, 129)."""
-    main_thread = threading.current_thread() is threading.main_thread()  # only it can take signals
-    previous = {s: signal.signal(s, raise_interrupted) for s in STOP_SIGNALS[1:]} if main_thread else {}
-    try:
-        return main(argv) or 0
-    except KeyboardInterrupt as e:
-        signum = getattr(e, "signum", signal.SIGINT)
-        name = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
-        print("interrupted" + name + (f" | {e}" if str(e) else ""), file=sys.stderr, flush=True)
-        return 128 + signum
-    except EXPECTED_ERRORS as e:
-        print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -988,7 +558,7 @@ def demo(seed=0):
 
 
 def main(argv=None):
-    p = ArgumentParser(description="NVFP4/NF4 demo, or HF folder -> compressed-tensors NVFP4 checkpoint")
+    p = common.ArgumentParser(description="NVFP4/NF4 demo, or HF folder -> compressed-tensors NVFP4 checkpoint")
     p.add_argument("--model", help="Hugging Face model folder (config.json + safetensors)")
     p.add_argument("--out", help="output folder for the quantized checkpoint")
     p.add_argument("--format", default="nvfp4", choices=["nvfp4"], help="checkpoint format")
@@ -996,7 +566,7 @@ def main(argv=None):
                    help="NVFP4 rounding: rtn (compressed-tensors) or 4over6 (per block, max -> 6 or 4)")
     p.add_argument("--force", action="store_true", help="replace --out if it is an earlier output of this command")
     p.add_argument("--device", default=None, help="where to quantize (default: cuda if available, else cpu)")
-    p.add_argument("--seed", type=number(int, 0), default=0, help="demo seed")
+    p.add_argument("--seed", type=common.number(int, 0), default=0, help="demo seed")
     args = p.parse_args(argv)
     if args.model is None and args.out is None:
         demo(args.seed)
@@ -1008,4 +578,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(common.run_cli(main))

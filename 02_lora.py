@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 quantize = importlib.import_module("01_quantize")
 
 DEFAULT_TARGETS = quantize.LINEAR_NAMES  # every projection of a decoder layer
@@ -52,7 +53,7 @@ class LoRALinear(nn.Module):
         # fp32 adapters whatever the activations: an Adam step of lr 1e-5 is a relative change that
         # bf16's 8 significand bits would round away. Initialised on the CPU, so one seeded generator
         # gives the same adapter on any device.
-        device = quantize.model_device(base)
+        device = common.model_device(base)
         A = torch.empty(r, base.in_features, dtype=torch.float32)  # (r, in)
         # Kaiming-uniform with a=sqrt(5) is nn.Linear's (and PEFT's) default: U(-1/sqrt(in), 1/sqrt(in)).
         nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
@@ -217,7 +218,7 @@ def _read_adapter_tensors(path):
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(quantize.safetensors_problem(path) or f"{path} is not a readable safetensors file "
+        raise ValueError(common.safetensors_problem(path) or f"{path} is not a readable safetensors file "
                          f"({e}); the file is truncated or corrupt, write or download it again") from None
 
 
@@ -300,9 +301,9 @@ def save_adapter(model, dir, base_model_name_or_path="", modules_to_save=None):
         "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": modules_to_save, "init_lora_weights": True,
         "layers_to_transform": None, "layers_pattern": None, "revision": None, "use_dora": False,
     }
-    quantize.atomic_write(os.path.join(dir, WEIGHTS_NAME), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    common.atomic_write(os.path.join(dir, WEIGHTS_NAME), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     # The config goes last: a folder with a config always has its weights.
-    quantize.write_json(os.path.join(dir, CONFIG_NAME), config)
+    common.write_json(os.path.join(dir, CONFIG_NAME), config)
     return dir
 
 
@@ -314,7 +315,7 @@ def load_adapter(model, dir):
     for f in (CONFIG_NAME, WEIGHTS_NAME):
         if not os.path.isfile(os.path.join(dir, f)):
             raise FileNotFoundError(f"adapter folder {dir!r} has no {f}: is it a PEFT LoRA adapter folder?")
-    cfg = quantize.read_json(os.path.join(dir, CONFIG_NAME))
+    cfg = common.read_json(os.path.join(dir, CONFIG_NAME))
     if (cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("bias", "none") != "none"
             or cfg.get("rank_pattern") or cfg.get("alpha_pattern")):
         raise ValueError(f"{dir}: only plain LoRA adapters (peft_type LORA; no DoRA, bias, rank_pattern or "
@@ -378,7 +379,7 @@ class TinyMLP(nn.Module):
 
 
 def demo(steps=300, rank=8, lr=5e-3, batch=256, seed=0, device=None):
-    device = device or quantize.autodetect_device()
+    device = device or common.autodetect_device()
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # nn.Linear's own init
     student = quantize.quantize_model(TinyMLP().to(device), fmt="nvfp4", skip=())
@@ -435,17 +436,17 @@ def demo(steps=300, rank=8, lr=5e-3, batch=256, seed=0, device=None):
 
 
 def main(argv=None):
-    number = quantize.number
-    ap = quantize.ArgumentParser(description="LoRA on a frozen NVFP4 MLP (stage 02 demo)")
+    number = common.number
+    ap = common.ArgumentParser(description="LoRA on a frozen NVFP4 MLP (stage 02 demo)")
     ap.add_argument("--steps", type=number(int, 1), default=300, help="AdamW steps")
     ap.add_argument("--rank", type=number(int, 1), default=8, help="LoRA rank (also the teacher's change rank)")
     ap.add_argument("--lr", type=number(float, above=0), default=5e-3, help="AdamW learning rate")
     ap.add_argument("--seed", type=number(int, 0), default=0, help="seed of the torch.Generator")
     ap.add_argument("--device", default=None, help="cuda | cpu (default: autodetect)")
     args = ap.parse_args(argv)
-    demo(args.steps, args.rank, args.lr, seed=args.seed, device=quantize.pick_device(args.device))
+    demo(args.steps, args.rank, args.lr, seed=args.seed, device=common.pick_device(args.device))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(quantize.run_cli(main))
+    sys.exit(common.run_cli(main))

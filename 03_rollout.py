@@ -35,6 +35,7 @@ import torch.utils.checkpoint
 from safetensors import safe_open
 import tokenizers
 
+common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 quantize = importlib.import_module("01_quantize")
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
@@ -339,7 +340,7 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     if eos_token_ids is None:
         eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else []
     pad_id = tokenizer.pad_token_id if tokenizer is not None else (list(eos_token_ids) or [0])[0]
-    dev = quantize.model_device(model)
+    dev = common.model_device(model)
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=dev)
     rows = [list(p) for p in prompts for _ in range(num_samples)]  # prompt-major
     B, N = len(rows), max_new_tokens
@@ -401,7 +402,7 @@ def left_pad(prompt_ids, completion_ids):
 
 def completion_hidden(model, prompt_ids, completion_ids):
     """Final-norm hidden states (B, T, C) at the positions that predict each completion token."""
-    ids, key_ok, P = left_pad(prompt_ids, completion_ids.to(quantize.model_device(model)))
+    ids, key_ok, P = left_pad(prompt_ids, completion_ids.to(common.model_device(model)))
     return model.hidden_states(ids, attention_mask=key_ok)[:, P - 1:-1]  # (B, T, C): P-1+t predicts token t
 
 
@@ -421,7 +422,7 @@ def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temper
     """Log-probs and entropies (B, T) of `completion_ids` after each row's prompt, with gradients; 0 after
     EOS. Without top-k/top-p it equals what `generate` recorded (up to fp rounding). One left-padded
     forward; only the completion tokens (mask > 0) reach lm_head, in chunks (Part 2, LOGITS_CHUNK_BYTES)."""
-    completion_ids = completion_ids.to(quantize.model_device(model))
+    completion_ids = completion_ids.to(common.model_device(model))
     B, T = completion_ids.shape
     h = completion_hidden(model, prompt_ids, completion_ids)  # (B, T, C)
     m = completion_mask.to(h.device, torch.float32)  # (B, T)
@@ -443,15 +444,15 @@ def load_model(path, quant="none", dtype=None, device=None, method="rtn"):
     """Load a Hugging Face folder -> (CausalLM in eval mode, Tokenizer). quant="nvfp4"/"nf4" quantizes the
     decoder Linears with stage 01, layer by layer as they arrive (method: NVFP4's rounding, "rtn" or
     "4over6"); a folder written by `01_quantize.py --out` loads as NVFP4 whatever `quant` says. dtype: bf16
-    on CUDA, fp32 on CPU; device: stage 01's autodetect."""
+    on CUDA, fp32 on CPU; device: common's autodetect."""
     path = Path(path)
-    raw, weight_map, _ = quantize.find_weight_files(str(path))  # checks the folder: config.json, shards
+    raw, weight_map, _ = common.find_weight_files(str(path))  # checks the folder: config.json, shards
     files = {name: path / f for name, f in weight_map.items()}  # tensor name -> safetensors file
     cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
     quant, prequantized = _load_format(path, raw, quant, method)
     tokenizer = load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
     _check_vocab(tokenizer, cfg, path)
-    device = quantize.pick_device(device)
+    device = common.pick_device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
@@ -505,7 +506,7 @@ def _fill(model, names, files, quant, device, dtype, method="rtn"):
                 handles[files[n]] = safe_open(files[n], "pt", device="cpu")  # memory-mapped, reads lazily
             t = handles[files[n]].get_tensor(n)
         except Exception as e:  # safetensors raises its own SafetensorError (not an OSError/ValueError)
-            raise ValueError(quantize.safetensors_problem(files[n]) or f"{files[n]}: cannot read tensor {n} ({e}); "
+            raise ValueError(common.safetensors_problem(files[n]) or f"{files[n]}: cannot read tensor {n} ({e}); "
                              "the file is truncated or corrupt, download or write it again") from None
         if t.dtype in (torch.float32, torch.float16, torch.bfloat16) and not torch.isfinite(t).all():
             raise ValueError(f"{files[n]}: tensor {n} holds NaN or Inf values; the checkpoint is broken (a diverged "
@@ -652,7 +653,7 @@ def load_tokenizer(path, config=None):
     except Exception as e:  # tokenizers raises its own Exception subclass on a corrupt file
         raise ValueError(f"{path / 'tokenizer.json'} is not a readable tokenizer ({str(e)[:120]}); write or "
                          "download it again") from None
-    gen = {**(config or {}), **(quantize.read_json(gen_file) if gen_file.exists() else {})}
+    gen = {**(config or {}), **(common.read_json(gen_file) if gen_file.exists() else {})}
     eos, pad = gen.get("eos_token_id"), gen.get("pad_token_id")
     eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
     if (not isinstance(eos, list) or not all(isinstance(i, int) and 0 <= i for i in eos)
@@ -673,7 +674,7 @@ def template_default_system(config_file):
     """The default system message of tokenizer_config.json's chat template, or None."""
     if not config_file.exists():
         return None
-    template = quantize.read_json(config_file).get("chat_template")
+    template = common.read_json(config_file).get("chat_template")
     found = _DEFAULT_SYSTEM.search(template) if isinstance(template, str) else None
     return found.group(1) if found else None
 
@@ -830,8 +831,8 @@ def _check_generate(cfg, prompts, num_samples, max_new_tokens, temperature, top_
 
 
 def build_parser():
-    number = quantize.number
-    ap = quantize.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
+    number = common.number
+    ap = common.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
     ap.add_argument("--model", default=str(Path(__file__).parent / "assets" / "tiny-qwen"),
                     help="HF model folder (default: the bundled assets/tiny-qwen)")
     ap.add_argument("--prompt", default="12+7-3=?", help="user message (ChatML-wrapped; the default is the bundled "
@@ -863,7 +864,7 @@ def main(argv=None):
     if 0 < args.temperature < MIN_TEMPERATURE:
         ap.error(f"argument --temperature: {args.temperature:g} is too small to sample with: need 0 (greedy) or "
                  f">= {MIN_TEMPERATURE:g}")
-    device = quantize.pick_device(args.device)  # before loading: no GPU is one line, not a late traceback
+    device = common.pick_device(args.device)  # before loading: no GPU is one line, not a late traceback
     t0 = time.perf_counter()
     model, tok = load_model(args.model, quant=args.quant, device=device, method=args.quant_method)
     cfg = model.config
@@ -876,7 +877,7 @@ def main(argv=None):
         system = tok.default_system  # what the model's own chat template writes
     prompt = tok.encode(chat_prompt(args.prompt, system))
     dtype_bytes = model.model.embed_tokens.weight.element_size()
-    quantize.check_memory_fits(generate_memory(cfg, args.num_samples, len(prompt), args.max_new_tokens, dtype_bytes),
+    common.check_memory_fits(generate_memory(cfg, args.num_samples, len(prompt), args.max_new_tokens, dtype_bytes),
                                device, f"--num-samples {args.num_samples} with --max-new-tokens {args.max_new_tokens}")
     gen = torch.Generator(device=device).manual_seed(args.seed)
     r = generate(model, [prompt], num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
@@ -895,4 +896,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(quantize.run_cli(main))
+    sys.exit(common.run_cli(main))

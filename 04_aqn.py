@@ -35,6 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 quantize = importlib.import_module("01_quantize")
 rollout = importlib.import_module("03_rollout")
 
@@ -270,8 +271,8 @@ FULL = {"prompts": 64, "samples": 8, "sigmas": [5e-4, 1e-2, 5e-2], "dtypes": ["f
 
 
 def build_parser():
-    number = quantize.number
-    parser = quantize.ArgumentParser(description="AQN schedule and exploration measurements")
+    number = common.number
+    parser = common.ArgumentParser(description="AQN schedule and exploration measurements")
     parser.add_argument("--model", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-qwen"))
     parser.add_argument("--steps", type=number(int, 1), default=600, help="run length for the printed schedule")
     # The table prints every decaying kind, and exp/log need sigma_end > 0 (check_sigma_range).
@@ -311,7 +312,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    quantize.find_weight_files(args.model)  # a missing or broken folder: one line, before any work
+    common.find_weight_files(args.model)  # a missing or broken folder: one line, before any work
     if args.threads:
         torch.set_num_threads(args.threads)
     print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
@@ -335,4 +336,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(quantize.run_cli(main))
+    sys.exit(common.run_cli(main))

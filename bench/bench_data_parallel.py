@@ -26,6 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 quantize = importlib.import_module("01_quantize")  # the command-line pieces
 OWNED = ("--out", "--steps", "--eval-size", "--time-budget", "--save-every", "--resume", "--device")
 
@@ -55,8 +56,8 @@ def main(argv=None):
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    N = quantize.number
-    p = quantize.ArgumentParser(description=__doc__.split("\n")[0])
+    N = common.number
+    p = common.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=N(int, 2), default=2,
                    help="torchrun processes (the single process gets as many threads)")
     p.add_argument("--steps", type=N(int, 1), default=30, help="GRPO steps per run")
@@ -91,4 +92,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(quantize.run_cli(main))
+    sys.exit(common.run_cli(main))

@@ -23,6 +23,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 quantize = importlib.import_module("01_quantize")  # the command-line pieces
 
 # -----------------------------------------------------------------------------
@@ -180,8 +181,8 @@ def bench_row(name, n, k, m, args, gen, nvfp4_matmul, do_bench):
 
 
 def main(argv=None):
-    N = quantize.number
-    parser = quantize.ArgumentParser(description=__doc__.splitlines()[0])
+    N = common.number
+    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", choices=["square", "qwen7b"], default="square")
     parser.add_argument("--m", type=N(int, 1), nargs="+", default=None, help="batch sizes (rows of x)")
     parser.add_argument("--split-k", type=N(int, 1), default=None, help="force split-K (default: rule of thumb)")
@@ -222,4 +223,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(quantize.run_cli(main))
+    sys.exit(common.run_cli(main))

@@ -41,6 +41,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 
 TRL_VENV_HINT = ("python -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install torch==2.13.0 trl peft transformers "
                  "accelerate")
@@ -289,9 +290,8 @@ def summarise(res):
 
 
 def main(argv=None):
-    quantize = importlib.import_module("01_quantize")  # the command-line pieces (torch, not 05, is imported)
-    N = quantize.number
-    ap = quantize.ArgumentParser(description=__doc__.split("\n")[0])
+    N = common.number  # the command-line pieces (torch, not 05, is imported)
+    ap = common.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trl-python", default=None, help="interpreter of a venv with trl, peft, transformers, "
                     "accelerate (required)")
     ap.add_argument("--model", default=os.path.join(ROOT, "assets", "tiny-qwen"),
@@ -330,7 +330,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     grpo = load_grpo()
     try:  # the cheap checks first: a wrong folder is reported before the TRL venv is probed
-        grpo.quantize.find_weight_files(args.model)
+        common.find_weight_files(args.model)
     except (FileNotFoundError, ValueError) as e:
         hint = " (make it with: python assets/smollm2.py)" if "smollm2" in args.model else ""
         print(f"error: --model {args.model!r} is not a model folder{hint}: {e}", file=sys.stderr)
@@ -436,4 +436,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(importlib.import_module("01_quantize").run_cli(main))
+    sys.exit(common.run_cli(main))

