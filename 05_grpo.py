@@ -387,77 +387,20 @@ def step_sigma(args, step, feedback=None):
 
 
 def train(args, task=None):
-    """The GRPO run: grpo_step over --steps with evaluations, checkpoints and the time budget. `task`, any
-    object with the task interface, replaces the one --task names. Returns the summary (also written
-    to <out>/summary.json)."""
-    t_start = time.time()
-    rank, world, device = init_distributed(str(common.pick_device(args.device)))
-    ckpt, state = resume_args(args)  # --resume: the checkpoint's hyper-parameters replace the flags
-    args.out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    check_args(args, world, ckpt)  # every flag and the run folder, before any work
-    if args.gpu_path:
-        use_gpu_path(device)
-    task = task or make_task(args)  # bad data fails here, before the model loads
-    check_sizes(args, task, world, device)  # prompts within the context, --batch within the task, memory
-    model, tok, params, opt = build_policy(args, device)
-    feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
-        else None
-    start = restore(ckpt, state, model, opt, feedback) if state else 0
-    # The run log holds and writes the run folder (and removes what it wrote if no step is done); Ctrl-C,
-    # SIGTERM or SIGHUP lets the step in flight finish, then checkpoints and stops.
-    with RunLog(args, rank, start, t_start, model, world) as log, StopAtStepEnd(StopAtStepEnd.REPEAT_S if world > 1 else 0.0) as interrupt:
-        options = step_options(args)  # grpo_step's keyword arguments, the LossOptions among them
-        evaluating = rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
-
-        def run_eval(step, k):
-            if not evaluating:
-                return None
-            t0 = time.time()
-            res = evaluate(model, tok, task, task.held, args.max_new_tokens, k, args.temperature, EVAL_SEED,
-                           args.eval_chunk, args.compile)
-            return log.eval(res, step, k, time.time() - t0)
-
-        def save():  # the new checkpoint, or the last one if the adapter is not finite
-            return save_checkpoint(args.out, done, model, opt, params, args, feedback, {"first_eval": first_eval}) \
-                or last_ckpt
-
-        first_eval = (state or {}).get("first_eval") or run_eval(start, args.eval_k)  # gains count from step 0
-        last_eval, done, skipped, stopped, last_ckpt, recent, signum = first_eval, start, 0, "steps", None, [], 0
-        for step in range(start, args.steps):
-            if log.out_of_time(recent, first_eval):
-                stopped = "time budget"
-                break
+    """The GRPO run: grpo_step over --steps, with evaluations and checkpoints at their intervals. `task`, any
+    object with the task interface, replaces the one --task names. Returns the summary (also written to
+    <out>/summary.json)."""
+    # Run (Part 2): processes, every check, the task, build_policy (fresh or resumed from a checkpoint), the
+    # run log and its folder, Ctrl-C/SIGTERM/SIGHUP (the step in flight finishes) and the time budget.
+    with Run(args, task) as run:
+        for step in run.steps():  # from the resumed step to --steps, unless the time budget or a signal ends it
             lr = args.lr * lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
-            for param_group in opt.param_groups:
+            for param_group in run.opt.param_groups:
                 param_group["lr"] = lr
-            sigma = step_sigma(args, step, feedback)
-            rec = grpo_step(model, tok, opt, params, task, step, sigma, **options)
-            if feedback is not None:
-                feedback.update(rec["entropy"])  # the same global entropy on every rank: sigma stays in step
-            skipped += rec.pop("skipped")
-            recent.append(rec["s/step"])
-            log.step(rec, lr=lr)
-            done = step + 1
-            if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-                last_eval = run_eval(done, 0) or last_eval
-            signum = interrupt.requested()  # asked on every rank: they stop together
-            halt = ("interrupt" if signum == signal.SIGINT else signal.Signals(signum).name) if signum else None
-            if args.stop_at and done >= args.stop_at:
-                halt = "stop-at"
-            if rank == 0 and ((args.save_every and done % args.save_every == 0) or halt):
-                last_ckpt = save()
-            if halt:
-                stopped = halt
-                break
-        if stopped in ("steps", "time budget") and rank == 0:  # the end: a last checkpoint, the full evaluation
-            if done > start and (last_ckpt is None or not last_ckpt.endswith(f"{done:06d}")):
-                last_ckpt = save()
-            if last_eval is None or last_eval["step"] != done or "k" not in last_eval:
-                last_eval = run_eval(done, args.eval_k) or last_eval
-        summary = log.summary(done, stopped, skipped, first_eval, last_eval, last_ckpt)
-        if stopped not in ("steps", "time budget", "stop-at"):  # a signal: exit 128 + its number
-            raise common.Interrupted(signum=signum)  # the run log turns it into the line saying how to resume
-        return summary
+            sigma = step_sigma(args, step, run.feedback)
+            rec = grpo_step(run.model, run.tok, run.opt, run.params, run.task, step, sigma, **run.options)
+            run.record(rec, lr)  # the step's line; an evaluation or a checkpoint when one is due
+        return run.finish()  # the last checkpoint and the full evaluation, summary.json
 
 
 # ======== Part 2: plumbing (tasks, data files, evaluation, processes, checkpoints, the run log, command line) ========
@@ -1056,6 +999,107 @@ def restore(ckpt, state, model, opt, feedback):
                          f"checkpoint") from None
     print(f"resume | {ckpt} | step {state['step']} | hyper-parameters from the checkpoint")
     return state["step"]
+
+# -----------------------------------------------------------------------------
+# The run around train's loop
+
+
+class Run:
+    """What train's loop runs inside: the processes, every check, the task, the policy (build_policy, then a
+    checkpoint's state on --resume), the run log (RunLog) and stop signals (StopAtStepEnd), the time budget,
+    and the evaluations and checkpoints at their intervals and at the end."""
+
+    def __init__(self, args, task=None):
+        self.t_start, self.args = time.time(), args
+        self.rank, self.world, device = init_distributed(str(common.pick_device(args.device)))
+        self.ckpt, self.state = resume_args(args)  # --resume: the checkpoint's hyper-parameters replace the flags
+        args.out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+        check_args(args, self.world, self.ckpt)  # every flag and the run folder, before any work
+        if args.gpu_path:
+            use_gpu_path(device)
+        self.task = task or make_task(args)  # bad data fails here, before the model loads
+        check_sizes(args, self.task, self.world, device)  # prompts within the context, --batch within the task, memory
+        self.model, self.tok, self.params, self.opt = build_policy(args, device)
+        self.feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) \
+            if args.aqn and args.aqn_kind == "feedback" else None
+        self.start = restore(self.ckpt, self.state, self.model, self.opt, self.feedback) if self.state else 0
+        self.options = step_options(args)  # grpo_step's keyword arguments, the LossOptions among them
+        self.evaluating = self.rank == 0 and args.eval_size > 0  # rank 0 alone evaluates and writes
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        # The run log holds and writes the run folder (and removes what it wrote if no step is done); Ctrl-C,
+        # SIGTERM or SIGHUP lets the step in flight finish, then checkpoints and stops.
+        self.log = self.stack.enter_context(RunLog(self.args, self.rank, self.start, self.t_start, self.model,
+                                                   self.world))
+        self.interrupt = self.stack.enter_context(StopAtStepEnd(StopAtStepEnd.REPEAT_S if self.world > 1 else 0.0))
+        return self
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
+
+    def evaluate(self, step, k):
+        if not self.evaluating:
+            return None
+        t0 = time.time()
+        res = evaluate(self.model, self.tok, self.task, self.task.held, self.args.max_new_tokens, k,
+                       self.args.temperature, EVAL_SEED, self.args.eval_chunk, self.args.compile)
+        return self.log.eval(res, step, k, time.time() - t0)
+
+    def save(self):  # the new checkpoint, or the last one if the adapter is not finite
+        return save_checkpoint(self.args.out, self.done, self.model, self.opt, self.params, self.args, self.feedback,
+                               {"first_eval": self.first_eval}) or self.last_ckpt
+
+    def steps(self):
+        """The steps to run: from the resumed one to --steps, ending early when the next step would eat the
+        time kept for the final evaluation, or after a step that --stop-at or a signal ends."""
+        self.first_eval = (self.state or {}).get("first_eval") or self.evaluate(self.start, self.args.eval_k)
+        self.last_eval, self.done, self.skipped, self.last_ckpt, self.recent = self.first_eval, self.start, 0, None, []
+        self.stopped, self.signum = "steps", 0
+        for step in range(self.start, self.args.steps):
+            if self.log.out_of_time(self.recent, self.first_eval):
+                self.stopped = "time budget"
+                return
+            yield step
+            if self.stopped != "steps":
+                return
+
+    def record(self, rec, lr):
+        """After a step: the feedback controller, the log, an evaluation or a checkpoint when one is due, and
+        whether to stop (--stop-at, or a stop signal on any rank)."""
+        args = self.args
+        if self.feedback is not None:
+            self.feedback.update(rec["entropy"])  # the same global entropy on every rank: sigma stays in step
+        self.skipped += rec.pop("skipped")
+        self.recent.append(rec["s/step"])
+        self.log.step(rec, lr=lr)
+        self.done = done = rec["step"]
+        if args.eval_every and done % args.eval_every == 0 and done < args.steps:
+            self.last_eval = self.evaluate(done, 0) or self.last_eval
+        self.signum = self.interrupt.requested()  # asked on every rank: they stop together
+        halt = ("interrupt" if self.signum == signal.SIGINT else signal.Signals(self.signum).name) if self.signum \
+            else None
+        if args.stop_at and done >= args.stop_at:
+            halt = "stop-at"
+        if self.rank == 0 and ((args.save_every and done % args.save_every == 0) or halt):
+            self.last_ckpt = self.save()
+        if halt:
+            self.stopped = halt
+
+    def finish(self):
+        """The end: a last checkpoint and the full evaluation (unless stopped by --stop-at or a signal), the
+        summary; a signal then exits 128 + its number, with the line saying how to resume."""
+        done = self.done
+        if self.stopped in ("steps", "time budget") and self.rank == 0:
+            if done > self.start and (self.last_ckpt is None or not self.last_ckpt.endswith(f"{done:06d}")):
+                self.last_ckpt = self.save()
+            if self.last_eval is None or self.last_eval["step"] != done or "k" not in self.last_eval:
+                self.last_eval = self.evaluate(done, self.args.eval_k) or self.last_eval
+        summary = self.log.summary(done, self.stopped, self.skipped, self.first_eval, self.last_eval, self.last_ckpt)
+        if self.stopped not in ("steps", "time budget", "stop-at"):  # a signal
+            raise common.Interrupted(signum=self.signum)  # the run log turns it into the line saying how to resume
+        return summary
+
 
 # -----------------------------------------------------------------------------
 # The run log
