@@ -20,7 +20,7 @@ line 9 reads (docs/paper-notes.md).
 
 Run it (the schedule of a 600-step run, then the exploration table: entropy and KL to the unquantized base, per
 sampled token, of fp32 / NF4 / NVFP4 and of base / NVFP4 under AQN, on the bundled model):
-    python 04_aqn.py                # fp32, 32 problems x 8 samples x 2 draws: ~45 s on a shared 2-core CPU
+    python 04_aqn.py                # fp32, 32 problems x 8 samples x 2 draws: ~35 s on 2 idle CPU cores
     python 04_aqn.py --full         # fp32 and bf16, 64 x 8 x 2, three sigmas: 3-5 min
     python 04_aqn.py --model path/to/hf-folder --samples 8 --sigmas 1e-2 5e-2
 Measured tables and what they show: docs/aqn.md.
