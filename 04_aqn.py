@@ -23,6 +23,7 @@ sampled token, of fp32 / NF4 / NVFP4 and of base / NVFP4 under AQN, on the bundl
     python 04_aqn.py                # fp32, 32 problems x 8 samples x 2 draws: ~35 s on 2 idle CPU cores
     python 04_aqn.py --full         # fp32 and bf16, 64 x 8 x 2, three sigmas: 3-5 min
     python 04_aqn.py --model path/to/hf-folder --samples 8 --sigmas 1e-2 5e-2
+    python 04_aqn.py --schedule-only --steps 750  # the schedule table alone (instant)
 Measured tables and what they show: docs/aqn.md.
 """
 import contextlib
@@ -295,6 +296,7 @@ def build_parser():
                         help="the NVFP4 row's rounding: rtn (compressed-tensors) or 4over6 (Four Over Six)")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
                         help="activation dtypes to measure in (default float32)")
+    parser.add_argument("--schedule-only", action="store_true", help="print the schedule table and stop (no model)")
     return parser
 
 
@@ -312,6 +314,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.schedule_only:
+        print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
+        return 0
     common.find_weight_files(args.model)  # a missing or broken folder: one line, before any work
     if args.threads:
         torch.set_num_threads(args.threads)

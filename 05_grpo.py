@@ -520,6 +520,7 @@ def arithmetic_problems(n, seed, digits=3, nops=2, exclude=frozenset()):
 class ArithmeticTask(AnswerTask):
     """The synthetic task (~4e9 problems at 3 digits and 2 operations); training skips the whole
     held-out pool, not only the part that is evaluated."""
+    help = "synthetic arithmetic (63-4-597=?), the bundled model's task"  # for --task's help
     reads = ("digits", "nops", "system")
 
     def __init__(self, digits=3, nops=2, eval_size=500, system=False):
@@ -542,6 +543,7 @@ class ArithmeticTask(AnswerTask):
 class JsonlTask(AnswerTask):
     """A GSM8K-style file (read by load_jsonl); the held-out set is --eval-data, or a fixed random slice
     of the file."""
+    help = "GSM8K-style JSONL problems from --data"  # for --task's help
     reads_data, reads = True, ("data", "eval_data", "system")
 
     def __init__(self, path, eval_path=None, eval_size=500, system=True):
@@ -580,6 +582,7 @@ class ChatArithmeticTask(AnswerTask):
     reply; no format bonus, since such a model writes no tags. +/- on 0..20 and x on 2..12 (1,003
     problems): SmolLM2 solves 17% of the held-out ones greedily, mostly losing to long-winded replies
     that run out of tokens."""
+    help = "What is 13 - 4? in a chat model's own template (SmolLM2)"  # for --task's help
     reads = ()  # its system message is the model's own
 
     def __init__(self, eval_size=200, system_message=None):
@@ -1404,8 +1407,8 @@ def build_parser():
     p = common.ArgumentParser(description="GRPO with LoRA on a quantized base and AQN (QeRL)")
     # model and data
     p.add_argument("--model", default=TINY_MODEL, help="Hugging Face model folder (default: the bundled tiny model)")
-    p.add_argument("--task", choices=list(TASKS), default="arithmetic", help="arithmetic (synthetic), gsm8k "
-                   "(the --data file) or chat-arithmetic (for a real instruct model, e.g. SmolLM2)")
+    p.add_argument("--task", choices=list(TASKS), default="arithmetic",
+                   help="; ".join(f"{name}: {getattr(cls, 'help', '')}" for name, cls in TASKS.items()))
     p.add_argument("--data", default=None, help="gsm8k: the GSM8K-style JSONL file to train on")
     p.add_argument("--eval-data", default=None, help="gsm8k: held-out JSONL (default: a slice of --data is held out)")
     p.add_argument("--digits", type=N(int, 1, 100), default=3, help="arithmetic: max digits per operand")

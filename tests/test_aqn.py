@@ -417,3 +417,10 @@ def test_negative_threads_is_refused_before_any_work(capsys):
     with pytest.raises(SystemExit):
         aqn.parse_args(["--threads", "-1"])
     assert "argument --threads: -1 is out of range: need >= 0" in capsys.readouterr().err
+
+
+def test_schedule_only_prints_the_table_without_a_model(capsys):
+    assert aqn.main(["--schedule-only", "--steps", "100", "--model", "/no/such/folder"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split("|")[2:] and [c.strip() for c in out[1].split("|")[2:]] == list(aqn.DECAYING_KINDS)
+    assert len(out) == 2 + 10 and out[2].split("|")[1].strip() == "0 - 9"  # one row per stage, no measurement
