@@ -47,6 +47,7 @@ printed when it starts.
     python bench/compare_methods.py --study scheduler  # 15 runs, ~53 min
     python bench/compare_methods.py --study hard       # 12 runs, ~40 min (after the noise study)
     python bench/compare_methods.py --study rounding   # 6 runs, ~20 min
+    python bench/compare_methods.py --study pi-old     # 18 runs, ~60 min
     python bench/compare_methods.py --study noise --steps 4 --seeds 0 --eval-size 20 --eval-every 2 --out /tmp/noise
   noise      NVFP4 + LoRA with AQN sigma_start 0 (no AQN), 1e-2, 3e-2, 1e-1 and sigma_end = sigma_start / 20;
              then, as a second phase, the fp32 base without AQN and at the best nonzero NVFP4 level (the
@@ -65,6 +66,8 @@ printed when it starts.
              (the noise folder next to --out) or --noise-level; a best level of 1e-2 is QeRL itself.
   rounding   QeRL (NVFP4 + LoRA + AQN 1e-2 -> 5e-4) with the NVFP4 base rounded to nearest (compressed-
              tensors) vs Four Over Six (05's --quant-method 4over6: per block the max -> 6 or max -> 4 scale).
+  pi-old     LoRA, NVFP4 + LoRA, QeRL and LoRA + AQN with pi_old from the clean policy (05's default,
+             the official code's), and QeRL and LoRA + AQN with pi_old from the noisy sampler.
 The methods, phases and questions are data (STUDIES); --methods restricts a study to some of its
 methods. Every question is a - b of two methods: the table gives the difference of means of final
 greedy accuracy (the verdict: helps / hurts / within noise, the latter under two standard errors of the
