@@ -7,8 +7,8 @@ drawn under AQN -> rewards -> group-normalised advantages -> clipped surrogate o
 pi_old the clean policy itself as the official code has it (--pi-old trainer; --pi-old sampler: the noisy
 sampler's log-probs) -> AdamW on the adapters.
 
-Run it (2 CPU cores, < 10 min: the bundled tiny model learns synthetic arithmetic; the numbers are in
-README's "Results" section and docs/experiments.md):
+Run it (2 CPU cores, ~5.5 min, at most 9 by its --time-budget 540: the bundled tiny model learns
+synthetic arithmetic; the numbers are in README's "Results" section and docs/experiments.md):
     python 05_grpo.py
     python 05_grpo.py --quant none --no-aqn --steps 200 --out runs/lora-only
     python 05_grpo.py --resume runs/qerl/checkpoint-000200
@@ -17,7 +17,7 @@ README's "Results" section and docs/experiments.md):
 Qwen2.5-7B + GSM8K on one GPU or eight: docs/scaling.md, "One GPU at 7B".
 
 To change the task, add a class to TASKS (or pass any task object to `train(args, task=...)`); to change
-the loss, add a field to LossOptions and its flag to build_parser.
+the loss or the update, add a field to LossOptions or UpdateOptions and its flag to build_parser.
 """
 import argparse
 import contextlib
