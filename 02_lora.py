@@ -269,15 +269,15 @@ def _saved_modules(model, names):
             for k, p in m.named_parameters(recurse=False)}
 
 
-def save_adapter(model, dir, base_model_name_or_path="", modules_to_save=None):
-    """Write dir/adapter_model.safetensors + dir/adapter_config.json (loadable by PEFT).
+def save_adapter(model, folder, base_model_name_or_path="", modules_to_save=None):
+    """Write folder/adapter_model.safetensors + folder/adapter_config.json (loadable by PEFT).
     modules_to_save: leaf names of modules trained in full (e.g. ["input_layernorm"]); their
     parameters are saved as stored, under the keys PEFT writes for its modules_to_save."""
     layers = _lora_layers(model)
     if not layers:
         raise ValueError("save_adapter: the model has no LoRA layers; call add_lora(model, ...) first")
-    if os.path.exists(dir) and not os.path.isdir(dir):
-        raise ValueError(f"save_adapter: {dir} is a file, not a folder: choose a folder name for the adapter")
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"save_adapter: {folder} is a file, not a folder: choose a folder name for the adapter")
     hyper = {(m.r, m.alpha, m.lora_dropout.p if isinstance(m.lora_dropout, nn.Dropout) else 0.0,
               m.use_rslora) for _, m in layers}
     if len(hyper) != 1:  # PEFT would need rank_pattern/alpha_pattern for this; we never do it
@@ -301,28 +301,28 @@ def save_adapter(model, dir, base_model_name_or_path="", modules_to_save=None):
         "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": modules_to_save, "init_lora_weights": True,
         "layers_to_transform": None, "layers_pattern": None, "revision": None, "use_dora": False,
     }
-    common.atomic_write(os.path.join(dir, WEIGHTS_NAME), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    common.atomic_write(os.path.join(folder, WEIGHTS_NAME), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     # The config goes last: a folder with a config always has its weights.
-    common.write_json(os.path.join(dir, CONFIG_NAME), config)
-    return dir
+    common.write_json(os.path.join(folder, CONFIG_NAME), config)
+    return folder
 
 
-def load_adapter(model, dir):
+def load_adapter(model, folder):
     """Load a PEFT-layout adapter into `model` (wrapping it first with the saved r/alpha/targets
     if it has no LoRA layers yet). Mismatches raise one clear ValueError. Returns the model."""
-    if not os.path.isdir(dir):
-        raise FileNotFoundError(f"adapter folder {dir!r} does not exist (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"adapter folder {folder!r} does not exist (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
     for f in (CONFIG_NAME, WEIGHTS_NAME):
-        if not os.path.isfile(os.path.join(dir, f)):
-            raise FileNotFoundError(f"adapter folder {dir!r} has no {f}: is it a PEFT LoRA adapter folder?")
-    cfg = common.read_json(os.path.join(dir, CONFIG_NAME))
+        if not os.path.isfile(os.path.join(folder, f)):
+            raise FileNotFoundError(f"adapter folder {folder!r} has no {f}: is it a PEFT LoRA adapter folder?")
+    cfg = common.read_json(os.path.join(folder, CONFIG_NAME))
     if (cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("bias", "none") != "none"
             or cfg.get("rank_pattern") or cfg.get("alpha_pattern")):
-        raise ValueError(f"{dir}: only plain LoRA adapters (peft_type LORA; no DoRA, bias, rank_pattern or "
+        raise ValueError(f"{folder}: only plain LoRA adapters (peft_type LORA; no DoRA, bias, rank_pattern or "
                          f"alpha_pattern) are supported, got peft_type={cfg.get('peft_type')!r}")
     bad = _bad_config_fields(cfg)
     if bad:
-        raise ValueError(f"{os.path.join(dir, CONFIG_NAME)}: missing or malformed {', '.join(bad)}")
+        raise ValueError(f"{os.path.join(folder, CONFIG_NAME)}: missing or malformed {', '.join(bad)}")
     if not _lora_layers(model):
         add_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], targets=cfg["target_modules"],
                  dropout=cfg.get("lora_dropout", 0.0), use_rslora=cfg.get("use_rslora", False))
@@ -330,9 +330,9 @@ def load_adapter(model, dir):
     wrapped = sorted({n.rsplit(".", 1)[-1] for n in layers})
     saved = cfg["target_modules"]
     if sorted([saved] if isinstance(saved, str) else saved) != wrapped:
-        raise ValueError(f"adapter in {dir} targets {saved} but the model's LoRA layers wrap {wrapped}: "
+        raise ValueError(f"adapter in {folder} targets {saved} but the model's LoRA layers wrap {wrapped}: "
                          f"call add_lora with targets={saved}")
-    tensors = _read_adapter_tensors(os.path.join(dir, WEIGHTS_NAME))
+    tensors = _read_adapter_tensors(os.path.join(folder, WEIGHTS_NAME))
     full = _saved_modules(model, cfg.get("modules_to_save") or [])  # trained in full: loaded as they are
     problems = [f"adapter has no {PEFT_PREFIX}{k} for modules_to_save" for k in full if PEFT_PREFIX + k not in tensors]
     problems += [f"adapter {PEFT_PREFIX}{k} has shape {list(tensors[PEFT_PREFIX + k].shape)} but the model's is "
@@ -352,7 +352,7 @@ def load_adapter(model, dir):
     problems += [f"adapter has {k} but the model has no such LoRA module" for k in extra]
     if problems:
         more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
-        raise ValueError(f"load_adapter: {os.path.join(dir, WEIGHTS_NAME)}: {problems[0]}{more}")
+        raise ValueError(f"load_adapter: {os.path.join(folder, WEIGHTS_NAME)}: {problems[0]}{more}")
     with torch.no_grad():
         for name, m in layers.items():
             m.lora_A.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"])

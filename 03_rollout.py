@@ -331,10 +331,10 @@ DONE_CHECK_EVERY = 8
 
 @torch.no_grad()
 def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0, top_p=1.0,
-             eos_token_ids=None, generator=None, tokenizer=None, compile=False):
+             eos_token_ids=None, generator=None, tokenizer=None, compiled=False):
     """Sample `num_samples` completions for each prompt (a list of token-id lists) -> Rollout, with rows
     prompt-major. temperature=0 is greedy; each row stops at its own EOS (default: the tokenizer's). A
-    seeded torch.Generator (CPU or the model's device) makes it reproducible. compile=True runs the decode
+    seeded torch.Generator (CPU or the model's device) makes it reproducible. compiled=True runs the decode
     steps through torch.compile (`compiled_decode_step`; the first call per shape bucket compiles)."""
     _check_generate(model.config, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
     if eos_token_ids is None:
@@ -350,7 +350,7 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     S = -(-(P + N) // 64) * 64  # cache slots, rounded up: prompts of different lengths share a compiled step
     key_ok = F.pad(key_ok, (0, S - P - N))  # (B, S); the slots past P+N are never written
     sampling = (temperature, top_k, top_p, generator)
-    if compile:  # the same step through torch.compile, with a cache kept for later calls (see static_cache)
+    if compiled:  # the same step through torch.compile, with a cache kept for later calls (see static_cache)
         step = compiled_decode_step(dev)
         cache, compiling = static_cache(model, B, S, (temperature, top_k, top_p, generator is None))
     else:
@@ -882,7 +882,7 @@ def main(argv=None):
     gen = torch.Generator(device=device).manual_seed(args.seed)
     r = generate(model, [prompt], num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen, tokenizer=tok,
-                 compile=args.compile)
+                 compiled=args.compile)
     for i, text in enumerate(r.texts):
         n = int(r.completion_mask[i].sum())
         print(f"--- sample {i} | tokens {n} | mean logprob {float(r.logprobs[i].sum()) / max(n, 1):.3f} ---")

@@ -63,7 +63,7 @@ TINY_MODEL = os.path.join(ROOT, "assets", "tiny-qwen")
 
 
 def sample_groups(model, tok, prompts, step, sigma, *, rank=0, group=8, max_new_tokens=42, temperature=1.0,
-                  seed=0, compile=False):
+                  seed=0, compiled=False):
     """`group` completions of each prompt (token id lists), drawn under AQN noise `sigma` -> (stage 03's
     Rollout, rows prompt-major; the RMS of the noise really applied)."""
     # One generator per step, derived from (seed, step): a resumed run samples what an uninterrupted one would.
@@ -78,7 +78,7 @@ def sample_groups(model, tok, prompts, step, sigma, *, rank=0, group=8, max_new_
             gen = torch.Generator(device=device).manual_seed(gen_seed + rank * 2 ** 40)
         samples = rollout.generate(model, prompts, num_samples=group, max_new_tokens=max_new_tokens,
                                    temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=gen,
-                                   tokenizer=tok, compile=compile)
+                                   tokenizer=tok, compiled=compiled)
     return samples, noise["applied_std"]
 
 
@@ -311,7 +311,7 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewar
 
 
 def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, max_new_tokens=42,
-              temperature=1.0, seed=0, mask_truncated=False, compile=False, **update_kw):
+              temperature=1.0, seed=0, mask_truncated=False, compiled=False, **update_kw):
     """This process's share of the step's `batch` problems, `group` completions each sampled under AQN
     noise `sigma`, scored, and one policy_update (`update_kw`: its options). Returns the step's metrics,
     summed over processes."""
@@ -321,7 +321,7 @@ def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, 
     prompts = [tok.encode(task.prompt(p)) for p in problems]
     samples, sigma_applied = sample_groups(model, tok, prompts, step, sigma, rank=rank, group=group,
                                            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                           compile=compile)
+                                           compiled=compiled)
     t_sample = time.time() - t0
     rewards, correct = score(task, problems, samples.texts, group)  # (N,), a count
     mask = samples.completion_mask.float().clone()  # (N, T) plain copies: inference-mode tensors cannot train
@@ -731,7 +731,7 @@ def use_gpu_path(device):
 
 
 @torch.inference_mode()
-def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512, compile=False):
+def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512, compiled=False):
     """Held-out accuracy without AQN noise: greedy pass@1; with k > 0 also pass@1 (mean over the k
     samples) and pass@k (any of k correct) at `temperature`. Returns counts and rates."""
     prompts, n, device = [tok.encode(task.prompt(p)) for p in problems], len(problems), common.model_device(model)
@@ -741,7 +741,7 @@ def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, s
         for i in range(0, n, step):
             texts += rollout.generate(model, prompts[i:i + step], num_samples=num_samples, max_new_tokens=max_new_tokens,
                                       temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=gen,
-                                      tokenizer=tok, compile=compile).texts
+                                      tokenizer=tok, compiled=compiled).texts
         return [[task.correct(p, texts[i * num_samples + j]) for j in range(num_samples)] for i, p in enumerate(problems)]
 
     with merged_sampling_weights(model, merge_for_sampling(device)):
@@ -1399,7 +1399,7 @@ def update_options(args):
 def step_options(args):
     """grpo_step's keyword arguments from the command line."""
     return {**update_options(args), "batch": args.batch, "seed": args.seed, "mask_truncated": args.mask_truncated,
-            "compile": args.compile}
+            "compiled": args.compile}
 
 
 def build_parser():

@@ -113,11 +113,11 @@ def hf_run(proc):
 # ---------------------------------------------------------------------------------------------------
 # Eager vs compiled (vs HF)
 
-def ours(ro, model, prompts, new_tokens, compile, sync):
+def ours(ro, model, prompts, new_tokens, compiled, sync):
     """Wall seconds of one greedy generate() and its Rollout; r.stats["cpu"] gets the CPU seconds."""
     sync()
     t0, c0 = time.perf_counter(), time.process_time()
-    r = ro.generate(model, prompts, max_new_tokens=new_tokens, temperature=0.0, eos_token_ids=[], compile=compile)
+    r = ro.generate(model, prompts, max_new_tokens=new_tokens, temperature=0.0, eos_token_ids=[], compiled=compiled)
     sync()
     r.stats["cpu"] = time.process_time() - c0
     return time.perf_counter() - t0, r

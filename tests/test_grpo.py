@@ -343,7 +343,7 @@ def test_lora_sampler_merged_unmerged_and_compiled_draw_the_same_samples():
         with grpo.merged_sampling_weights(model):
             merged = rollout.generate(model, prompts, generator=torch.Generator().manual_seed(3), **kw)
         # the adapters unmerged inside the compiled step: what a GPU runs
-        compiled = rollout.generate(model, prompts, generator=torch.Generator().manual_seed(3), compile=True, **kw)
+        compiled = rollout.generate(model, prompts, generator=torch.Generator().manual_seed(3), compiled=True, **kw)
     assert len({tuple(r) for r in plain.completion_ids.tolist()}) > 1  # real samples, not one repeated row
     for r in (merged, compiled):
         assert torch.equal(r.completion_ids, plain.completion_ids)

@@ -251,16 +251,16 @@ def test_grad_checkpoint_same_logits_and_gradients():
 def test_no_host_sync_per_token(model, monkeypatch):
     """Reading a device value on the host (bool, item, int, ...) stalls a GPU's queue: the decode loop may
     do it once every DONE_CHECK_EVERY tokens, plus a few times at the end, never once per token."""
-    for compile in (False, True):
-        ro.generate(model, PROMPTS, max_new_tokens=2, temperature=0.0, compile=compile)  # compile outside the count
+    for compiled in (False, True):
+        ro.generate(model, PROMPTS, max_new_tokens=2, temperature=0.0, compiled=compiled)  # compile outside the count
         calls = []
         with monkeypatch.context() as mp:
             for name in ("__bool__", "item", "__int__", "__float__", "__index__", "tolist"):
                 orig = getattr(torch.Tensor, name)
                 mp.setattr(torch.Tensor, name, lambda self, *a, _f=orig, _n=name: (calls.append(_n), _f(self, *a))[1])
-            r = ro.generate(model, PROMPTS, max_new_tokens=40, temperature=0.0, compile=compile)
+            r = ro.generate(model, PROMPTS, max_new_tokens=40, temperature=0.0, compiled=compiled)
         assert r.completion_ids.shape == (3, 40)
-        assert 0 < len(calls) <= 40 // ro.DONE_CHECK_EVERY + 3, (compile, calls)
+        assert 0 < len(calls) <= 40 // ro.DONE_CHECK_EVERY + 3, (compiled, calls)
 
 
 def test_compiled_greedy_equals_eager_and_is_reused(model):
@@ -269,7 +269,7 @@ def test_compiled_greedy_equals_eager_and_is_reused(model):
     eos = [free[0, 3].item(), free[1, 6].item(), free[2, 8].item()]  # rows stop at different steps
     for kw in (dict(), dict(eos_token_ids=eos)):
         e = ro.generate(model, PROMPTS, max_new_tokens=12, temperature=0.0, **kw)
-        c = ro.generate(model, PROMPTS, max_new_tokens=12, temperature=0.0, compile=True, **kw)
+        c = ro.generate(model, PROMPTS, max_new_tokens=12, temperature=0.0, compiled=True, **kw)
         assert torch.equal(c.completion_ids, e.completion_ids) and torch.equal(c.completion_mask, e.completion_mask)
         torch.testing.assert_close(c.logprobs, e.logprobs, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(c.entropy, e.entropy, atol=1e-5, rtol=1e-5)
@@ -277,7 +277,7 @@ def test_compiled_greedy_equals_eager_and_is_reused(model):
     # Another prompt length and batch content in the same (batch, length) bucket: no new graph.
     graphs = counters["stats"]["unique_graphs"]
     e = ro.generate(model, [[4, 4], [9], [1, 2, 3]], max_new_tokens=30, temperature=0.0)
-    c = ro.generate(model, [[4, 4], [9], [1, 2, 3]], max_new_tokens=30, temperature=0.0, compile=True)
+    c = ro.generate(model, [[4, 4], [9], [1, 2, 3]], max_new_tokens=30, temperature=0.0, compiled=True)
     assert counters["stats"]["unique_graphs"] == graphs and c.stats["compile_s"] == 0.0
     assert torch.equal(c.completion_ids, e.completion_ids)
     torch.testing.assert_close(c.logprobs, e.logprobs, atol=1e-5, rtol=1e-5)
@@ -286,7 +286,7 @@ def test_compiled_greedy_equals_eager_and_is_reused(model):
 def test_compiled_sampling_draws_what_eager_draws(model):
     kw = dict(max_new_tokens=10, temperature=0.7, top_k=40, top_p=0.9, eos_token_ids=[3])
     e = ro.generate(model, PROMPTS, generator=torch.Generator().manual_seed(5), **kw)
-    c = ro.generate(model, PROMPTS, generator=torch.Generator().manual_seed(5), compile=True, **kw)
+    c = ro.generate(model, PROMPTS, generator=torch.Generator().manual_seed(5), compiled=True, **kw)
     assert torch.equal(c.completion_ids, e.completion_ids) and torch.equal(c.completion_mask, e.completion_mask)
     torch.testing.assert_close(c.logprobs, e.logprobs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(c.entropy, e.entropy, atol=1e-5, rtol=1e-5)
