@@ -84,6 +84,14 @@ def check_memory_fits(need, device, what):
 # Atomic writes and temporaries
 
 
+def _named_for(e, tmp, path):
+    """The OSError to report for `e`, raised while writing `tmp` in place of `path`: the file it names moved
+    from the temporary to where it was going (the output itself when it names none)."""
+    name = getattr(e, "filename", None)
+    name = path + name[len(tmp):] if isinstance(name, str) and name.startswith(tmp) else path
+    return OSError(getattr(e, "errno", None) or errno.EIO, getattr(e, "strerror", None) or str(e), name)
+
+
 def atomic_write(path, write):
     """Call write(tmp) with a hidden name next to `path`, then rename it to `path`: a reader (or a resume
     after a crash) sees the old file or folder or the complete new one, never half of it. Returns path."""
@@ -97,9 +105,7 @@ def atomic_write(path, write):
             os.replace(path, old)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:  # a full disk, say: name what was being written, not the temporary
-        name = getattr(e, "filename", None)
-        name = path + name[len(tmp):] if isinstance(name, str) and name.startswith(tmp) else path
-        raise OSError(getattr(e, "errno", None) or errno.EIO, getattr(e, "strerror", None) or str(e), name) from None
+        raise _named_for(e, tmp, path) from None
     finally:
         for leftover in (tmp, old):
             if os.path.isdir(leftover):
@@ -245,9 +251,7 @@ def write_output(out, write, command):
                 os.replace(os.path.join(tmp, name), os.path.join(out, name))
             write_json(os.path.join(out, MANIFEST), {"command": command, "files": sorted(new)})
         except (OSError, SafetensorError) as e:  # a full disk, say: name the output's file, not the temporary
-            name = getattr(e, "filename", None)
-            name = out + name[len(tmp):] if isinstance(name, str) and name.startswith(tmp) else out
-            raise OSError(getattr(e, "errno", None) or errno.EIO, getattr(e, "strerror", None) or str(e), name) from None
+            raise _named_for(e, tmp, out) from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
