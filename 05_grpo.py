@@ -870,8 +870,9 @@ def run_record(args):
             "lora_targets": list(lora.DEFAULT_TARGETS)}
 
 
-def read_trainer_state(file):
-    """trainer_state.pt, loaded without running code, with the types resume_args and restore rely on."""
+def read_trainer_state(file, defaults):
+    """trainer_state.pt, loaded without running code, with the types resume_args and restore rely on
+    (each saved flag's value of the kind of its default in `defaults`, the parser's)."""
     damaged = f"{file} cannot be read ({{}}): the checkpoint is damaged; resume from an earlier checkpoint-NNNNNN " \
               f"folder beside it"
     try:
@@ -892,7 +893,6 @@ def read_trainer_state(file):
     for k, kind in want.items():
         if not isinstance(state.get(k), kind) or isinstance(state[k], bool):
             raise ValueError(damaged.format(f"its {k} is {type(state.get(k)).__name__}, not {kind.__name__}"))
-    defaults = vars(build_parser().parse_args([]))
     for k, v in state["args"].items():  # each saved flag's value has the kind of its default
         d = defaults.get(k)
         if d is not None and v is not None and type(v) is not type(d) and {type(v), type(d)} != {int, float}:
@@ -913,8 +913,8 @@ def resume_args(args):
                                     f"with trainer_state.pt, or a run folder containing one)")
         ckpt = found
     file = os.path.join(ckpt, "trainer_state.pt")
-    state = read_trainer_state(file)
     defaults = vars(build_parser().parse_args([]))
+    state = read_trainer_state(file, defaults)
     saved = dict(state["args"], **check_run_record(args, ckpt, state, defaults))
     for k, v in saved.items():
         if k in RUNTIME_ARGS:  # how to compute: the command line's, else the run's own (not the default)
