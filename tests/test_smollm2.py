@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 gguf = pytest.importorskip("gguf", reason="the `gguf` package is not installed (pip install gguf)")
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 ro = importlib.import_module("03_rollout")
-quantize = importlib.import_module("01_quantize")
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = Path(__file__).resolve().parent / "data" / "smollm2" / "reference.safetensors"
 _spec = importlib.util.spec_from_file_location("smollm2", ROOT / "assets" / "smollm2.py")
@@ -352,3 +351,23 @@ def test_real_greedy_matches_transformers(real):
                     eos_token_ids=[], tokenizer=tok)
     assert r.completion_ids[0].tolist() == ref["greedy"].tolist()
     assert tok.decode(ref["greedy"]).startswith("The capital of France is Paris.")
+
+
+def test_a_folder_converted_before_manifests_is_adopted_only_with_force(tmp_path):
+    """A folder this script wrote before output folders had a manifest (its marker names the script): without
+    --force nothing in it changes; with --force it gets the manifest of the script's files, a user's stays out."""
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / smollm2.MARKER).write_text(json.dumps({"script": smollm2.COMMAND}))
+    for name in ("config.json", "model.safetensors", "notes.txt"):
+        (out / name).write_text("x")
+    assert smollm2.check_out(out, force=False) is False
+    assert sorted(p.name for p in out.iterdir()) == sorted([smollm2.MARKER, "config.json", "model.safetensors",
+                                                            "notes.txt"])
+    assert smollm2.check_out(out, force=True) is True
+    manifest = json.loads((out / smollm2.common.MANIFEST).read_text())
+    assert manifest == {"command": smollm2.COMMAND, "files": ["config.json", "model.safetensors", smollm2.MARKER]}
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text("{}")
+    with pytest.raises(smollm2.ConvertError, match="was not written by this script"):
+        smollm2.check_out(tmp_path / "other", force=True)
