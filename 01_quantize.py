@@ -387,8 +387,8 @@ def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
     config, weight_map, has_index = common.find_weight_files(model_dir)
     if "quantization_config" in config:
         raise ValueError(f"{model_dir} is already quantized (its config.json has a quantization_config)")
-    common.check_out_dir(out_dir, [model_dir], force=force, ours=lambda f: common.output_files(f, QUANTIZE_COMMAND) is not None,
-                  command=QUANTIZE_COMMAND)
+    common.check_out_dir(out_dir, [model_dir], force=force,
+                         ours=lambda f: common.output_files(f, QUANTIZE_COMMAND) is not None, command=QUANTIZE_COMMAND)
     return config, weight_map, has_index, common.pick_device(device)
 
 
@@ -512,7 +512,7 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
         common.write_json(os.path.join(tmp, "config.json"), dict(config, quantization_config=NVFP4_QUANT_CONFIG))
         if has_index:
             common.write_json(os.path.join(tmp, "model.safetensors.index.json"),
-                       {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(new_map.items()))})
+                              {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(new_map.items()))})
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(model_dir, name)):
                 shutil.copy2(os.path.join(model_dir, name), os.path.join(tmp, name))

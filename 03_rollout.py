@@ -878,7 +878,7 @@ def main(argv=None):
     prompt = tok.encode(chat_prompt(args.prompt, system))
     dtype_bytes = model.model.embed_tokens.weight.element_size()
     common.check_memory_fits(generate_memory(cfg, args.num_samples, len(prompt), args.max_new_tokens, dtype_bytes),
-                               device, f"--num-samples {args.num_samples} with --max-new-tokens {args.max_new_tokens}")
+                             device, f"--num-samples {args.num_samples} with --max-new-tokens {args.max_new_tokens}")
     gen = torch.Generator(device=device).manual_seed(args.seed)
     r = generate(model, [prompt], num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen, tokenizer=tok,

@@ -26,7 +26,6 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 aqn = importlib.import_module("04_aqn")
-quantize = importlib.import_module("01_quantize")
 
 
 @torch.no_grad()

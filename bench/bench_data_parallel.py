@@ -27,7 +27,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
-quantize = importlib.import_module("01_quantize")  # the command-line pieces
 OWNED = ("--out", "--steps", "--eval-size", "--time-budget", "--save-every", "--resume", "--device")
 
 

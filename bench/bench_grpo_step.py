@@ -124,7 +124,7 @@ def print_table(results, base):
 
 def build_parser():
     p = common.ArgumentParser(description="Split one GRPO step (05_grpo.grpo_step) into rollout / reward / update "
-                                "per quantization (arguments after -- go to 05_grpo.py's parser)")
+                              "per quantization (arguments after -- go to 05_grpo.py's parser)")
     p.add_argument("--quants", nargs="+", default=["none", "nf4", "nvfp4"], choices=quantize.QUANT_CHOICES)
     p.add_argument("--steps", type=common.number(int, 1), default=5, help="measured steps per quantization")
     p.add_argument("--warmup", type=common.number(int, 0), default=2, help="unmeasured steps first")

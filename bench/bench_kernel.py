@@ -24,7 +24,6 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
-quantize = importlib.import_module("01_quantize")  # the command-line pieces
 
 # -----------------------------------------------------------------------------
 # Shapes: (name, N = out_features, K = in_features)

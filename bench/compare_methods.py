@@ -1105,7 +1105,7 @@ def invocation_lines(out):
 def build_parser():
     N = common.number
     p = common.ArgumentParser(description="Train LoRA / QLoRA / NVFP4-LoRA / QeRL / LoRA+AQN with identical "
-                                "budgets and compare them (arguments after -- go to 05_grpo.py)")
+                              "budgets and compare them (arguments after -- go to 05_grpo.py)")
     p.add_argument("--study", choices=list(STUDIES), help="one of the ablation studies instead of the paper's "
                    "comparison: its own methods, 1000 held-out problems, results under bench/results/<study>/")
     p.add_argument("--methods", nargs="+", help="a subset of the methods (default: all of the comparison's, or "

@@ -34,7 +34,6 @@ sys.path.insert(0, ROOT)
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real, whatever the caller's environment says
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
-quantize = importlib.import_module("01_quantize")  # the command-line pieces
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

@@ -862,8 +862,8 @@ CASES_LIMITS = [
     Case("bench-kernel-zero-rows", "bench/bench_kernel", ["--m", "0"], "--m: 0 is out of range", code=2),
     Case("bench-update-memory-zero-layers", "bench/bench_update_memory", ["--layers", "0"],
          "--layers: 0 is out of range", code=2),
-    Case("bench-quant-methods-missing-model", "bench/bench_quant_methods", ["--model", "{tmp}/nope", "--parts",
-                                                                           "accuracy"], "model folder not found"),
+    Case("bench-quant-methods-missing-model", "bench/bench_quant_methods",
+         ["--model", "{tmp}/nope", "--parts", "accuracy"], "model folder not found"),
     Case("bench-compare-methods-seed-twice", "bench/compare_methods", ["--seeds", "1", "1"], "--seeds must be distinct"),
 ]
 
