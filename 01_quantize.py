@@ -10,7 +10,8 @@ bitsandbytes `quantize_4bit(nf4)` write them, so a checkpoint written here loads
 
 NVFP4Linear runs CUDA inputs through the Triton kernel (kernels/) and dequantizes for CPU inputs, unless
 NVFP4Linear.kernel_on_cpu is True: then CPU inputs go through the kernel too, run by Triton's interpreter
-(TRITON_INTERPRET=1; stage 05's --gpu-path sets both). Later stages import this file as `importlib.import_module("01_quantize")`.
+(TRITON_INTERPRET=1; stage 05's --gpu-path sets both). Later stages load this file with
+`importlib.import_module("01_quantize")`.
 """
 import functools
 import math
@@ -38,11 +39,8 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 _E2M1_MIDS = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)]
 
 
-# Four Over Six (arXiv 2512.02010): E2M1 has nothing between 4 and 6, so a weight at 67-100% of its block's
-# max loses up to a sixth of its size. Scaling the block max to 4 instead of 6 (a 1.5x larger block scale)
-# trades range for resolution there; per block, keep whichever candidate reconstructs the block better. The
-# bytes stay NVFP4. The larger candidate must still fit E4M3: the tensor scale puts the largest block's
-# max -> 6 scale at 256 instead of 448, so its max -> 4 scale is 384 (the reference code's choice).
+# Four Over Six (arXiv 2512.02010), an extension: a rounding that may scale a block's max to 4 instead of
+# 6 where that reconstructs the block better, in NVFP4's bytes (`four_over_six`, Part 2, also says why 256).
 NVFP4_METHODS = ("rtn", "4over6")
 FOUR_OVER_SIX_SCALE_MAX = 256.0
 
@@ -83,8 +81,7 @@ def quantize_nvfp4(w, global_scale=None, name="weight", method="rtn"):
     """w [out, in] -> packed uint8 [out, K_pad/2], scale fp8 [out, K_pad/16], global_scale fp32 [1].
     Pass global_scale to share one across fused layers (q/k/v, gate/up), as vLLM requires. method "rtn"
     is compressed-tensors' round to nearest, byte for byte; "4over6" picks, per block, the max -> 6 or the
-    max -> 4 scale by the lower squared reconstruction error (a max -> 4 scale that E4M3 cannot hold, which
-    only happens with a global scale meant for "rtn", leaves that block at max -> 6)."""
+    max -> 4 scale by the lower squared reconstruction error (four_over_six)."""
     _check_weight(w, name, global_scale)
     _check_method(method)
     w = w.detach().float()
@@ -100,16 +97,8 @@ def quantize_nvfp4(w, global_scale=None, name="weight", method="rtn"):
     amax_b = blocks.abs().amax(dim=-1)                                   # (out, nb)
     s = _block_scales(amax_b, gs, FP4_MAX)                               # (out, nb)
     code = _e2m1_codes(blocks, s, gs)                                    # (out, nb, 16)
-    if method == "4over6":
-        s4 = _block_scales(amax_b, gs, FP4_MAX / 1.5)                    # (out, nb), the max -> 4 candidate
-        code4 = _e2m1_codes(blocks, s4, gs)                              # (out, nb, 16)
-        values = E2M1_VALUES.to(w.device)
-
-        def sq_error(c, sc):                                             # (out, nb)
-            return (values[c.long()] * (sc / gs).unsqueeze(-1) - blocks).pow(2).sum(-1)
-        fits = gs * amax_b / (FP4_MAX / 1.5) <= FP8_MAX
-        use4 = fits & (sq_error(code4, s4) < sq_error(code, s))          # (out, nb); ties keep max -> 6
-        code, s = torch.where(use4.unsqueeze(-1), code4, code), torch.where(use4, s4, s)
+    if method == "4over6":  # per block, the max -> 4 candidate instead where it reconstructs better (Part 2)
+        code, s = four_over_six(blocks, amax_b, gs, code, s)             # (out, nb, 16), (out, nb)
     code = code.view(out_f, k_pad)                                       # (out, K_pad)
     packed = code[:, 0::2] | (code[:, 1::2] << 4)                        # (out, K_pad/2), even elt low nibble
     return packed.contiguous(), s.to(torch.float8_e4m3fn), gs
@@ -178,16 +167,6 @@ def dequantize_nf4(packed, absmax, shape, blocksize=64):
 # Quantized Linear modules (frozen buffers; only LoRA trains on top of them in stage 02)
 
 
-@functools.cache
-def nvfp4_kernel():
-    """kernels.nvfp4_matmul when Triton is usable, else None (imported lazily: CPU-only installs work)."""
-    try:
-        from kernels import HAS_TRITON, nvfp4_matmul
-    except ImportError:
-        return None
-    return nvfp4_matmul if HAS_TRITON else None
-
-
 class _RebuiltWeightLinear(torch.autograd.Function):
     """y = x @ W^T + b for a frozen 4-bit weight, rebuilding W in backward instead of saving it: autograd
     would otherwise keep every layer's full-precision W until backward (the unquantized model's memory in a
@@ -239,15 +218,8 @@ class _QuantLinear(nn.Module):
     def forward(self, x):                                                # (..., in) -> (..., out)
         return _RebuiltWeightLinear.apply(x, self)  # without grad: just F.linear on the dequantized W
 
-    def _apply(self, fn, recurse=True):
-        # model.to(torch.bfloat16) casts every floating buffer, and .to()/.cuda()/.half() all end here. The
-        # format must keep its dtypes (fp8 scales; a bf16 global scale would shift every weight), so its
-        # buffers take only the device from a conversion; the bias converts as usual.
-        keep = {k: t for k, t in self._buffers.items() if k != "bias"}
-        super()._apply(fn, recurse)
-        for k, t in keep.items():
-            self._buffers[k] = t.to(self._buffers[k].device)
-        return self
+    def _apply(self, fn, recurse=True):  # .to(bf16) etc. move the format's buffers, keep their dtypes (Part 2)
+        return _apply_keeping_dtypes(self, fn, recurse)
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -278,7 +250,7 @@ class NVFP4Linear(_QuantLinear):
         return w[:, : self.in_features]                                  # (out, in), padding dropped
 
     def forward(self, x):                                                # (..., in) -> (..., out)
-        kernel = nvfp4_kernel() if (x.is_cuda or self.kernel_on_cpu) else None
+        kernel = nvfp4_kernel() if (x.is_cuda or self.kernel_on_cpu) else None  # None without Triton (Part 2)
         if kernel is not None:
             return kernel(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
         return super().forward(x)
@@ -328,18 +300,11 @@ WEIGHT_FORMATS = {"nvfp4": NVFP4Linear, "nf4": NF4Linear}
 QUANT_CHOICES = ("none", *WEIGHT_FORMATS)  # what --quant takes: "none" keeps the float weights
 
 
-def weight_format(fmt):
-    """The quantized Linear class of format `fmt`; an unknown name is an error, never a fallback."""
-    if fmt not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight format {fmt!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
-    return WEIGHT_FORMATS[fmt]
-
-
 @torch.no_grad()
 def quantize_model(model, fmt="nvfp4", skip=("lm_head",), method="rtn"):
     """Replace every nn.Linear (names containing a `skip` entry excepted) in place; returns model.
     method: NVFP4's rounding, "rtn" (compressed-tensors) or "4over6" (see quantize_nvfp4)."""
-    linear_cls = weight_format(fmt)
+    linear_cls = weight_format(fmt)  # WEIGHT_FORMATS[fmt]; an unknown name is an error (Part 2)
     linears = {n: m for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and not any(s in n for s in skip)}
     groups = {}  # fused group -> its members' weights
@@ -353,6 +318,58 @@ def quantize_model(model, fmt="nvfp4", skip=("lm_head",), method="rtn"):
 
 
 # ========= Part 2: plumbing (shared helpers, checks, compressed-tensors writer, demo, command line) =========
+# What Part 1 calls by name: the format lookup, the Triton kernel, dtype-keeping buffers, Four Over Six
+
+
+def weight_format(fmt):
+    """The quantized Linear class of format `fmt`; an unknown name is an error, never a fallback."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+    return WEIGHT_FORMATS[fmt]
+
+
+@functools.cache
+def nvfp4_kernel():
+    """kernels.nvfp4_matmul when Triton is usable, else None (imported lazily: CPU-only installs work)."""
+    try:
+        from kernels import HAS_TRITON, nvfp4_matmul
+    except ImportError:
+        return None
+    return nvfp4_matmul if HAS_TRITON else None
+
+
+def _apply_keeping_dtypes(module, fn, recurse):
+    """_QuantLinear._apply. model.to(torch.bfloat16) casts every floating buffer, and .to()/.cuda()/.half()
+    all end here. The format must keep its dtypes (fp8 scales; a bf16 global scale would shift every
+    weight), so its buffers take only the device from a conversion; the bias converts as usual."""
+    keep = {k: t for k, t in module._buffers.items() if k != "bias"}
+    nn.Module._apply(module, fn, recurse)
+    for k, t in keep.items():
+        module._buffers[k] = t.to(module._buffers[k].device)
+    return module
+
+
+# Four Over Six (arXiv 2512.02010): E2M1 has nothing between 4 and 6, so a weight at 67-100% of its block's
+# max loses up to a sixth of its size. Scaling the block max to 4 instead of 6 (a 1.5x larger block scale)
+# trades range for resolution there; per block, keep whichever candidate reconstructs the block better. The
+# bytes stay NVFP4. The larger candidate must still fit E4M3: the tensor scale puts the largest block's
+# max -> 6 scale at 256 instead of 448, so its max -> 4 scale is 384 (the reference code's choice).
+def four_over_six(blocks, amax_b, gs, code, s):
+    """quantize_nvfp4's "4over6": per block, the max -> 4 candidate where its squared reconstruction error is
+    lower than the max -> 6 one's (code, s) -> the chosen (code (out, nb, 16), s (out, nb)). A max -> 4 scale
+    that E4M3 cannot hold (only with a global scale meant for "rtn") leaves that block at max -> 6."""
+    s4 = _block_scales(amax_b, gs, FP4_MAX / 1.5)                        # (out, nb), the max -> 4 candidate
+    code4 = _e2m1_codes(blocks, s4, gs)                                  # (out, nb, 16)
+    values = E2M1_VALUES.to(blocks.device)
+
+    def sq_error(c, sc):                                                 # (out, nb)
+        return (values[c.long()] * (sc / gs).unsqueeze(-1) - blocks).pow(2).sum(-1)
+    fits = gs * amax_b / (FP4_MAX / 1.5) <= FP8_MAX
+    use4 = fits & (sq_error(code4, s4) < sq_error(code, s))              # (out, nb); ties keep max -> 6
+    return torch.where(use4.unsqueeze(-1), code4, code), torch.where(use4, s4, s)
+
+
+# -----------------------------------------------------------------------------------------------------
 # Helpers and checks (the project's plumbing, shared by every stage, is common.py)
 
 

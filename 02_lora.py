@@ -30,8 +30,6 @@ common = importlib.import_module("common")  # the project's plumbing (imports no
 quantize = importlib.import_module("01_quantize")
 
 DEFAULT_TARGETS = quantize.LINEAR_NAMES  # every projection of a decoder layer
-PEFT_PREFIX = "base_model.model."  # PEFT's key prefix: PeftModel.base_model (LoraModel).model
-WEIGHTS_NAME, CONFIG_NAME = "adapter_model.safetensors", "adapter_config.json"
 
 # -----------------------------------------------------------------------------
 # The LoRA layer
@@ -160,12 +158,6 @@ def lora_parameters(model):
     return [p for _, m in _lora_layers(model) for p in (m.lora_A, m.lora_B)]
 
 
-def lora_state_dict(model):
-    """{"<module path>.lora_A": tensor, "<module path>.lora_B": tensor} (detached, shared storage)."""
-    return {f"{name}.{part}": getattr(m, part).detach()
-            for name, m in _lora_layers(model) for part in ("lora_A", "lora_B")}
-
-
 # -----------------------------------------------------------------------------
 # Merging
 
@@ -212,6 +204,15 @@ def merge_lora(model):
 # ============================ Part 2: plumbing (PEFT files, demo, command line) =============================
 # -----------------------------------------------------------------------------
 # Saving and loading in PEFT's layout
+
+PEFT_PREFIX = "base_model.model."  # PEFT's key prefix: PeftModel.base_model (LoraModel).model
+WEIGHTS_NAME, CONFIG_NAME = "adapter_model.safetensors", "adapter_config.json"
+
+
+def lora_state_dict(model):
+    """{"<module path>.lora_A": tensor, "<module path>.lora_B": tensor} (detached, shared storage)."""
+    return {f"{name}.{part}": getattr(m, part).detach()
+            for name, m in _lora_layers(model) for part in ("lora_A", "lora_B")}
 
 
 def _read_adapter_tensors(path):

@@ -4,8 +4,9 @@ In GRPO each prompt gets G sampled completions, compared within their group. Gen
 ("rollouts") eats most of RL's wall-clock time, which is why QeRL samples from an NVFP4 policy.
 Part 1: a Qwen2 / Llama / Qwen3 decoder with the HF module names (so stages 01 and 02 find layers by
 name), a batched sampler (`generate`: a prefill, one `decode_step` per new token over a preallocated KV
-cache, then a trim; compile=True runs that same step through torch.compile), and `sequence_logprobs`
-(the sampled tokens' log-probs again, with gradients). Part 2: the loader, the tokenizer, the CLI.
+cache, then a trim; compiled=True runs that same step through torch.compile), and `sequence_logprobs`
+(the sampled tokens' log-probs again, with gradients). Part 2: the loader, the tokenizer, two options
+(llama3 RoPE scaling, top-k / top-p), the CLI.
 
 Run it:
     python 03_rollout.py                                 # the bundled assets/tiny-qwen
@@ -37,9 +38,6 @@ import tokenizers
 
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 quantize = importlib.import_module("01_quantize")
-
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
-
 
 # ---------------------------------------------------------------------------------------------------
 # The model: config.json's fields, RMSNorm, RoPE, attention with a KV cache, SwiGLU MLP, the decoder
@@ -99,21 +97,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg, device=None):
-    """Inverse frequencies (fp32, [head_dim/2]); "llama3" scaling stretches the long wavelengths."""
+    """Inverse frequencies (fp32, [head_dim/2]); "llama3" scaling stretches the long wavelengths (Part 2)."""
     D = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, device=device).float() / D))  # (D/2,)
-    if cfg.rope_scaling is None:
-        return inv
-    s = cfg.rope_scaling
-    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_ctx = s["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    # Longer than old_ctx/lo: slowed by `factor`; shorter than old_ctx/hi: kept; between: a linear blend.
-    slow = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
-    t = (old_ctx / wavelen - lo) / (hi - lo)
-    blend = (1 - t) * slow / factor + t * slow
-    middle = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
-    return torch.where(middle, blend, slow)
+    return inv if cfg.rope_scaling is None else llama3_scaled_inv_freq(inv, cfg.rope_scaling)
 
 
 def apply_rope(x, cos, sin):
@@ -269,23 +256,7 @@ class CausalLM(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Sampler: filter the logits and draw; generate = a prefill, one decode_step per new token, a trim
-
-def filter_logits(logits, top_k=0, top_p=1.0):
-    """Set to -inf every logit (..., V) outside the top-k (ties at the k-th value stay), then outside the
-    nucleus: the fewest most likely tokens whose top-k-renormalized probability sums to >= top_p."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (..., V)
-        p = sorted_logits.softmax(-1)
-        mass_before = torch.cat((torch.zeros_like(p[..., :1]), p.cumsum(-1)[..., :-1]), dim=-1)  # exclusive cumsum
-        drop = mass_before >= top_p  # the set is already big enough without this token
-        drop[..., 0] = False  # the most likely token always stays
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    return logits
-
+# Sampler: draw from the tempered logits; generate = a prefill, one decode_step per new token, a trim
 
 def entropy_from_logp(logp):
     # masked_fill (not where) keeps 0 * -inf out of both the value and the gradient.
@@ -298,7 +269,7 @@ def sample_next(logits, temperature, top_k, top_p, generator):
         logp = logits.log_softmax(-1)  # (B, V), greedy reports the untempered distribution
         tok = logits.argmax(-1)
     else:
-        logp = filter_logits(logits / temperature, top_k, top_p).log_softmax(-1)  # (B, V)
+        logp = filter_logits(logits / temperature, top_k, top_p).log_softmax(-1)  # (B, V); top-k/top-p: Part 2
         dev = generator.device if generator is not None else logp.device  # a CPU generator may drive CUDA
         tok = torch.multinomial(logp.exp().to(dev), 1, generator=generator).squeeze(-1).to(logits.device)  # (B,)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1), entropy_from_logp(logp)
@@ -436,6 +407,38 @@ def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temper
 
 
 # =============== Part 2: plumbing (HF loader, tokenizer, random model, checks, command line) ================
+
+# ---------------------------------------------------------------------------------------------------
+# Options the method calls by name: llama3 RoPE scaling (rope_inv_freq), top-k / top-p (sample_next)
+
+def llama3_scaled_inv_freq(inv, s):
+    """Llama 3's rope_scaling of inverse frequencies inv (D/2,): the long wavelengths are stretched."""
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    # Longer than old_ctx/lo: slowed by `factor`; shorter than old_ctx/hi: kept; between: a linear blend.
+    slow = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+    t = (old_ctx / wavelen - lo) / (hi - lo)
+    blend = (1 - t) * slow / factor + t * slow
+    middle = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+    return torch.where(middle, blend, slow)
+
+
+def filter_logits(logits, top_k=0, top_p=1.0):
+    """Set to -inf every logit (..., V) outside the top-k (ties at the k-th value stay), then outside the
+    nucleus: the fewest most likely tokens whose top-k-renormalized probability sums to >= top_p."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (..., V)
+        p = sorted_logits.softmax(-1)
+        mass_before = torch.cat((torch.zeros_like(p[..., :1]), p.cumsum(-1)[..., :-1]), dim=-1)  # exclusive cumsum
+        drop = mass_before >= top_p  # the set is already big enough without this token
+        drop[..., 0] = False  # the most likely token always stays
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return logits
+
 
 # ---------------------------------------------------------------------------------------------------
 # Loader: a meta-device model, filled from safetensors one tensor at a time (peak: about the model's size)
@@ -715,6 +718,7 @@ def random_model(tok, seed=0, device="cpu"):
 # ---------------------------------------------------------------------------------------------------
 # Checks (one clear line for each kind of bad input) and the command line
 
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
 CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 

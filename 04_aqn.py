@@ -58,7 +58,7 @@ DECAYS = {  # kind -> sigma at stage k = 1 .. K-1 of K, from s0 (sigma_start) to
     "log": lambda k, K, s0, s1: s0 + (s1 - s0) * math.log1p(k - 1) / math.log1p(max(K - 2, 1)),
 }
 DECAYING_KINDS = tuple(DECAYS)
-SIGMA_KINDS = DECAYING_KINDS + ("none", "feedback")
+SIGMA_KINDS = DECAYING_KINDS + ("none", "feedback")  # feedback: FeedbackSigma, our extension (Part 2)
 
 
 def sigma_stage(step, total_steps, num_stages):
@@ -76,33 +76,6 @@ def sigma_schedule(step, total_steps, sigma_start=1e-2, sigma_end=5e-4, num_stag
         return 0.0
     return DECAYS[kind](stage, num_stages, sigma_start, sigma_end)
 
-
-class FeedbackSigma:
-    """An extension, NOT the paper's method: instead of a fixed timetable, nudge sigma up (times `up`)
-    while the last step's mean sampling entropy is below `target_entropy` and down (times `down`)
-    otherwise, clamped to [sigma_min, sigma_max]. One number of state, checkpointed by stage 05."""
-
-    def __init__(self, target_entropy, sigma_init=1e-2, up=1.25, down=0.8, sigma_min=0.0, sigma_max=5e-2):
-        _check_feedback(target_entropy, sigma_init, up, down, sigma_min, sigma_max)
-        self.target_entropy, self.up, self.down = target_entropy, up, down
-        self.sigma_min, self.sigma_max = sigma_min, sigma_max
-        self.sigma = min(max(sigma_init, sigma_min), sigma_max)
-
-    def update(self, entropy):
-        """Feed the last step's mean token entropy (nats); returns the sigma for the next step."""
-        if not math.isfinite(entropy):
-            return self.sigma  # a broken measurement should not move the controller
-        factor = self.up if entropy < self.target_entropy else self.down
-        # from 0 a multiplicative step cannot move: restart from a tenth of the ceiling
-        base = self.sigma if self.sigma > 0 else 0.1 * self.sigma_max
-        self.sigma = min(max(base * factor, self.sigma_min), self.sigma_max)
-        return self.sigma
-
-    def state_dict(self):
-        return {"sigma": self.sigma}
-
-    def load_state_dict(self, state):
-        self.sigma = float(state["sigma"])
 
 # -----------------------------------------------------------------------------
 # The noise, in each layer's two pre-norms
@@ -175,7 +148,40 @@ def measure_exploration(reference, variants, prompts, num_samples=8, max_new_tok
     return rows
 
 
-# ====================== Part 2: plumbing (checks, schedule table, demo, command line) =======================
+# ============ Part 2: plumbing (feedback extension, checks, schedule table, demo, command line) =============
+# -----------------------------------------------------------------------------
+# --aqn-kind feedback: sigma from an entropy-feedback controller instead of the schedule (our extension)
+
+class FeedbackSigma:
+    """An extension, NOT the paper's method: instead of a fixed timetable, nudge sigma up (times `up`)
+    while the last step's mean sampling entropy is below `target_entropy` and down (times `down`)
+    otherwise, clamped to [sigma_min, sigma_max]. One number of state, checkpointed by stage 05."""
+
+    def __init__(self, target_entropy, sigma_init=1e-2, up=1.25, down=0.8, sigma_min=0.0, sigma_max=5e-2):
+        _check_feedback(target_entropy, sigma_init, up, down, sigma_min, sigma_max)
+        self.target_entropy, self.up, self.down = target_entropy, up, down
+        self.sigma_min, self.sigma_max = sigma_min, sigma_max
+        self.sigma = min(max(sigma_init, sigma_min), sigma_max)
+
+    def update(self, entropy):
+        """Feed the last step's mean token entropy (nats); returns the sigma for the next step."""
+        if not math.isfinite(entropy):
+            return self.sigma  # a broken measurement should not move the controller
+        factor = self.up if entropy < self.target_entropy else self.down
+        # from 0 a multiplicative step cannot move: restart from a tenth of the ceiling
+        base = self.sigma if self.sigma > 0 else 0.1 * self.sigma_max
+        self.sigma = min(max(base * factor, self.sigma_min), self.sigma_max)
+        return self.sigma
+
+    def state_dict(self):
+        return {"sigma": self.sigma}
+
+    def load_state_dict(self, state):
+        self.sigma = float(state["sigma"])
+
+
+# -----------------------------------------------------------------------------
+# Checks
 
 def check_sigma_range(sigma_start, sigma_end, kind):
     """The settings of a sigma_schedule: a known timetable kind, sigmas >= 0, and a decay that decays."""

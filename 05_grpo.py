@@ -50,16 +50,11 @@ lora = importlib.import_module("02_lora")
 rollout = importlib.import_module("03_rollout")
 aqn = importlib.import_module("04_aqn")
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-TINY_MODEL = os.path.join(ROOT, "assets", "tiny-qwen")
-
 # -----------------------------------------------------------------------------
-# A step's problems come from the task (Part 2, TASKS: synthetic arithmetic, a GSM8K-style file, chat
-# arithmetic), an object with problems(seed, step, n), held, prompt(p), reward(p, text), correct(p, text).
-#
-# Sampling under AQN: G completions per prompt from the policy with noise on its RMSNorm gains (stage
-# 04); their log-probs are pi_old in the loss under --pi-old sampler. On a CPU it samples from merged
-# weights (Part 2).
+# Sampling under AQN. A step's problems come from the task (Part 2's TASKS), an object with problems(seed,
+# step, n), held, prompt(p), reward(p, text), correct(p, text). G completions per prompt come from the policy
+# with noise on its RMSNorm gains (stage 04); their log-probs are pi_old in the loss under --pi-old sampler.
+# On a CPU it samples from merged weights (Part 2).
 
 
 def sample_groups(model, tok, prompts, step, sigma, *, rank=0, group=8, max_new_tokens=42, temperature=1.0,
@@ -81,11 +76,6 @@ def sample_groups(model, tok, prompts, step, sigma, *, rank=0, group=8, max_new_
                                    tokenizer=tok, compiled=compiled)
     return samples, noise["applied_std"]
 
-
-def truncated_rows(ids, mask, eos_token_ids):
-    """(N,) bool: the rows whose completion has no EOS token, i.e. that max_new_tokens cut off."""
-    eos = torch.tensor(list(eos_token_ids), dtype=ids.dtype, device=ids.device)
-    return ~(torch.isin(ids, eos) & (mask > 0)).any(1)
 
 # -----------------------------------------------------------------------------
 # Rewards and advantages
@@ -202,9 +192,7 @@ PI_OLD = {  # --pi-old: whose log-probs are pi_old in the ratio pi_theta / pi_ol
 
 @dataclasses.dataclass(frozen=True)
 class UpdateOptions:
-    """The options of policy_update besides the loss's. Each field is the flag of the same name (pi_old:
-    --pi-old), which from_args reads and whose default is the field's: a new option is a field here and a
-    flag in build_parser."""
+    """The options of policy_update besides the loss's; fields and flags as in LossOptions (pi_old: --pi-old)."""
     pi_old: str = "trainer"  # one of PI_OLD
     mu: int = 1  # optimizer steps on each batch
     micro_batch: int = 0  # rows per forward/backward (0: all kept rows at once)
@@ -247,8 +235,7 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewar
     """`update_options.mu` optimizer steps on this process's rows: prompt_ids (N lists), ids, mask,
     sampler_logp (N, T) the sampler's log-probs, rewards (N,) in whole groups; the loss is grpo_loss under
     `loss_options`, pi_old as update_options.pi_old says. Returns the global loss, gradient norm and
-    statistics, the kept/flat/all row counts, and "skipped" (why no step was taken: a non-finite loss or
-    gradient)."""
+    statistics, the kept/flat/all row counts, and "skipped" (why no step was taken: a non-finite loss/gradient)."""
     mu, micro_batch, grad_clip = update_options.mu, update_options.micro_batch, update_options.grad_clip
     adv = group_advantages(rewards, group, not update_options.no_std_scale).to(common.model_device(model))  # (N,)
     # Groups of equal rewards have zero advantage: the update (the larger half of a step) skips them, and
@@ -325,7 +312,7 @@ def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, 
     t_sample = time.time() - t0
     rewards, correct = score(task, problems, samples.texts, group)  # (N,), a count
     mask = samples.completion_mask.float().clone()  # (N, T) plain copies: inference-mode tensors cannot train
-    truncated = truncated_rows(samples.completion_ids, mask, tok.eos_token_ids)  # (N,) hit max_new_tokens, no EOS
+    truncated = truncated_rows(samples.completion_ids, mask, tok.eos_token_ids)  # (N,) no EOS: cut off (Part 2)
     # --mask-truncated: those rows keep their reward (their group's advantages need it) but leave the loss
     loss_mask = mask * (~truncated).float()[:, None] if mask_truncated else mask  # (N, T)
     report = policy_update(model, opt, params, samples.prompt_ids, samples.completion_ids.clone(), loss_mask,
@@ -347,9 +334,9 @@ def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, 
             "skipped": int(bool(report["skipped"]))}
 
 # -----------------------------------------------------------------------------
-# The loop: the policy (a frozen, quantized base, LoRA adapters and their AdamW), then for every step its
-# LR and AQN noise level, one grpo_step, the log line, evaluations and checkpoints at their intervals.
-# Part 2 holds what it calls by name: processes, checkpoints, evaluation, the run log, the arguments.
+# The loop: the policy (a frozen, quantized base, LoRA adapters and their AdamW), then per step its LR and
+# AQN noise level, one grpo_step, the log line, evaluations and checkpoints at their intervals. Part 2
+# holds what it calls by name: processes, checkpoints, evaluation, the run log, the arguments.
 
 
 def build_policy(args, device):
@@ -703,11 +690,17 @@ def make_task(args):
     return cls.from_args(args, system)
 
 # -----------------------------------------------------------------------------
-# Sampling weights and evaluation
+# Samples (truncated rows), sampling weights and evaluation
 #
 # On the CPU every sampled token would dequantize each 4-bit weight and run each adapter as three small
 # ops, so sampling uses merged float weights (02's lora_merged). On CUDA the kernel reads the 4-bit
 # weights, and a merged copy of a 7B model costs its full size: the modules run as they are.
+
+
+def truncated_rows(ids, mask, eos_token_ids):
+    """(N,) bool: the rows whose completion has no EOS token, i.e. that max_new_tokens cut off."""
+    eos = torch.tensor(list(eos_token_ids), dtype=ids.dtype, device=ids.device)
+    return ~(torch.isin(ids, eos) & (mask > 0)).any(1)
 
 
 def merge_for_sampling(device):  # --gpu-path (NVFP4Linear.kernel_on_cpu) takes the CUDA path on the CPU too
@@ -1400,6 +1393,10 @@ def step_options(args):
     """grpo_step's keyword arguments from the command line."""
     return {**update_options(args), "batch": args.batch, "seed": args.seed, "mask_truncated": args.mask_truncated,
             "compiled": args.compile}
+
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+TINY_MODEL = os.path.join(ROOT, "assets", "tiny-qwen")
 
 
 def build_parser():
