@@ -176,11 +176,11 @@ class _RebuiltWeightLinear(torch.autograd.Function):
     def forward(ctx, x, module):
         ctx.module = module
         b = None if module.bias is None else module.bias.to(x.dtype)
-        return F.linear(x, module.dequantized_weight(x.dtype), b)
+        return F.linear(x, module.weight_in(x.dtype), b)
 
     @staticmethod
     def backward(ctx, grad_out):                                         # (..., out)
-        return grad_out @ ctx.module.dequantized_weight(grad_out.dtype), None  # (..., in)
+        return grad_out @ ctx.module.weight_in(grad_out.dtype), None     # (..., in)
 
 
 class _QuantLinear(nn.Module):
@@ -190,6 +190,15 @@ class _QuantLinear(nn.Module):
     scale quantize_model shares within a fused group (`global_scale`)."""
     methods = ("rtn",)
     global_scale = False
+    kept = None  # {dtype: dequantized weight} while keep_dequantized is on: a frozen weight rebuilt once
+
+    def weight_in(self, dtype):
+        """The dequantized weight (out, in) in `dtype`: built once and kept under keep_dequantized, else rebuilt."""
+        if self.kept is None:
+            return self.dequantized_weight(dtype)
+        if dtype not in self.kept:
+            self.kept[dtype] = self.dequantized_weight(dtype)
+        return self.kept[dtype]
 
     def __init__(self, in_features, out_features, bias, device, **format_buffers):
         super().__init__()
@@ -280,6 +289,16 @@ class NF4Linear(_QuantLinear):
         return dequantize_nf4(self.weight_packed, self.weight_absmax, shape, self.blocksize).to(dtype)
 
 
+def keep_dequantized(model, enabled=True):
+    """A CPU has no 4-bit matmul, so each forward and backward rebuilds the full weight, which costs more than
+    the matmul. The base is frozen: with this on, each 4-bit layer rebuilds it once per dtype and keeps it (a
+    float copy of the model in memory, as the unquantized base would take; the bytes stay 4-bit)."""
+    for m in model.modules():
+        if isinstance(m, _QuantLinear):
+            m.kept = {} if enabled else None
+    return model
+
+
 # -----------------------------------------------------------------------------------------------------
 # Whole-model quantization. vLLM runs q/k/v (and gate/up) as one fused matmul with one global
 # scale, so each group gets the scale of its largest amax (= the smallest of their own scales).
@@ -346,6 +365,8 @@ def _apply_keeping_dtypes(module, fn, recurse):
     nn.Module._apply(module, fn, recurse)
     for k, t in keep.items():
         module._buffers[k] = t.to(module._buffers[k].device)
+    if module.kept is not None:  # kept weights are rebuilt on the new device
+        module.kept = {}
     return module
 
 

@@ -73,12 +73,11 @@ class LoRALinear(nn.Module):
         y = self.base(x)  # (..., out) in x.dtype
         if self.disabled:
             return y  # bit-identical to the base: lora_disabled relies on this
-        # The low-rank branch runs in fp32 (autocast off, so it cannot sneak back to bf16); the
-        # .float() on A and B is a no-op unless someone called model.to(bf16) after add_lora.
+        # The low-rank branch runs in the activations' dtype (autocast off, so nothing else picks it): the
+        # fp32 master A and B are cast on the way in, and their gradients come back to them in fp32.
         with torch.autocast(x.device.type, enabled=False):
-            h = self.lora_dropout(x.float()) @ self.lora_A.float().t()  # (..., r)
-            delta = (h @ self.lora_B.float().t()) * self.scaling  # (..., out)
-            return (y.float() + delta).to(x.dtype)
+            h = self.lora_dropout(x) @ self.lora_A.to(x.dtype).t()  # (..., r)
+            return y + (h @ self.lora_B.to(x.dtype).t()) * self.scaling  # (..., out)
 
     def extra_repr(self):
         return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:.4g}, disabled={self.disabled}"
@@ -145,7 +144,7 @@ def lora_merged(model, dtype=None):
     dtype = dtype or next(model.parameters(), torch.empty(0)).dtype
     for m in layers:
         bias = getattr(m.base, "bias", None)
-        m.merged = (_merged_weight(m).to(dtype), None if bias is None else bias.to(dtype))
+        m.merged = (_merged_weight(m, dtype).to(dtype), None if bias is None else bias.to(dtype))
     try:
         yield model
     finally:
@@ -162,11 +161,12 @@ def lora_parameters(model):
 # Merging
 
 
-def _merged_weight(m):
-    """W + scaling * B A of one LoRA layer in fp32 (W dequantized for a 4-bit base)."""
+def _merged_weight(m, dtype=torch.float32):
+    """W + scaling * B A of one LoRA layer in fp32, W as `dtype` holds it (dequantized for a 4-bit base: in
+    that dtype, so that a kept copy of the weight serves both the update and this)."""
     base = m.base
-    w = base.dequantized_weight(torch.float32) if hasattr(base, "dequantized_weight") else base.weight.float()
-    return w + (m.lora_B.float() @ m.lora_A.float()) * m.scaling  # (out, in)
+    w = base.weight_in(dtype) if hasattr(base, "weight_in") else base.weight
+    return w.float() + (m.lora_B.float() @ m.lora_A.float()) * m.scaling  # (out, in)
 
 
 @torch.no_grad()

@@ -195,7 +195,7 @@ class UpdateOptions:
     """The options of policy_update besides the loss's; fields and flags as in LossOptions (pi_old: --pi-old)."""
     pi_old: str = "trainer"  # one of PI_OLD
     mu: int = 1  # optimizer steps on each batch
-    micro_batch: int = 0  # rows per forward/backward (0: all kept rows at once)
+    micro_batch: int | str = 0  # rows per forward/backward (0: all kept rows at once; "auto": within a memory budget)
     grad_clip: float = 1.0  # max gradient norm
     no_std_scale: bool = False  # advantages r - mean only (Dr. GRPO)
 
@@ -207,14 +207,16 @@ class UpdateOptions:
 def micro_batch_loss(model, prompts, ids, mask, old_logp, adv, denom, temperature, max_new_tokens, options):
     """Loss and statistics of one micro-batch (its share of the step's loss: denom is global). old_logp None:
     pi_old is the current policy itself (--pi-old trainer at --mu 1), so the ratio is exactly 1."""
-    logp, ent = rollout.sequence_logprobs(model, prompts, ids, mask, temperature=temperature)  # (mb, t) each
+    logp, ent = rollout.sequence_logprobs(model, prompts, ids, mask, temperature=temperature,
+                                          entropy=options.entropy_coef != 0)  # (mb, t) each; ent None unless used
     logp = logp.float()
     ref_logp = None
     if options.beta > 0:
         with torch.no_grad(), lora.lora_disabled(model):  # the reference policy is the base
-            ref_logp, _ = rollout.sequence_logprobs(model, prompts, ids, mask, temperature=temperature)
+            ref_logp, _ = rollout.sequence_logprobs(model, prompts, ids, mask, temperature=temperature, entropy=False)
     return grpo_loss(logp, logp.detach() if old_logp is None else old_logp, adv, mask, options,
-                     max_new_tokens=max_new_tokens, ref_logp=ref_logp, entropy=ent.float(), denom=denom)
+                     max_new_tokens=max_new_tokens, ref_logp=ref_logp, entropy=None if ent is None else ent.float(),
+                     denom=denom)
 
 
 def policy_logprobs(model, prompts, ids, mask, slices, temperature):
@@ -225,7 +227,7 @@ def policy_logprobs(model, prompts, ids, mask, slices, temperature):
         for part in slices:
             t = int(mask[part].sum(1).max())
             logp, _ = rollout.sequence_logprobs(model, prompts[part], ids[part, :t], mask[part, :t],
-                                                temperature=temperature)  # (mb, t)
+                                                temperature=temperature, entropy=False)  # (mb, t)
             out[part, :t] = logp.float()
     return out
 
@@ -256,7 +258,9 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewar
            "flat_all": total_flat_rows}
     if total_kept_rows == 0:  # no process has a group with signal: nobody updates (a global decision)
         return out
-    slice_rows = micro_batch or max(len(kept_rows), 1)  # rows per forward/backward (one slice's activations live)
+    # rows per forward/backward (one slice's activations live); auto: as many as the memory budget holds (Part 2)
+    slice_rows = micro_batch_rows(micro_batch, max(len(kept_rows), 1), model,
+                                  max(map(len, kept_prompts), default=0) + t_max)
     slices = [slice(i, i + slice_rows) for i in range(0, len(kept_rows), slice_rows)]
     # pi_old: the sampler's log-probs, or the clean policy's before the first step (trainer). At mu 1 the
     # latter is the first step's own log-probs, detached in micro_batch_loss: no extra forward pass.
@@ -302,15 +306,16 @@ def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, 
     """This process's share of the step's `batch` problems, `group` completions each sampled under AQN
     noise `sigma`, scored, and one policy_update (`update_kw`: its options). Returns the step's metrics,
     summed over processes."""
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     rank, world = rank_and_world()
     problems = shard(task.problems(seed, step, batch), rank, world)  # whole groups: advantages need all G
     prompts = [tok.encode(task.prompt(p)) for p in problems]
     samples, sigma_applied = sample_groups(model, tok, prompts, step, sigma, rank=rank, group=group,
                                            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                            compiled=compiled)
-    t_sample = time.time() - t0
+    t_sample, cpu_sample = time.time() - t0, time.process_time() - cpu0
     rewards, correct = score(task, problems, samples.texts, group)  # (N,), a count
+    t_score = time.time() - t0 - t_sample
     mask = samples.completion_mask.float().clone()  # (N, T) plain copies: inference-mode tensors cannot train
     truncated = truncated_rows(samples.completion_ids, mask, tok.eos_token_ids)  # (N,) no EOS: cut off (Part 2)
     # --mask-truncated: those rows keep their reward (their group's advantages need it) but leave the loss
@@ -331,7 +336,8 @@ def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, 
             "tok/s": total_tokens / max(t_sample_max, 1e-9), "s/step": time.time() - t0, "t_sample": t_sample_max,
             "loss": report["loss"], "grad_norm": report["grad_norm"], "kl_old": report["kl_old"],
             "ratio_max": ratio_max, "frac_zero_std": report["flat_all"] / rows, "truncated": total_truncated / rows,
-            "skipped": int(bool(report["skipped"]))}
+            "skipped": int(bool(report["skipped"])), "t_score": t_score, "cpu_s": time.process_time() - cpu0,
+            "cpu_sample": cpu_sample, "peak_rss_mb": common.peak_rss_bytes() / 2 ** 20}
 
 # -----------------------------------------------------------------------------
 # The loop: the policy (a frozen, quantized base, LoRA adapters and their AdamW), then per step its LR and
@@ -342,9 +348,10 @@ def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, 
 def build_policy(args, device):
     """The frozen (quantized) base with fresh LoRA adapters and their AdamW -> (model, tok, params, opt).
     The adapter initialisation depends on --seed alone, so every rank builds the same one."""
-    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=policy_dtype(args, device), device=device,
+    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=policy_dtype(args, device)[0], device=device,
                                     method=args.quant_method)
     model.grad_checkpoint = args.grad_checkpoint  # acts in the update's forward only (it needs gradients)
+    quantize.keep_dequantized(model, merge_for_sampling(device))  # a CPU rebuilds the frozen 4-bit weights once
     lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, generator=torch.Generator().manual_seed(args.seed))
     params = lora.lora_parameters(model)
     if args.train_norms:  # fp32 master copies of every layer's pre-norm gains, as the official code trains
@@ -1014,7 +1021,8 @@ class Run:
         if args.gpu_path:
             use_gpu_path(device)
         self.task = task or make_task(args)  # bad data fails here, before the model loads
-        check_sizes(args, self.task, self.world, device)  # prompts within the context, --batch within the task, memory
+        # prompts within the context, --batch within the task, memory; --dtype auto's choice and why
+        self.dtype_why = check_sizes(args, self.task, self.world, device)
         self.model, self.tok, self.params, self.opt = build_policy(args, device)
         self.feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) \
             if args.aqn and args.aqn_kind == "feedback" else None
@@ -1027,7 +1035,7 @@ class Run:
         # The run log holds and writes the run folder (and removes what it wrote if no step is done); Ctrl-C,
         # SIGTERM or SIGHUP lets the step in flight finish, then checkpoints and stops.
         self.log = self.stack.enter_context(RunLog(self.args, self.rank, self.start, self.t_start, self.model,
-                                                   self.world))
+                                                   self.world, self.dtype_why))
         self.interrupt = self.stack.enter_context(StopAtStepEnd(StopAtStepEnd.REPEAT_S if self.world > 1 else 0.0))
         return self
 
@@ -1105,7 +1113,7 @@ class RunLog:
     """What a run prints and what rank 0 writes: metrics.jsonl, args.json, summary.json."""
     NO_SIGNAL_STEPS = 20  # steps in a row without signal before the warning
 
-    def __init__(self, args, rank, start, t_start, model, world):
+    def __init__(self, args, rank, start, t_start, model, world, dtype_why=""):
         self.args, self.rank, self.t_start, self.flat_steps = args, rank, t_start, 0
         self.metrics = os.path.join(args.out, "metrics.jsonl")
         self.opened, self.steps_logged, self.made = False, 0, []
@@ -1114,7 +1122,8 @@ class RunLog:
         dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
         print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
               f"pi_old {args.pi_old} | "
-              f"device {common.model_device(model)} | dtype {dtype} | steps {args.steps} | B {args.batch} | "
+              f"device {common.model_device(model)} | dtype {dtype}" + (f" ({dtype_why})" if dtype_why else "") +
+              f" | steps {args.steps} | B {args.batch} | "
               f"G {args.group} | lr {args.lr:g} | out {args.out}" + (f" | ranks {world}" if world > 1 else ""))
 
     def out_of_time(self, recent, first_eval):
@@ -1305,9 +1314,40 @@ def check_prompts_fit(task, tok, context, max_new_tokens, problems=()):
     return longest
 
 
-def policy_dtype(args, device):
-    """--dtype, by default bfloat16 on CUDA (and on --gpu-path's CUDA code path), float32 on the CPU."""
-    return getattr(torch, args.dtype or ("bfloat16" if str(device).startswith("cuda") or args.gpu_path else "float32"))
+def policy_dtype(args, device, cfg=None):
+    """--dtype as (torch dtype, why). auto: bfloat16 on CUDA and on --gpu-path's CUDA code path; on a CPU
+    bfloat16 where it is native and measured faster at the model's widths, else float32 (common.pick_dtype)."""
+    if args.dtype == "auto" and args.gpu_path:
+        return torch.bfloat16, "auto: --gpu-path"
+    if args.dtype == "auto" and cfg is None:
+        cfg = rollout.ModelConfig.from_dict(common.find_weight_files(args.model)[0])
+    return common.pick_dtype(args.dtype, device, *((cfg.hidden_size, cfg.intermediate_size) if cfg else ()))
+
+
+UPDATE_MEMORY_CPU = 2 ** 30  # --micro-batch auto on a CPU: the update's activations within 1 GiB
+
+
+def update_bytes_per_row(cfg, T, b, grad_checkpoint):
+    """About the bytes the update keeps per row of T tokens (b bytes per activation) for backward: a token's
+    numbers autograd keeps per layer (bench_update_memory.py --per-token: 316 KiB at 7B widths in bf16) and
+    SDPA's fp32 additive mask, (rows, 1, G*T, T); a checkpointed layer keeps only its input."""
+    C, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    layer = (18 * C + 5 * I) * b + cfg.num_attention_heads // cfg.num_key_value_heads * T * 4
+    return T * (L * (C * b if grad_checkpoint else layer) + layer)
+
+
+def micro_batch_rows(micro_batch, rows, model, T):
+    """Rows per forward/backward of the update: --micro-batch, all `rows` for 0, and for auto all of them when
+    their activations (T tokens a row) fit UPDATE_MEMORY_CPU on a CPU or half the free memory on a GPU, else
+    as many as do (at least 1)."""
+    if micro_batch != "auto":
+        return min(micro_batch or rows, rows)
+    device = common.model_device(model)
+    free = common.free_memory(device)
+    budget = UPDATE_MEMORY_CPU if device.type == "cpu" or free is None else free // 2
+    b = model.model.embed_tokens.weight.element_size()
+    per_row = update_bytes_per_row(model.config, T, b, model.grad_checkpoint)
+    return max(1, min(rows, int(budget // per_row)))
 
 
 def run_memory(args, cfg, P, world, b):
@@ -1319,11 +1359,12 @@ def run_memory(args, cfg, P, world, b):
     rows = -(-args.batch // world) * args.group  # this rank's rows of a step
     k = args.eval_k  # evaluate()'s rows per generate() call: greedy, then k samples of fewer prompts
     eval_rows = max(min(args.eval_size, args.eval_chunk), min(args.eval_size, max(1, args.eval_chunk // max(k, 1))) * k)
-    T, update_rows = P + N, min(args.micro_batch or rows, rows)
-    # A token's numbers autograd keeps per layer (bench_update_memory.py --per-token: 316 KiB at 7B widths in
-    # bf16) and SDPA's fp32 additive mask, (rows, 1, G*T, T); a checkpointed layer keeps only its input.
-    layer = (18 * C + 5 * I) * b + cfg.num_attention_heads // cfg.num_key_value_heads * T * 4
-    kept = C * b if args.grad_checkpoint else layer
+    T = P + N
+    per_row = update_bytes_per_row(cfg, T, b, args.grad_checkpoint)
+    if args.micro_batch == "auto":  # as micro_batch_rows decides it at full length on a CPU
+        update_rows = max(1, min(rows, int(UPDATE_MEMORY_CPU // per_row)))
+    else:
+        update_rows = min(args.micro_batch or rows, rows)
     logits = 4 * min(rollout.LOGITS_CHUNK_BYTES, update_rows * T * cfg.vocab_size * 4)  # a chunk and its gradients
     q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     adapter_numbers = args.lora_r * L * (2 * (C + q_out) + 2 * (C + kv_out) + 3 * (C + I))  # A, B of 7 projections
@@ -1331,7 +1372,7 @@ def run_memory(args, cfg, P, world, b):
         f"sampling --batch {args.batch} x --group {args.group}": rollout.generate_memory(cfg, rows, P, N, b),
         f"evaluating {eval_rows} rows at a time (--eval-chunk, --eval-k)":
         rollout.generate_memory(cfg, eval_rows, P, N, b) if args.eval_size else 0,
-        f"the update, {update_rows} rows at a time (--micro-batch)": update_rows * T * (L * kept + layer) + logits}
+        f"the update, {update_rows} rows at a time (--micro-batch)": update_rows * per_row + logits}
 
 
 def check_sizes(args, task, world, device):
@@ -1341,7 +1382,12 @@ def check_sizes(args, task, world, device):
     cfg, tok = rollout.ModelConfig.from_dict(raw), rollout.load_tokenizer(args.model, raw)
     P = check_prompts_fit(task, tok, cfg.max_position_embeddings, args.max_new_tokens,
                           task.problems(args.seed, 0, min(args.batch, 64)))  # the longest prompt, in tokens
-    adapters, phases = run_memory(args, cfg, P, world, policy_dtype(args, device).itemsize)
+    dtype, why = policy_dtype(args, device, cfg)
+    if args.dtype == "auto" and world > 1:  # each rank measured its own: all take bf16 if any chose it
+        if global_sum([float(dtype == torch.bfloat16)], op="max")[0] and dtype != torch.bfloat16:
+            dtype, why = torch.bfloat16, "auto: another rank measured bf16 faster"
+    args.dtype = str(dtype).replace("torch.", "")  # the choice goes into args.json: a resume computes alike
+    adapters, phases = run_memory(args, cfg, P, world, dtype.itemsize)
     largest = max(phases, key=phases.get)
     what = largest if phases[largest] > adapters else f"--lora-r {args.lora_r}'s adapters"
     common.check_memory_fits(adapters + phases[largest], device, f"this run (mostly {what})")
@@ -1349,6 +1395,7 @@ def check_sizes(args, task, world, device):
     if given < args.batch:
         raise ValueError(f"--batch {args.batch} is more than --task {args.task} gives a step ({given} problems): "
                          f"lower --batch to {given} or less")
+    return why
 
 
 MAX_EVAL_SIZE = 100_000  # every evaluation samples each held-out problem (greedy, then --eval-k times)
@@ -1359,7 +1406,7 @@ def check_args(args, world, ckpt=None):
     if args.batch < 1 or args.group < 2:
         raise ValueError(f"need --batch >= 1 and --group >= 2 (got {args.batch}, {args.group}): GRPO compares "
                          f"samples within a group")
-    if args.steps < 1 or args.mu < 1 or args.micro_batch < 0:
+    if args.steps < 1 or args.mu < 1 or (args.micro_batch != "auto" and args.micro_batch < 0):
         raise ValueError(f"need --steps >= 1, --mu >= 1 and --micro-batch >= 0 (0: all rows at once), got "
                          f"{args.steps}, {args.mu}, {args.micro_batch}")
     if args.aqn and args.aqn_kind != "feedback":
@@ -1419,8 +1466,9 @@ def build_parser():
     p.add_argument("--device", default=None, help="cpu / cuda (default: autodetect)")
     p.add_argument("--compile", action="store_true", help="sample with stage 03's torch.compile'd decode step "
                    "(compiles once per batch/length bucket: tens of seconds on a CPU; pays off on long runs and GPUs)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="activation dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--dtype", choices=common.DTYPES, default="auto",
+                   help="activation dtype; auto: bfloat16 on CUDA, and on a CPU where its bf16 matmuls are native and "
+                   "measured faster at the model's widths, else float32")
     # AQN
     p.add_argument("--aqn", action=argparse.BooleanOptionalAction, default=True, help="adaptive quantization noise")
     p.add_argument("--aqn-kind", default="exp", choices=aqn.SIGMA_KINDS)
@@ -1445,8 +1493,10 @@ def build_parser():
     p.add_argument("--beta", type=N(float, 0), default=LossOptions.beta, help="k3 KL to the base (reference) policy")
     p.add_argument("--entropy-coef", type=N(float, 0), default=LossOptions.entropy_coef, help="entropy bonus coefficient")
     # memory (the update at real scale; docs/scaling.md)
-    p.add_argument("--micro-batch", type=N(int, 0), default=UpdateOptions.micro_batch, help="rows per forward/backward of the update, "
-                   "gradients accumulated before the one optimizer step (0: all rows at once)")
+    p.add_argument("--micro-batch", type=lambda v: v if v == "auto" else N(int, 0)(v), default="auto",
+                   help="rows per forward/backward of the update, gradients accumulated before the one optimizer "
+                   "step (0: all rows at once; auto: as many as keep the update's activations within "
+                   f"{UPDATE_MEMORY_CPU / 2 ** 30:g} GiB on a CPU, half the free memory on a GPU)")
     p.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per decoder layer "
                    "in the update (less memory, one more forward)")
     p.add_argument("--gpu-path", action="store_true", help="on the CPU, run what CUDA runs: NVFP4Linear through "

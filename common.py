@@ -12,10 +12,12 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import sys
 import threading
+import time
 
 import torch
 from safetensors import SafetensorError
@@ -70,6 +72,12 @@ def free_memory(device):
     return free
 
 
+def peak_rss_bytes():
+    """This process's peak resident memory so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def check_memory_fits(need, device, what):
     """Refuse, before allocating, what needs more than `device` has free: one line with both figures.
     `need` is an estimate in bytes, `what` names the request (the flags that set its size)."""
@@ -78,6 +86,60 @@ def check_memory_fits(need, device, what):
         where = "GPU memory free" if torch.device(device).type == "cuda" else "RAM available"
         raise ValueError(f"{what} needs about {need / 2 ** 30:.1f} GiB, and this machine has {free / 2 ** 30:.1f} GiB "
                          f"of {where}: lower those sizes")
+
+
+# -----------------------------------------------------------------------------------------------------
+# The compute dtype: --dtype auto picks the fastest that is safe, and says why
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # what every --dtype takes
+AUTO_BF16_SPEEDUP = 1.5  # a CPU gets bf16 only when its bf16 matmuls are at least this much faster
+
+
+def cpu_has_native_bf16():
+    """True where the CPU multiplies bf16 in hardware (amx_bf16 or avx512_bf16 among /proc/cpuinfo's flags).
+    Elsewhere torch emulates bf16 with conversions, slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def bf16_matmul_speedup(width, inner, repeats=5):
+    """fp32 time / bf16 time of a (rows, width) @ (width, inner) matmul on this CPU, best of `repeats` each,
+    with rows chosen so one fp32 product is about 2 ms of work (at 100 GFLOP/s)."""
+    rows = max(1, min(64, int(1e8 // (width * inner))))
+    gen = torch.Generator().manual_seed(0)
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(rows, width, generator=gen).to(dtype)
+        b = torch.randn(width, inner, generator=gen).to(dtype)
+        a @ b  # warm-up: the first call picks and builds its kernel
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        best[dtype] = min(times)
+    return best[torch.float32] / max(best[torch.bfloat16], 1e-9)
+
+
+def pick_dtype(name, device, width=None, inner=None):
+    """--dtype as (torch dtype, why). auto: bfloat16 on CUDA; on a CPU, bfloat16 where its bf16 matmul is native
+    and measured at least AUTO_BF16_SPEEDUP x faster at the model's widths (hidden x intermediate), else
+    float32 (a tiny model's matmuls are too small to gain, and most laptops emulate bf16)."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: choose one of {', '.join(DTYPES)}")
+    if name != "auto":
+        return getattr(torch, name), "--dtype"
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16, "auto: CUDA"
+    if not cpu_has_native_bf16():
+        return torch.float32, "auto: this CPU has no native bf16"
+    speedup = bf16_matmul_speedup(width or 1024, inner or 1024)
+    pick = torch.bfloat16 if speedup >= AUTO_BF16_SPEEDUP else torch.float32
+    return pick, f"auto: bf16 matmuls {speedup:.1f}x fp32's here at {width or 1024}x{inner or 1024}"
 
 
 # -----------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Stage 05's GRPO against what a user would otherwise pick, TRL's `GRPOTrainer` + peft LoRA, side by side.
 
-Both sides train LoRA adapters on the same fp32 base (05 with `--quant none --no-aqn`: TRL has no NVFP4)
+Both sides train LoRA adapters on the same base (05 with `--quant none --no-aqn`: TRL has no NVFP4), each in
+its fastest dtype by default (05's --dtype auto; TRL in bf16, --trl-dtype), with one fp32 evaluator for both,
 for N steps on the same problems in the same order, the same prompt token ids, the same reward function
 (05's task object), batch, group, max new tokens, temperature, clip range (0.2 / 0.28), beta 0, token-mean
 loss, AdamW (lr, betas 0.9 / 0.99, weight decay 0, grad clip) with 05's own warmup + cosine LR schedule
@@ -58,7 +59,7 @@ def grpo_flags(job):
             "--max-new-tokens", str(job["max_new_tokens"]), "--temperature", str(job["temperature"]),
             "--lr", str(job["lr"]), "--warmup", str(job["warmup"]), "--lora-r", str(job["lora_r"]),
             "--lora-alpha", str(job["lora_alpha"]), "--seed", str(job["seed"]),
-            "--eval-size", str(job["eval_size"]), "--device", "cpu", "--dtype", "float32"]
+            "--eval-size", str(job["eval_size"]), "--device", "cpu", "--dtype", job["dtype"]]
 
 
 def load_grpo():
@@ -74,31 +75,10 @@ def ours_worker(job, result_file):
     grpo = load_grpo()
     args = grpo.build_parser().parse_args(grpo_flags(job) + [
         "--out", os.path.join(job["dir"], "ours"), "--time-budget", "0", "--save-every", "0", "--eval-every", "0",
-        "--eval-k", "0", "--quiet"])
+        "--eval-k", "0"])
     task = grpo.make_task(args)  # built with --eval-size: chat-arithmetic's training split depends on it
     args.eval_size = 0  # no evaluation inside the run: the parent evaluates both sides with one evaluator
-    rss_before, cpu = {}, {"step": [], "sample": [], "rss": []}
-    step_fn, sample_fn = grpo.grpo_step, grpo.sample_groups
-
-    def sample_groups(*a, **kw):
-        c0 = time.process_time()
-        try:
-            return sample_fn(*a, **kw)
-        finally:
-            cpu["sample"].append(time.process_time() - c0)
-
-    def grpo_step(*a, **kw):  # RSS once the model and optimizer are built, before the first step
-        rss_before.setdefault("mb", peak_rss_mb())
-        c0 = time.process_time()
-        rec = step_fn(*a, **kw)
-        cpu["step"].append(time.process_time() - c0)
-        cpu["rss"].append(peak_rss_mb())
-        if rec["step"] % max(1, job["steps"] // 10) == 0 or rec["step"] == job["steps"]:
-            print(f"ours | step {rec['step']}/{job['steps']} | reward {rec['reward']:.3f} | s/step "
-                  f"{rec['s/step']:.2f}", flush=True)
-        return rec
-
-    grpo.grpo_step, grpo.sample_groups = grpo_step, sample_groups  # both looked up at call time
+    # each step's record (metrics.jsonl) has its CPU seconds and the peak RSS so far: no hooks into 05 needed
     summary = grpo.train(args, task=task)
     with open(os.path.join(args.out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -106,8 +86,10 @@ def ours_worker(job, result_file):
     write_json(result_file, {
         "step_s": [r["s/step"] for r in steps], "sample_s": [r["t_sample"] for r in steps],
         "reward": [r["reward"] for r in steps], "frac_zero_std": [r["frac_zero_std"] for r in steps],
-        "step_cpu_s": cpu["step"], "sample_cpu_s": cpu["sample"], "peak_rss_by_step_mb": cpu["rss"],
-        "adapter": summary["checkpoint"], "rss_setup_mb": rss_before.get("mb"), "peak_rss_mb": peak_rss_mb(),
+        "step_cpu_s": [r["cpu_s"] for r in steps], "sample_cpu_s": [r["cpu_sample"] for r in steps],
+        "peak_rss_by_step_mb": [r["peak_rss_mb"] for r in steps],
+        "adapter": summary["checkpoint"], "rss_setup_mb": float("nan"), "peak_rss_mb": peak_rss_mb(),
+        "dtype": args.dtype,  # --dtype auto's choice, resolved by 05's check_sizes
         "versions": {"torch": torch.__version__}})
 
 
@@ -133,7 +115,7 @@ def trl_worker(job, result_file):
     if same_ids != len(hf_ids):
         raise SystemExit(f"error: TRL's tokenizer gives other prompt ids than 05's on {len(hf_ids) - same_ids} of "
                          f"{len(hf_ids)} prompts: the comparison would not feed the same tokens")
-    base = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(job["model"], dtype=getattr(torch, job["trl_dtype"]))
     model = peft.PeftModel.from_pretrained(base, job["init_adapter"], is_trainable=True)  # 05's initial A, B = 0
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=job["lr"], betas=(0.9, 0.99), weight_decay=0.0)  # build_policy's
@@ -154,7 +136,7 @@ def trl_worker(job, result_file):
         max_completion_length=job["max_new_tokens"], temperature=job["temperature"], top_p=1.0, top_k=0,
         beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group", num_iterations=1,
         learning_rate=job["lr"], adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=args.grad_clip,
-        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, disable_dropout=True,
+        use_cpu=True, bf16=job["trl_dtype"] == "bfloat16", fp16=False, gradient_checkpointing=False, disable_dropout=True,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, log_level="error",
         seed=job["seed"], dataloader_num_workers=0)
 
@@ -213,10 +195,11 @@ def trl_worker(job, result_file):
     adapter = os.path.join(job["dir"], "trl", "adapter")
     trainer.model.save_pretrained(adapter)
     model.eval()
+    model.float()  # the parent's evaluator is fp32
     with torch.no_grad():  # last-position logits of one prompt: the parent checks that 02 reads the adapter alike
         probe = model(torch.tensor([job["probe_ids"]])).logits[0, -1].tolist()
     write_json(result_file, {
-        **record, "adapter": adapter, "probe_logits": probe, "peak_rss_mb": peak_rss_mb(),
+        **record, "adapter": adapter, "probe_logits": probe, "peak_rss_mb": peak_rss_mb(), "dtype": job["trl_dtype"],
         "versions": {"torch": torch.__version__, "trl": trl.__version__, "peft": peft.__version__,
                      "transformers": transformers.__version__, "accelerate": importlib.import_module(
                          "accelerate").__version__, "datasets": datasets.__version__}})
@@ -311,6 +294,9 @@ def main(argv=None):
     ap.add_argument("--eval-size", type=N(int, 0), default=None, help="held-out problems (default 500; 200 for "
                     "chat-arithmetic)")
     ap.add_argument("--threads", type=N(int, 1), default=2, help="torch threads of each side")
+    ap.add_argument("--dtype", choices=common.DTYPES, default="auto", help="05's --dtype (default auto: its fastest)")
+    ap.add_argument("--trl-dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                    help="TRL's model dtype and bf16 flag (default bfloat16, its fastest on a CPU with native bf16)")
     ap.add_argument("--workdir", default=None, help="where the runs, adapters and logs go (default: a temp folder)")
     ap.add_argument("--out", default=None, help="also write the results to this JSON file")
     ap.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)
@@ -349,9 +335,10 @@ def main(argv=None):
     job = {"model": os.path.abspath(args.model), "task": task_name, "steps": args.steps, "batch": args.batch,
            "group": args.group, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
            "lr": args.lr, "warmup": args.warmup, "lora_r": args.lora_r, "lora_alpha": args.lora_alpha,
-           "seed": args.seed, "eval_size": eval_size, "threads": args.threads, "dir": workdir}
-    try:
-        g_args = grpo.build_parser().parse_args(grpo_flags(job))
+           "seed": args.seed, "eval_size": eval_size, "threads": args.threads, "dir": workdir,
+           "dtype": args.dtype, "trl_dtype": args.trl_dtype}
+    try:  # the parent's own model (the initial adapter, then one evaluator for both sides) is fp32
+        g_args = grpo.build_parser().parse_args(grpo_flags(job) + ["--dtype", "float32"])
         task = grpo.make_task(g_args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -383,7 +370,7 @@ def main(argv=None):
         res, wall = run_side(name, python, job_file, os.path.join(workdir, f"{name}.json"),
                              os.path.join(workdir, f"{name}.log"), args.threads)
         sides[name] = {**summarise(res), "wall_s": wall, "adapter": res["adapter"],
-                       "versions": res["versions"]}
+                       "versions": res["versions"], "dtype": res["dtype"]}
         s = sides[name]
         print(f"{name} | done | steps {s['steps']} | s/step {s['s_step']:.3f} (mean {s['s_step_mean']:.3f}) | sampling "
               f"{s['sample_s_step']:.3f} | update {s['update_s_step']:.3f} | CPU s/step {s['cpu_s_step']:.3f} | "
@@ -416,7 +403,8 @@ def main(argv=None):
           f"{v['accelerate']} | torch {v['torch']} (ours: torch {sides['ours']['versions']['torch']})")
     print("\n| side | s/step | sampling s/step | update s/step | peak RSS MB | greedy before -> after | steps |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    labels = {"ours": "05_grpo.py", "trl": f"TRL {v['trl']} GRPOTrainer + peft {v['peft']}"}
+    labels = {"ours": f"05_grpo.py ({sides['ours']['dtype']})",
+              "trl": f"TRL {v['trl']} GRPOTrainer + peft {v['peft']} ({sides['trl']['dtype']})"}
     for name, s in sides.items():
         print(f"| {labels[name]} | {s['s_step']:.2f} | {s['sample_s_step']:.2f} | {s['update_s_step']:.2f} | "
               f"{s['peak_rss_mb']:.0f} | {100 * s['greedy_before']:.1f}% -> {100 * s['greedy_after']:.1f}% | "

@@ -606,7 +606,8 @@ def test_micro_batches_give_the_same_update(lora_policy, agg, beta, monkeypatch)
     monkeypatch.setattr(rollout, "LOGITS_CHUNK_BYTES", 4 * model.config.vocab_size * 6)  # 6 tokens per chunk
     batch = update_batch(model.config.vocab_size)
     results = []
-    for mb, ckpt in ((0, False), (1, False), (3, False), (3, True)):
+    monkeypatch.setattr(grpo, "UPDATE_MEMORY_CPU", 1)  # --micro-batch auto with no room: one row at a time
+    for mb, ckpt in ((0, False), (1, False), (3, False), (3, True), ("auto", False)):
         with torch.no_grad():
             for p, p0 in zip(params, start):
                 p.copy_(p0)
@@ -629,6 +630,22 @@ def test_micro_batches_give_the_same_update(lora_policy, agg, beta, monkeypatch)
     with torch.no_grad():
         for p, p0 in zip(params, start):
             p.copy_(p0)
+
+
+def test_micro_batch_auto_takes_as_many_rows_as_the_memory_budget_holds(lora_policy, monkeypatch):
+    model = lora_policy[0]
+    per_row = grpo.update_bytes_per_row(model.config, 20, 4, False)  # fp32 activations, rows of 20 tokens
+    monkeypatch.setattr(grpo, "UPDATE_MEMORY_CPU", 3.5 * per_row)
+    assert grpo.micro_batch_rows("auto", 8, model, 20) == 3
+    assert grpo.micro_batch_rows("auto", 2, model, 20) == 2  # everything fits: all rows at once
+    assert grpo.micro_batch_rows("auto", 8, model, 80) == 1  # longer rows: fewer fit, never fewer than 1
+    assert [grpo.micro_batch_rows(n, 8, model, 20) for n in (0, 5, 12)] == [8, 5, 8]  # explicit sizes as given
+    model.grad_checkpoint = True  # a checkpointed layer keeps only its input: more rows fit
+    try:
+        assert grpo.micro_batch_rows("auto", 8, model, 20) > 3
+    finally:
+        model.grad_checkpoint = False
+    assert parse().micro_batch == "auto" and parse("--micro-batch", 4).micro_batch == 4
 
 
 # -----------------------------------------------------------------------------

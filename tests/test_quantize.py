@@ -614,3 +614,57 @@ def test_4over6_checkpoint_loads_to_our_weights(tmp_path):
             differs += not same_bytes(mod.weight_scale, rtn.get_submodule(name).weight_scale)
     assert differs == 14                                                 # every tensor has max -> 4 blocks
     assert json.load(open(os.path.join(out, "config.json")))["quantization_config"]["format"] == "nvfp4-pack-quantized"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kept dequantized weights (a CPU's frozen base) and --dtype auto
+
+
+def test_keep_dequantized_gives_the_same_outputs_and_gradients_and_builds_each_weight_once(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 16, bias=False))
+    ref = q.quantize_model(copy.deepcopy(model), "nvfp4")
+    kept = q.keep_dequantized(q.quantize_model(copy.deepcopy(model), "nvfp4"))
+    x = torch.randn(5, 40, requires_grad=True)
+    outs = []
+    for m in (ref, kept):
+        x.grad = None
+        y = m(x)
+        y.square().sum().backward()
+        outs.append((y.detach(), x.grad.clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    calls = []
+    real = q.NVFP4Linear.dequantized_weight
+    monkeypatch.setattr(q.NVFP4Linear, "dequantized_weight", lambda self, dtype=torch.float32: calls.append(1)
+                        or real(self, dtype))
+    for _ in range(3):
+        kept(x).sum().backward()
+    assert calls == []  # built in the first pass above, reused by every forward and backward since
+    kept.to(torch.bfloat16)
+    assert all(m.kept == {} for m in kept.modules() if isinstance(m, q.NVFP4Linear))  # rebuilt after a move
+    kept(x.detach().bfloat16())
+    assert len(calls) == 2 and all(set(m.kept) == {torch.bfloat16} for m in kept if isinstance(m, q.NVFP4Linear))
+    q.keep_dequantized(kept, False)
+    kept(x.detach().bfloat16())
+    assert len(calls) == 4
+
+
+def test_dtype_auto_takes_bf16_only_where_it_is_native_and_measured_faster(monkeypatch):
+    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(common, "bf16_matmul_speedup", lambda w, i: 6.0)
+    assert common.pick_dtype("auto", "cpu", 576, 1536)[0] == torch.float32  # emulated bf16: never
+    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: True)
+    dtype, why = common.pick_dtype("auto", "cpu", 576, 1536)
+    assert dtype == torch.bfloat16 and "6.0x" in why
+    monkeypatch.setattr(common, "bf16_matmul_speedup", lambda w, i: 1.1)  # a tiny model's widths gain nothing
+    assert common.pick_dtype("auto", "cpu", 64, 128)[0] == torch.float32
+    assert common.pick_dtype("auto", "cuda")[0] == torch.bfloat16
+    assert common.pick_dtype("float32", "cuda") == (torch.float32, "--dtype")
+    assert common.pick_dtype("bfloat16", "cpu")[0] == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        common.pick_dtype("fp8", "cpu")
+
+
+def test_bf16_matmul_speedup_is_a_measured_positive_ratio():
+    s = common.bf16_matmul_speedup(64, 128, repeats=2)
+    assert 0 < s < 1000 and isinstance(common.cpu_has_native_bf16(), bool)

@@ -576,3 +576,49 @@ def test_truncated_shard_and_wrong_shape_name_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"model-0000\d-of-00002.safetensors: weight model.layers.0.mlp.\w+_proj.weight "
                                          r"has shape \(\d+, \d+\), config.json implies"):
         ro.load_model(d, device="cpu")
+
+
+def test_logprob_only_backward_by_hand_equals_autograd(model, monkeypatch):
+    """With the entropy not asked for and lm_head frozen (LoRA training), the chunk's backward is written by
+    hand, (onehot - softmax) / T @ W; its gradients must be autograd's through one full log-softmax."""
+    r = ro.generate(model, PROMPTS, num_samples=3, max_new_tokens=12, temperature=0.9,
+                    eos_token_ids=[3, 7], generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(ro, "LOGITS_CHUNK_BYTES", 4 * model.config.vocab_size * 5)  # 5 tokens per chunk
+    model.lm_head.weight.requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    try:
+        grads = []
+        for temperature in (0.9, 0.0):
+            for full in (True, False):
+                model.zero_grad()
+                if full:
+                    lp, _ = full_logits_reference(model, r, temperature or 1.0)
+                else:
+                    lp, ent = ro.sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask,
+                                                   temperature=temperature, entropy=False)
+                    assert ent is None
+                (lp * torch.linspace(0.5, 2.0, lp.shape[1])).sum().backward()  # unequal weights per token
+                grads.append([p.grad.clone() for p in trained] + [lp.detach()])
+        for full, chunk in ((grads[0], grads[1]), (grads[2], grads[3])):
+            for a, b in zip(chunk, full):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert sum(float(g.abs().sum()) for g in grads[1][:-1]) > 0
+    finally:
+        model.lm_head.weight.requires_grad_(True)
+        model.zero_grad()
+
+
+def test_sample_from_draws_each_token_at_its_probability_and_never_a_zero_one():
+    p = torch.tensor([[0.5, 0.0, 0.2, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]])  # (2, 5)
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([ro.sample_from(p, gen) for _ in range(20_000)])  # (20000, 2)
+    freq = torch.stack([(draws[:, 0] == i).float().mean() for i in range(5)])
+    torch.testing.assert_close(freq, p[0], atol=0.015, rtol=0)  # 20,000 draws: std of a share <= 0.0036
+    assert (draws[:, 1] == 4).all()
+    # a row whose mass sits on the last token still never returns past it, even for u at the top of [0, 1)
+    edge = torch.zeros(3, 49_152)
+    edge[:, -1] = 1.0
+    assert (ro.sample_from(edge, torch.Generator().manual_seed(1)) == 49_151).all()
+    # the same seed gives the same tokens: a resumed run samples what an uninterrupted one would
+    a = ro.sample_from(p.repeat(50, 1), torch.Generator().manual_seed(5))
+    assert torch.equal(a, ro.sample_from(p.repeat(50, 1), torch.Generator().manual_seed(5)))
