@@ -1316,12 +1316,12 @@ def check_prompts_fit(task, tok, context, max_new_tokens, problems=()):
 
 def policy_dtype(args, device, cfg=None):
     """--dtype as (torch dtype, why). auto: bfloat16 on CUDA and on --gpu-path's CUDA code path; on a CPU
-    bfloat16 where it is native and measured faster at the model's widths, else float32 (common.pick_dtype)."""
+    bfloat16 where it is native and the model wide enough to gain, else float32 (common.pick_dtype)."""
     if args.dtype == "auto" and args.gpu_path:
         return torch.bfloat16, "auto: --gpu-path"
     if args.dtype == "auto" and cfg is None:
         cfg = rollout.ModelConfig.from_dict(common.find_weight_files(args.model)[0])
-    return common.pick_dtype(args.dtype, device, *((cfg.hidden_size, cfg.intermediate_size) if cfg else ()))
+    return common.pick_dtype(args.dtype, device, cfg.hidden_size if cfg else None)
 
 
 UPDATE_MEMORY_CPU = 2 ** 30  # --micro-batch auto on a CPU: the update's activations within 1 GiB
@@ -1342,6 +1342,8 @@ def micro_batch_rows(micro_batch, rows, model, T):
     as many as do (at least 1)."""
     if micro_batch != "auto":
         return min(micro_batch or rows, rows)
+    if not isinstance(getattr(model, "config", None), rollout.ModelConfig):  # a policy without widths to go by
+        return rows
     device = common.model_device(model)
     free = common.free_memory(device)
     budget = UPDATE_MEMORY_CPU if device.type == "cpu" or free is None else free // 2
@@ -1383,9 +1385,6 @@ def check_sizes(args, task, world, device):
     P = check_prompts_fit(task, tok, cfg.max_position_embeddings, args.max_new_tokens,
                           task.problems(args.seed, 0, min(args.batch, 64)))  # the longest prompt, in tokens
     dtype, why = policy_dtype(args, device, cfg)
-    if args.dtype == "auto" and world > 1:  # each rank measured its own: all take bf16 if any chose it
-        if global_sum([float(dtype == torch.bfloat16)], op="max")[0] and dtype != torch.bfloat16:
-            dtype, why = torch.bfloat16, "auto: another rank measured bf16 faster"
     args.dtype = str(dtype).replace("torch.", "")  # the choice goes into args.json: a resume computes alike
     adapters, phases = run_memory(args, cfg, P, world, dtype.itemsize)
     largest = max(phases, key=phases.get)
@@ -1467,8 +1466,8 @@ def build_parser():
     p.add_argument("--compile", action="store_true", help="sample with stage 03's torch.compile'd decode step "
                    "(compiles once per batch/length bucket: tens of seconds on a CPU; pays off on long runs and GPUs)")
     p.add_argument("--dtype", choices=common.DTYPES, default="auto",
-                   help="activation dtype; auto: bfloat16 on CUDA, and on a CPU where its bf16 matmuls are native and "
-                   "measured faster at the model's widths, else float32")
+                   help="activation dtype; auto: bfloat16 on CUDA, and on a CPU with native bf16 (AMX, AVX512-BF16) "
+                   f"for a model of hidden size {common.AUTO_BF16_MIN_HIDDEN} or more, else float32")
     # AQN
     p.add_argument("--aqn", action=argparse.BooleanOptionalAction, default=True, help="adaptive quantization noise")
     p.add_argument("--aqn-kind", default="exp", choices=aqn.SIGMA_KINDS)

@@ -6,8 +6,7 @@ over the sampled tokens, AdamW on the adapters) and the reward barely change wit
 This script measures that split on the bundled tiny model with stage 05's own step function
 (`grpo_step`), default batch 16 prompts x 8 samples, for an unquantized, an NF4 and an NVFP4 base:
   rollout  building the prompts + sampling B*G completions (05's t_sample, with its merged weights)
-  reward   scoring the completions and computing group advantages (05's reward_fn and
-           group_advantages, timed by wrapping them)
+  reward   scoring the completions (the step record's t_score)
   update   the rest of the step: log-probs with gradients, the clipped loss, backward, clip, AdamW
 Each quantization gets its own model; after `--warmup` unmeasured steps each, the steps of the three
 are interleaved and averaged over `--steps` per quantization.
@@ -37,28 +36,6 @@ grpo = importlib.import_module("05_grpo")
 quantize = importlib.import_module("01_quantize")
 
 # ---------------------------------------------------------------------------------------------------
-# Timing the reward phase: wrap 05's module-level functions (grpo_step looks them up at call time)
-
-
-class PhaseTimer:
-    """Accumulates the seconds spent inside the wrapped functions since the last reset()."""
-
-    def __init__(self):
-        self.seconds = 0.0
-
-    def wrap(self, fn):
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.seconds += time.perf_counter() - t0
-        return timed
-
-    def reset(self):
-        self.seconds = 0.0
-
-# ---------------------------------------------------------------------------------------------------
 # One quantization: build what 05's train() builds (with its functions), then run grpo_step and split its time
 
 
@@ -81,24 +58,17 @@ def measure(bench_args, train_argv):
             args.out = scratch
             grpo.check_args(args, 1)
         runs[q] = (args, setup(args), [])
-    timer = PhaseTimer()
-    orig = grpo.reward_fn, grpo.group_advantages
-    grpo.reward_fn, grpo.group_advantages = timer.wrap(orig[0]), timer.wrap(orig[1])
-    try:
-        for step in range(bench_args.warmup + bench_args.steps):
-            for q, (args, s, rows) in runs.items():
-                timer.reset()
-                for group in s["opt"].param_groups:  # as 05's train() does before each step
-                    group["lr"] = args.lr * grpo.lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
-                rec = grpo.grpo_step(s["model"], s["tok"], s["opt"], s["params"], s["task"], step,
-                                     grpo.step_sigma(args, step), **grpo.step_options(args))
-                if step >= bench_args.warmup:
-                    total, roll, rew = rec["s/step"], rec["t_sample"], timer.seconds
-                    rows.append({"rollout": roll, "reward": rew, "update": total - roll - rew, "total": total,
-                                 "tokens": rec["len"] * args.batch * args.group,
-                                 "rows_updated": (1 - rec["frac_zero_std"]) * args.batch * args.group})
-    finally:
-        grpo.reward_fn, grpo.group_advantages = orig
+    for step in range(bench_args.warmup + bench_args.steps):
+        for q, (args, s, rows) in runs.items():
+            for group in s["opt"].param_groups:  # as 05's train() does before each step
+                group["lr"] = args.lr * grpo.lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
+            rec = grpo.grpo_step(s["model"], s["tok"], s["opt"], s["params"], s["task"], step,
+                                 grpo.step_sigma(args, step), **grpo.step_options(args))
+            if step >= bench_args.warmup:  # the step's own record times its phases (t_score: the rewards)
+                total, roll, rew = rec["s/step"], rec["t_sample"], rec["t_score"]
+                rows.append({"rollout": roll, "reward": rew, "update": total - roll - rew, "total": total,
+                             "tokens": rec["len"] * args.batch * args.group,
+                             "rows_updated": (1 - rec["frac_zero_std"]) * args.batch * args.group})
     results = {q: {k: statistics.mean(r[k] for r in rows) for k in rows[0]} for q, (_, _, rows) in runs.items()}
     return results, next(iter(runs.values()))[0]
 

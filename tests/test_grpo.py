@@ -364,7 +364,7 @@ def tiny_args(out, *extra):
 
 def step_rows(out):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    timing = ("s/step", "tok/s", "t_sample", "time", "seconds")
+    timing = ("s/step", "tok/s", "t_sample", "t_score", "cpu_s", "cpu_sample", "peak_rss_mb", "time", "seconds")
     strip = lambda d: {k: v for k, v in d.items() if k not in timing}  # noqa: E731
     return [strip(r) for r in rows if "eval" not in r], [strip(r["eval"]) for r in rows if "eval" in r]
 
@@ -478,7 +478,8 @@ def test_mask_truncated_update_by_hand(monkeypatch):
     policy = torch.nn.Module()
     policy.theta = torch.nn.Parameter(torch.zeros(10))
     monkeypatch.setattr(grpo.rollout, "sequence_logprobs",
-                        lambda model, prompts, ids, mask, temperature=1.0: (policy.theta[ids], torch.zeros(ids.shape)))
+                        lambda model, prompts, ids, mask, temperature=1.0, entropy=True:
+                        (policy.theta[ids], torch.zeros(ids.shape) if entropy else None))
     got = {}
     for masked in (False, True):
         with torch.no_grad():
