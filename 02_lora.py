@@ -143,8 +143,11 @@ def lora_merged(model, dtype=None):
     layers = [m for _, m in _lora_layers(model) if not m.disabled]
     dtype = dtype or next(model.parameters(), torch.empty(0)).dtype
     for m in layers:
-        bias = getattr(m.base, "bias", None)
-        m.merged = (_merged_weight(m, dtype).to(dtype), None if bias is None else bias.to(dtype))
+        base, bias = m.base, getattr(m.base, "bias", None)
+        w = base.weight_in(dtype) if hasattr(base, "weight_in") else base.weight.to(dtype)  # (out, in)
+        # W + scaling * B A as one addmm in `dtype` (fp32 accumulation): one pass over each weight per call
+        m.merged = (torch.addmm(w, m.lora_B.to(dtype), m.lora_A.to(dtype), alpha=m.scaling),
+                    None if bias is None else bias.to(dtype))
     try:
         yield model
     finally:
@@ -161,12 +164,11 @@ def lora_parameters(model):
 # Merging
 
 
-def _merged_weight(m, dtype=torch.float32):
-    """W + scaling * B A of one LoRA layer in fp32, W as `dtype` holds it (dequantized for a 4-bit base: in
-    that dtype, so that a kept copy of the weight serves both the update and this)."""
+def _merged_weight(m):
+    """W + scaling * B A of one LoRA layer in fp32 (W dequantized for a 4-bit base)."""
     base = m.base
-    w = base.weight_in(dtype) if hasattr(base, "weight_in") else base.weight
-    return w.float() + (m.lora_B.float() @ m.lora_A.float()) * m.scaling  # (out, in)
+    w = base.dequantized_weight(torch.float32) if hasattr(base, "dequantized_weight") else base.weight.float()
+    return w + (m.lora_B.float() @ m.lora_A.float()) * m.scaling  # (out, in)
 
 
 @torch.no_grad()

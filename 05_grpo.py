@@ -1045,6 +1045,7 @@ class Run:
     def evaluate(self, step, k):
         if not self.evaluating:
             return None
+        common.release_freed_memory()  # the steps' freed activations to the OS: the evaluation's peak does not add to them
         t0 = time.time()
         res = evaluate(self.model, self.tok, self.task, self.task.held, self.args.max_new_tokens, k,
                        self.args.temperature, EVAL_SEED, self.args.eval_chunk, self.args.compile)
@@ -1324,7 +1325,7 @@ def policy_dtype(args, device, cfg=None):
     return common.pick_dtype(args.dtype, device, cfg.hidden_size if cfg else None)
 
 
-UPDATE_MEMORY_CPU = 2 ** 30  # --micro-batch auto on a CPU: the update's activations within 1 GiB
+UPDATE_MEMORY_CPU = 640 * 2 ** 20  # --micro-batch auto on a CPU: the update's activations within 640 MiB
 
 
 def update_bytes_per_row(cfg, T, b, grad_checkpoint):
@@ -1495,7 +1496,7 @@ def build_parser():
     p.add_argument("--micro-batch", type=lambda v: v if v == "auto" else N(int, 0)(v), default="auto",
                    help="rows per forward/backward of the update, gradients accumulated before the one optimizer "
                    "step (0: all rows at once; auto: as many as keep the update's activations within "
-                   f"{UPDATE_MEMORY_CPU / 2 ** 30:g} GiB on a CPU, half the free memory on a GPU)")
+                   f"{UPDATE_MEMORY_CPU // 2 ** 20} MiB on a CPU, half the free memory on a GPU)")
     p.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per decoder layer "
                    "in the update (less memory, one more forward)")
     p.add_argument("--gpu-path", action="store_true", help="on the CPU, run what CUDA runs: NVFP4Linear through "

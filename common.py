@@ -5,8 +5,10 @@ errors, number ranges, signals). The method lives in the numbered stages; nothin
 """
 import argparse
 import contextlib
+import ctypes
 import errno
 import fcntl
+import functools
 import itertools
 import json
 import math
@@ -75,6 +77,23 @@ def peak_rss_bytes():
     """This process's peak resident memory so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+@functools.cache
+def _glibc():
+    try:
+        return ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
+    except OSError:  # musl and others: no malloc_trim
+        return None
+
+
+def release_freed_memory():
+    """Hand the heap memory torch has freed back to the OS (glibc's malloc_trim): most of a step's tensors
+    are a few MB, below glibc's mmap threshold, so without this the RSS of one phase (the update's
+    activations) stays under the next (an evaluation) and the peaks add up. A no-op without glibc."""
+    libc = _glibc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def check_memory_fits(need, device, what):
