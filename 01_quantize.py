@@ -190,7 +190,7 @@ class _QuantLinear(nn.Module):
     scale quantize_model shares within a fused group (`global_scale`)."""
     methods = ("rtn",)
     global_scale = False
-    kept = None  # {dtype: dequantized weight} while keep_dequantized is on: a frozen weight rebuilt once
+    kept = None  # {dtype: dequantized weight} while keep_dequantized (Part 2) is on: a frozen weight rebuilt once
 
     def weight_in(self, dtype):
         """The dequantized weight (out, in) in `dtype`: built once and kept under keep_dequantized, else rebuilt."""
@@ -289,16 +289,6 @@ class NF4Linear(_QuantLinear):
         return dequantize_nf4(self.weight_packed, self.weight_absmax, shape, self.blocksize).to(dtype)
 
 
-def keep_dequantized(model, enabled=True):
-    """A CPU has no 4-bit matmul, so each forward and backward rebuilds the full weight, which costs more than
-    the matmul. The base is frozen: with this on, each 4-bit layer rebuilds it once per dtype and keeps it (a
-    float copy of the model in memory, as the unquantized base would take; the bytes stay 4-bit)."""
-    for m in model.modules():
-        if isinstance(m, _QuantLinear):
-            m.kept = {} if enabled else None
-    return model
-
-
 # -----------------------------------------------------------------------------------------------------
 # Whole-model quantization. vLLM runs q/k/v (and gate/up) as one fused matmul with one global
 # scale, so each group gets the scale of its largest amax (= the smallest of their own scales).
@@ -337,6 +327,19 @@ def quantize_model(model, fmt="nvfp4", skip=("lm_head",), method="rtn"):
 
 
 # ========= Part 2: plumbing (shared helpers, checks, compressed-tensors writer, demo, command line) =========
+
+# -----------------------------------------------------------------------------------------------------
+# Kept weights: a CPU has no 4-bit matmul
+
+def keep_dequantized(model, enabled=True):
+    """A CPU has no 4-bit matmul, so each forward and backward rebuilds the full weight, which costs more than
+    the matmul. The base is frozen: with this on, each 4-bit layer rebuilds it once per dtype and keeps it (a
+    float copy of the model in memory, as the unquantized base would take; the bytes stay 4-bit)."""
+    for m in model.modules():
+        if isinstance(m, _QuantLinear):
+            m.kept = {} if enabled else None
+    return model
+
 # What Part 1 calls by name: the format lookup, the Triton kernel, dtype-keeping buffers, Four Over Six
 
 

@@ -137,15 +137,14 @@ def lora_disabled(model):
 @contextmanager
 @torch.no_grad()
 def lora_merged(model, dtype=None):
-    """Inside this block every enabled LoRA layer runs as one F.linear of W + scaling * B A, computed once
-    in `dtype` (default: the model's first parameter's): the same function up to rounding, and much
+    """Inside this block every enabled LoRA layer runs as one F.linear of W + scaling * B A, built once by one
+    addmm in `dtype` (default: the model's first parameter's): the same function up to rounding, and much
     cheaper when fixed weights serve many small forwards (sampling). Costs a float copy of each weight."""
     layers = [m for _, m in _lora_layers(model) if not m.disabled]
     dtype = dtype or next(model.parameters(), torch.empty(0)).dtype
     for m in layers:
         base, bias = m.base, getattr(m.base, "bias", None)
         w = base.weight_in(dtype) if hasattr(base, "weight_in") else base.weight.to(dtype)  # (out, in)
-        # W + scaling * B A as one addmm in `dtype` (fp32 accumulation): one pass over each weight per call
         m.merged = (torch.addmm(w, m.lora_B.to(dtype), m.lora_A.to(dtype), alpha=m.scaling),
                     None if bias is None else bias.to(dtype))
     try:

@@ -124,6 +124,9 @@ class KVCache:
     def slots(self, T):
         return self.pos + torch.arange(T, device=self.pos.device)  # (T,) the slots the next T tokens fill
 
+    def keep_rows(self, idx):  # idx (b',): the batch rows that stay
+        self.k, self.v = [k[idx] for k in self.k], [v[idx] for v in self.v]
+
     def update(self, layer, k, v):
         """Write k, v (B, H_kv, T, D) at the next T slots -> every slot's keys and values (B, H_kv, S, D)."""
         slots = self.slots(k.shape[2])  # (T,)
@@ -258,23 +261,20 @@ class CausalLM(nn.Module):
 # ---------------------------------------------------------------------------------------------------
 # Sampler: draw from the tempered logits; generate = a prefill, one decode_step per new token, a trim
 
-def entropy_from_logp(logp, p=None):
-    """-sum p log p over the last axis; p = exp(logp) unless given. A -inf log-prob is clamped to the most
-    negative float, so its 0 * log 0 is 0 in both the value and the gradient."""
+def entropy_from_logp(logp, p=None):  # p = exp(logp); clamping -inf keeps 0 * log 0 at 0, value and gradient
     p = logp.exp() if p is None else p
     return -(p * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
 
 
 def sample_from(p, generator):
-    """One index per row of probabilities p (B, V), by inverse CDF: the first whose cumulative mass exceeds
-    a uniform draw. The same distribution as torch.multinomial, and several times faster on a CPU at V = 49,152."""
+    """One index per row of probabilities p (B, V) by inverse CDF: torch.multinomial's distribution, several
+    times faster on a CPU at V = 49,152. u < total strictly, so the index found has a nonzero probability."""
     cdf = p.cumsum(-1)  # (B, V)
     total = cdf[:, -1:]  # (B, 1), 1 up to rounding
     dev = generator.device if generator is not None else p.device  # a CPU generator may drive CUDA
     u = torch.rand(p.shape[0], 1, generator=generator, device=dev).to(p.device) * total  # (B, 1)
-    # u < total strictly, so the token found has cdf[i] > u >= cdf[i-1]: a nonzero probability
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1)  # (B,)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)  # (B,) the first cdf > u
 
 
 def sample_next(logits, temperature, top_k, top_p, generator):
@@ -350,15 +350,22 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     sync()
     t1 = time.perf_counter()
     compile_s = 0.0
+    at = torch.arange(B, device=dev)  # (b,) the output row of each row still decoded
     for t in range(N):
-        # Finished rows keep being fed (pad tokens): their outputs are ignored, and dropping rows would
-        # mean compacting the cache.
-        tok = torch.where(live, tok, pad_id)  # (B,)
-        out_ids[:, t], out_mask[:, t], out_lp[:, t], out_ent[:, t] = tok, live.float(), lp * live, ent * live
+        # Finished rows are fed pad tokens (outputs ignored) until, eager, half the rows are done: then the
+        # batch and its cache keep only the live rows, as a step's cost follows its rows.
+        tok = torch.where(live, tok, pad_id)  # (b,)
+        out_ids[at, t], out_mask[at, t], out_lp[at, t], out_ent[at, t] = tok, live.float(), lp * live, ent * live
         live = live & ~torch.isin(tok, eos)  # the EOS token itself stays in the completion
-        if t == N - 1 or ((t + 1) % DONE_CHECK_EVERY == 0 and not bool(live.any())):
+        if t < N - 1 and (t + 1) % DONE_CHECK_EVERY == 0:
+            n_live = int(live.sum())
+            if not compiled and 0 < n_live <= len(at) // 2:
+                keep = live.nonzero().squeeze(1)  # (b',)
+                cache.keep_rows(keep)
+                key_ok, tok, live, at = key_ok[keep], tok[keep], live[keep], at[keep]
+        if t == N - 1 or ((t + 1) % DONE_CHECK_EVERY == 0 and n_live == 0):
             break
-        tok, lp, ent = step(model, cache, tok[:, None], key_ok, *sampling)  # slot P+t, (B,) each
+        tok, lp, ent = step(model, cache, tok[:, None], key_ok, *sampling)  # slot P+t, (b,) each
         if compiling and t == 0:  # a new bucket or setting: this first step traced and compiled
             sync()
             compile_s = time.perf_counter() - t1
@@ -405,10 +412,9 @@ def token_logprobs(lm_head, h, ids, temperature, entropy=True):
 
 
 def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0, entropy=True):
-    """Log-probs and entropies (B, T) of `completion_ids` after each row's prompt, with gradients; 0 after
-    EOS (entropies None unless `entropy`: they cost passes over the vocabulary). Without top-k/top-p it equals
-    what `generate` recorded (up to fp rounding). One left-padded forward; only the completion tokens
-    (mask > 0) reach lm_head, in chunks (Part 2, LOGITS_CHUNK_BYTES)."""
+    """Log-probs and entropies (None unless `entropy`) (B, T) of `completion_ids` after each row's prompt, with
+    gradients; 0 after EOS. Without top-k/top-p it equals what `generate` recorded (up to rounding). One
+    forward; only the completion tokens (mask > 0) reach lm_head, in chunks (Part 2, LOGITS_CHUNK_BYTES)."""
     completion_ids = completion_ids.to(common.model_device(model))
     B, T = completion_ids.shape
     h = completion_hidden(model, prompt_ids, completion_ids)  # (B, T, C)
@@ -881,6 +887,9 @@ def build_parser():
     ap.add_argument("--quant-method", default="rtn", choices=quantize.NVFP4_METHODS,
                     help="NVFP4's rounding with --quant nvfp4: rtn (compressed-tensors) or 4over6 (Four Over Six)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
+    ap.add_argument("--dtype", choices=common.DTYPES, default="auto", help="activation dtype; auto: bfloat16 on "
+                    "CUDA, and on a CPU with native bf16 for a model of hidden size "
+                    f"{common.AUTO_BF16_MIN_HIDDEN} or more, else float32")
     ap.add_argument("--compile", action="store_true", help="run the decode steps through torch.compile "
                     "(the first call compiles: tens of seconds)")
     return ap
@@ -896,11 +905,13 @@ def main(argv=None):
                  f">= {MIN_TEMPERATURE:g}")
     device = common.pick_device(args.device)  # before loading: no GPU is one line, not a late traceback
     t0 = time.perf_counter()
-    model, tok = load_model(args.model, quant=args.quant, device=device, method=args.quant_method)
+    hidden = common.find_weight_files(args.model)[0].get("hidden_size") if args.dtype == "auto" else None
+    dtype, why = common.pick_dtype(args.dtype, device, hidden)
+    model, tok = load_model(args.model, quant=args.quant, dtype=dtype, device=device, method=args.quant_method)
     cfg = model.config
     print(f"model | {args.model} | type {cfg.model_type} | layers {cfg.num_hidden_layers} "
           f"| hidden {cfg.hidden_size} | quant {args.quant} | device {device} "
-          f"| dtype {model.model.embed_tokens.weight.dtype} | load_s {time.perf_counter() - t0:.1f}")
+          f"| dtype {str(dtype).replace('torch.', '')} ({why}) | load_s {time.perf_counter() - t0:.1f}")
 
     system = args.system
     if system is None and not args.no_system:

@@ -82,8 +82,7 @@ def sample_groups(model, tok, prompts, step, sigma, *, rank=0, group=8, max_new_
 
 
 def score(task, problems, texts, group):
-    """The task's reward of each completion (N,) and how many are correct; `texts` are prompt-major,
-    `group` per problem (the rollout's row order)."""
+    """The task's reward of each completion (N,) and how many are correct; `texts` prompt-major, `group` each."""
     rows = [p for p in problems for _ in range(group)]  # (N,) the problem of each row
     rewards = torch.tensor([task.reward(p, text) for p, text in zip(rows, texts)])  # (N,)
     correct = sum(task.correct(p, text) for p, text in zip(rows, texts))
@@ -315,7 +314,7 @@ def grpo_step(model, tok, opt, params, task, step, sigma, *, batch=16, group=8, 
                                            compiled=compiled)
     t_sample, cpu_sample = time.time() - t0, time.process_time() - cpu0
     rewards, correct = score(task, problems, samples.texts, group)  # (N,), a count
-    t_score = time.time() - t0 - t_sample
+    t_score = time.time() - t0 - t_sample  # the step's record times its phases: benchmarks need no hooks
     mask = samples.completion_mask.float().clone()  # (N, T) plain copies: inference-mode tensors cannot train
     truncated = truncated_rows(samples.completion_ids, mask, tok.eos_token_ids)  # (N,) no EOS: cut off (Part 2)
     # --mask-truncated: those rows keep their reward (their group's advantages need it) but leave the loss

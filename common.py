@@ -138,7 +138,7 @@ def pick_dtype(name, device, hidden_size=None):
         return torch.bfloat16, "auto: CUDA"
     if not cpu_has_native_bf16():
         return torch.float32, "auto: this CPU has no native bf16"
-    if (hidden_size or 0) < AUTO_BF16_MIN_HIDDEN:
+    if not isinstance(hidden_size, int) or hidden_size < AUTO_BF16_MIN_HIDDEN:  # unknown: the safe choice
         return torch.float32, f"auto: hidden size {hidden_size} < {AUTO_BF16_MIN_HIDDEN}, too small to gain from bf16"
     return torch.bfloat16, "auto: native bf16 (AMX or AVX512-BF16)"
 

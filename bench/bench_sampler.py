@@ -52,11 +52,12 @@ def hf_worker(folder, threads):
     if threads:
         torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    except TypeError:  # transformers < 4.56 names it torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     job = json.load(open(os.path.join(folder, "job.json")))
+    dtype = getattr(torch, job.get("dtype", "float32"))  # the same dtype as our side
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    except TypeError:  # transformers < 4.56 names it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype).eval()
     ids = torch.tensor(job["prompts"])  # (B, P), no padding: every prompt has the same length
     n = job["new_tokens"]
     print(json.dumps({"ready": True, "transformers": importlib.import_module("transformers").__version__}), flush=True)
@@ -71,7 +72,7 @@ def hf_worker(folder, threads):
         print(json.dumps({"s": s, "cpu": cpu, "tokens": out[:, ids.shape[1]:].tolist()}), flush=True)
 
 
-def write_hf_folder(model, folder, prompts, new_tokens):
+def write_hf_folder(model, folder, prompts, new_tokens, dtype):
     """config.json + model.safetensors in HF's Qwen2 layout (our module names are HF's)."""
     from safetensors.torch import save_file
     c = model.config
@@ -87,7 +88,8 @@ def write_hf_folder(model, folder, prompts, new_tokens):
              if not (c.tie_word_embeddings and k == "lm_head.weight")}
     save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
-    json.dump({"prompts": prompts, "new_tokens": new_tokens}, open(os.path.join(folder, "job.json"), "w"))
+    job = {"prompts": prompts, "new_tokens": new_tokens, "dtype": str(dtype).replace("torch.", "")}
+    json.dump(job, open(os.path.join(folder, "job.json"), "w"))
 
 
 def start_hf(python, folder, threads):
@@ -183,18 +185,19 @@ def one_quant(args, ro, model, quant, dtype, prompts, sync):
     """Warm-up, then args.repeats rounds of eager, compiled (and HF) generate -> one summary row."""
     B, N = args.batch, args.new_tokens
     hf, hf_note, tmp = None, "off (--no-hf)", None
-    if not args.no_hf and quant == "none" and dtype == torch.float32 and not args.lora:
+    if not args.no_hf and quant == "none" and not args.lora:
         tmp = tempfile.TemporaryDirectory()
         if args.model:  # transformers reads the folder's own config and weights
             for name in ("config.json", "model.safetensors"):
                 os.symlink(os.path.abspath(os.path.join(args.model, name)), os.path.join(tmp.name, name))
-            json.dump({"prompts": prompts, "new_tokens": N}, open(os.path.join(tmp.name, "job.json"), "w"))
+            job = {"prompts": prompts, "new_tokens": N, "dtype": str(dtype).replace("torch.", "")}
+            json.dump(job, open(os.path.join(tmp.name, "job.json"), "w"))
         else:
-            write_hf_folder(model, tmp.name, prompts, N)
+            write_hf_folder(model, tmp.name, prompts, N, dtype)
         hf, hf_note = start_hf(args.hf_python or sys.executable, tmp.name, args.threads)
         print(f"hf | {'transformers ' + hf_note if hf else hf_note}", flush=True)
     elif not args.no_hf:
-        print("hf | off: the HF comparison is for the unquantized fp32 model without adapters", flush=True)
+        print("hf | off: the HF comparison is for the unquantized model without adapters", flush=True)
     try:
         # Warm-up: the first compiled call compiles (reported); one eager and one HF call warm their caches.
         ours(ro, model, prompts, N, False, sync)

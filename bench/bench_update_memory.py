@@ -216,31 +216,52 @@ def write_model(path, layers, device):
           f"{sum(t.numel() for t in tensors.values()) / 1e9:.2f}B parameters (bf16)")
 
 
+class AlternatingRewards:
+    """05's task with rewards 0, 1, 0, 1, ...: every group has signal, so every row trains. Handed to
+    train(args, task=...), its calls also mark a step's phases without touching 05's functions: problems()
+    opens a step (the previous update's peak is read), the step's first reward() closes its sampling."""
+
+    def __init__(self, task):
+        self.task, self.held, self.count = task, task.held, itertools.count()
+        self.peaks, self.updating = {"sample": 0, "update": 0}, False
+        self.cuda = torch.cuda.is_available()  # on a CPU (a dry run of this code) only the step lines count
+
+    def peak(self, phase):
+        if self.cuda:
+            self.peaks[phase] = max(self.peaks[phase], torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+
+    def problems(self, seed, step, n):
+        if self.updating:
+            self.peak("update")
+        self.updating = False
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        return self.task.problems(seed, step, n)
+
+    def prompt(self, problem):
+        return self.task.prompt(problem)
+
+    def reward(self, problem, text):
+        if not self.updating:
+            self.peak("sample")
+            self.updating = True
+        return float(next(self.count) % 2)
+
+    def correct(self, problem, text):
+        return self.task.correct(problem, text)
+
+
 def smoke(model_dir, flags):
     """05's train() with rewards 0, 1, 0, 1, ...; s/step from its lines, peak GPU memory per phase."""
-    count = itertools.count()
-    grpo.reward_fn = lambda text, gold: float(next(count) % 2)  # 0, 1, 0, 1, ...: every group has signal
-    peaks = {"sample": 0, "update": 0}
-
-    cuda = torch.cuda.is_available()  # on a CPU (a dry run of this code) only the step lines count
-
-    def measured(fn, phase):
-        def run(*a, **kw):
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                return fn(*a, **kw)
-            finally:
-                peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated() if cuda else 0)
-        return run
-
-    grpo.rollout.generate = measured(rollout.generate, "sample")
-    grpo.policy_update = measured(grpo.policy_update, "update")
     args = grpo.build_parser().parse_args(["--model", model_dir, *flags])
-    grpo.train(args)
-    if cuda:
-        print(f"smoke | peak GPU memory | sampling {peaks['sample'] / 2 ** 30:.2f} GiB | update "
-              f"{peaks['update'] / 2 ** 30:.2f} GiB | reserved {torch.cuda.max_memory_reserved() / 2 ** 30:.2f} GiB")
+    task = AlternatingRewards(grpo.make_task(args))
+    grpo.train(args, task=task)
+    if task.updating:
+        task.peak("update")
+    if task.cuda:
+        print(f"smoke | peak GPU memory | sampling {task.peaks['sample'] / 2 ** 30:.2f} GiB | update "
+              f"{task.peaks['update'] / 2 ** 30:.2f} GiB | reserved {torch.cuda.max_memory_reserved() / 2 ** 30:.2f} GiB")
 
 
 def main(argv=None):
