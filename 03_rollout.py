@@ -124,9 +124,6 @@ class KVCache:
     def slots(self, T):
         return self.pos + torch.arange(T, device=self.pos.device)  # (T,) the slots the next T tokens fill
 
-    def keep_rows(self, idx):  # idx (b',): the batch rows that stay
-        self.k, self.v = [k[idx] for k in self.k], [v[idx] for v in self.v]
-
     def update(self, layer, k, v):
         """Write k, v (B, H_kv, T, D) at the next T slots -> every slot's keys and values (B, H_kv, S, D)."""
         slots = self.slots(k.shape[2])  # (T,)
@@ -350,22 +347,15 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     sync()
     t1 = time.perf_counter()
     compile_s = 0.0
-    at = torch.arange(B, device=dev)  # (b,) the output row of each row still decoded
     for t in range(N):
-        # Finished rows are fed pad tokens (outputs ignored) until, eager, half the rows are done: then the
-        # batch and its cache keep only the live rows, as a step's cost follows its rows.
-        tok = torch.where(live, tok, pad_id)  # (b,)
-        out_ids[at, t], out_mask[at, t], out_lp[at, t], out_ent[at, t] = tok, live.float(), lp * live, ent * live
+        # Finished rows keep being fed (pad tokens): their outputs are ignored, and dropping rows would
+        # mean compacting the cache.
+        tok = torch.where(live, tok, pad_id)  # (B,)
+        out_ids[:, t], out_mask[:, t], out_lp[:, t], out_ent[:, t] = tok, live.float(), lp * live, ent * live
         live = live & ~torch.isin(tok, eos)  # the EOS token itself stays in the completion
-        if t < N - 1 and (t + 1) % DONE_CHECK_EVERY == 0:
-            n_live = int(live.sum())
-            if not compiled and 0 < n_live <= len(at) // 2:
-                keep = live.nonzero().squeeze(1)  # (b',)
-                cache.keep_rows(keep)
-                key_ok, tok, live, at = key_ok[keep], tok[keep], live[keep], at[keep]
-        if t == N - 1 or ((t + 1) % DONE_CHECK_EVERY == 0 and n_live == 0):
+        if t == N - 1 or ((t + 1) % DONE_CHECK_EVERY == 0 and not bool(live.any())):
             break
-        tok, lp, ent = step(model, cache, tok[:, None], key_ok, *sampling)  # slot P+t, (b,) each
+        tok, lp, ent = step(model, cache, tok[:, None], key_ok, *sampling)  # slot P+t, (B,) each
         if compiling and t == 0:  # a new bucket or setting: this first step traced and compiled
             sync()
             compile_s = time.perf_counter() - t1

@@ -1324,7 +1324,7 @@ def policy_dtype(args, device, cfg=None):
     return common.pick_dtype(args.dtype, device, cfg.hidden_size if cfg else None)
 
 
-UPDATE_MEMORY_CPU = 640 * 2 ** 20  # --micro-batch auto on a CPU: the update's activations within 640 MiB
+UPDATE_MEMORY_CPU = 2 ** 30  # --micro-batch auto on a CPU: the update's activations within 1 GiB
 
 
 def update_bytes_per_row(cfg, T, b, grad_checkpoint):

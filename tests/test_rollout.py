@@ -623,25 +623,3 @@ def test_sample_from_draws_each_token_at_its_probability_and_never_a_zero_one():
     a = ro.sample_from(p.repeat(50, 1), torch.Generator().manual_seed(5))
     assert torch.equal(a, ro.sample_from(p.repeat(50, 1), torch.Generator().manual_seed(5)))
 
-
-def test_generate_drops_finished_rows_and_gives_what_each_row_gives_alone(model, monkeypatch):
-    """Once half the rows have sampled an EOS, the eager sampler keeps only the live rows (and their cache):
-    every row's greedy tokens and log-probs are those it gets decoded on its own."""
-    calls = []
-    real = ro.KVCache.keep_rows
-    monkeypatch.setattr(ro.KVCache, "keep_rows", lambda self, idx: calls.append(len(idx)) or real(self, idx))
-    monkeypatch.setattr(ro, "DONE_CHECK_EVERY", 2)
-    prompts = [list(p) for p in PROMPTS] + [[t + 1 for t in p] for p in PROMPTS]  # 6 rows
-    free = ro.generate(model, prompts, max_new_tokens=16, temperature=0.0, eos_token_ids=[]).completion_ids
-    late = set(free[4:].flatten().tolist())  # rows 4 and 5 must run on: EOS ids they never sample
-    eos = sorted(set(free[:4].flatten().tolist()) - late)  # rows 0..3 end at their first such token
-    r = ro.generate(model, prompts, max_new_tokens=16, temperature=0.0, eos_token_ids=eos)
-    lengths = r.completion_mask.sum(1)
-    assert calls and min(calls) < len(prompts) and lengths.min() < lengths.max()  # rows were dropped mid-way
-    for i, p in enumerate(prompts):
-        alone = ro.generate(model, [p], max_new_tokens=16, temperature=0.0, eos_token_ids=eos)
-        n = int(lengths[i])
-        assert alone.completion_ids.shape[1] == n
-        assert torch.equal(alone.completion_ids[0], r.completion_ids[i, :n])
-        torch.testing.assert_close(alone.logprobs[0], r.logprobs[i, :n], rtol=1e-4, atol=1e-4)
-    assert (r.completion_mask[:, 1:] <= r.completion_mask[:, :-1]).all()  # masks stay prefixes after the drop
