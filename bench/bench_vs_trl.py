@@ -1,7 +1,7 @@
 """Stage 05's GRPO against what a user would otherwise pick, TRL's `GRPOTrainer` + peft LoRA, side by side.
 
 Both sides train LoRA adapters on the same base (05 with `--quant none --no-aqn`: TRL has no NVFP4), each in
-its fastest dtype by default (05's --dtype auto; TRL in bf16, --trl-dtype), with one fp32 evaluator for both,
+its fastest dtype by default (05's --dtype auto; TRL in fp32, --trl-dtype), with one fp32 evaluator for both,
 for N steps on the same problems in the same order, the same prompt token ids, the same reward function
 (05's task object), batch, group, max new tokens, temperature, clip range (0.2 / 0.28), beta 0, token-mean
 loss, AdamW (lr, betas 0.9 / 0.99, weight decay 0, grad clip) with 05's own warmup + cosine LR schedule
@@ -18,7 +18,7 @@ for the task's reward (it needs only torch, safetensors and tokenizers, which th
 
     python bench/bench_vs_trl.py --trl-python /tmp/trlvenv/bin/python           # tiny model, 150 steps, ~5 min
     python bench/bench_vs_trl.py --trl-python /tmp/trlvenv/bin/python --model assets/smollm2-135m-instruct \\
-        --steps 16 --batch 8 --group 8 --max-new-tokens 48 --temperature 0.7 --lr 5e-4 --warmup 5   # ~25 min
+        --steps 16 --batch 8 --group 8 --max-new-tokens 48 --temperature 0.7 --lr 5e-4 --warmup 5   # ~20 min
     python bench/bench_vs_trl.py --trl-python ... --out runs/vs_trl.json           # results as JSON too
 
 Defaults: the bundled tiny model on `--task arithmetic` (SmolLM2 and other models: `--task chat-arithmetic`),
@@ -295,9 +295,9 @@ def main(argv=None):
                     "chat-arithmetic)")
     ap.add_argument("--threads", type=N(int, 1), default=2, help="torch threads of each side")
     ap.add_argument("--dtype", choices=common.DTYPES, default="auto", help="05's --dtype (default auto: its fastest)")
-    ap.add_argument("--trl-dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                    help="TRL's model dtype and bf16 flag (default bfloat16: on this project's AMX CPU TRL's first "
-                    "SmolLM2 steps took 80, 70, 65 s in bf16 against 94, 75, 75 s in fp32)")
+    ap.add_argument("--trl-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="TRL's model dtype and bf16 flag (default float32, its fastest on this project's AMX CPU: "
+                    "median 39.5 s a SmolLM2 step against 51.2 in bf16)")
     ap.add_argument("--workdir", default=None, help="where the runs, adapters and logs go (default: a temp folder)")
     ap.add_argument("--out", default=None, help="also write the results to this JSON file")
     ap.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)

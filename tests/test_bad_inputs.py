@@ -939,7 +939,7 @@ def test_memory_refusal_names_both_figures(monkeypatch):
 
 
 def test_sampling_at_the_smallest_temperature_is_finite(tiny):
-    """MIN_TEMPERATURE samples (no NaN probabilities in torch.multinomial); below it generate refuses."""
+    """MIN_TEMPERATURE samples (no NaN probabilities reach sample_from); below it generate refuses."""
     model, tok = tiny
     r = rollout.generate(model, [[1, 2, 3]], num_samples=4, max_new_tokens=4, temperature=rollout.MIN_TEMPERATURE,
                          generator=torch.Generator().manual_seed(0))
