@@ -7,7 +7,7 @@ drawn under AQN -> rewards -> group-normalised advantages -> clipped surrogate o
 pi_old the clean policy itself as the official code has it (--pi-old trainer; --pi-old sampler: the noisy
 sampler's log-probs) -> AdamW on the adapters.
 
-Run it (2 CPU cores, ~5.5 min, at most 9 by its --time-budget 540: the bundled tiny model learns
+Run it (2 CPU cores, ~6.5 min, at most 9 by its --time-budget 540: the bundled tiny model learns
 synthetic arithmetic; the numbers are in README's "Results" section and docs/experiments.md):
     python 05_grpo.py
     python 05_grpo.py --quant none --no-aqn --steps 200 --out runs/lora-only
