@@ -1348,8 +1348,8 @@ def micro_batch_rows(micro_batch, rows, model, T):
     free = common.free_memory(device)
     budget = UPDATE_MEMORY_CPU if device.type == "cpu" or free is None else free // 2
     b = model.model.embed_tokens.weight.element_size()
-    per_row = update_bytes_per_row(model.config, T, b, model.grad_checkpoint)
-    return max(1, min(rows, int(budget // per_row)))
+    per_row = update_bytes_per_row(model.config, T, b, model.grad_checkpoint)  # 0 for a rank with no rows
+    return max(1, min(rows, int(budget // max(per_row, 1))))
 
 
 def run_memory(args, cfg, P, world, b):

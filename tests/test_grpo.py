@@ -640,6 +640,7 @@ def test_micro_batch_auto_takes_as_many_rows_as_the_memory_budget_holds(lora_pol
     assert grpo.micro_batch_rows("auto", 8, model, 20) == 3
     assert grpo.micro_batch_rows("auto", 2, model, 20) == 2  # everything fits: all rows at once
     assert grpo.micro_batch_rows("auto", 8, model, 80) == 1  # longer rows: fewer fit, never fewer than 1
+    assert grpo.micro_batch_rows("auto", 1, model, 0) == 1  # a rank whose groups all lack signal: no rows, no T
     assert [grpo.micro_batch_rows(n, 8, model, 20) for n in (0, 5, 12)] == [8, 5, 8]  # explicit sizes as given
     model.grad_checkpoint = True  # a checkpointed layer keeps only its input: more rows fit
     try:
