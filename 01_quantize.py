@@ -340,8 +340,9 @@ def keep_dequantized(model, enabled=True):
             m.kept = {} if enabled else None
     return model
 
-# What Part 1 calls by name: the format lookup, the Triton kernel, dtype-keeping buffers, Four Over Six
 
+# -----------------------------------------------------------------------------------------------------
+# What Part 1 calls by name: the format lookup, the Triton kernel, dtype-keeping buffers, Four Over Six
 
 def weight_format(fmt):
     """The quantized Linear class of format `fmt`; an unknown name is an error, never a fallback."""

@@ -1336,23 +1336,26 @@ def update_bytes_per_row(cfg, T, b, grad_checkpoint):
     return T * (L * (C * b if grad_checkpoint else layer) + layer)
 
 
+def auto_micro_batch(cfg, rows, T, b, grad_checkpoint, device):
+    """--micro-batch auto: all `rows` (T tokens each, b bytes per activation) when their activations fit the
+    update's budget, UPDATE_MEMORY_CPU on a CPU or half the free memory on a GPU, else as many as do (>= 1)."""
+    free = None if torch.device(device).type == "cpu" else common.free_memory(device)
+    budget = UPDATE_MEMORY_CPU if free is None else free // 2
+    per_row = update_bytes_per_row(cfg, T, b, grad_checkpoint)  # 0 for a rank with no rows
+    return max(1, min(rows, int(budget // max(per_row, 1))))
+
+
 def micro_batch_rows(micro_batch, rows, model, T):
-    """Rows per forward/backward of the update: --micro-batch, all `rows` for 0, and for auto all of them when
-    their activations (T tokens a row) fit UPDATE_MEMORY_CPU on a CPU or half the free memory on a GPU, else
-    as many as do (at least 1)."""
+    """Rows per forward/backward of the update: --micro-batch, all `rows` for 0, auto_micro_batch for auto."""
     if micro_batch != "auto":
         return min(micro_batch or rows, rows)
     if not isinstance(getattr(model, "config", None), rollout.ModelConfig):  # a policy without widths to go by
         return rows
-    device = common.model_device(model)
-    free = common.free_memory(device)
-    budget = UPDATE_MEMORY_CPU if device.type == "cpu" or free is None else free // 2
-    b = model.model.embed_tokens.weight.element_size()
-    per_row = update_bytes_per_row(model.config, T, b, model.grad_checkpoint)  # 0 for a rank with no rows
-    return max(1, min(rows, int(budget // max(per_row, 1))))
+    return auto_micro_batch(model.config, rows, T, model.model.embed_tokens.weight.element_size(),
+                            model.grad_checkpoint, common.model_device(model))
 
 
-def run_memory(args, cfg, P, world, b):
+def run_memory(args, cfg, P, world, b, device="cpu"):
     """About the bytes a run allocates beyond the model's weights (prompts up to P tokens, b bytes per
     activation) -> (the adapters', {phase: its peak}); the adapters and one phase live at once. Sampling a
     step or an evaluation chunk is stage 03's generate_memory; the update keeps each layer's activations of
@@ -1363,10 +1366,8 @@ def run_memory(args, cfg, P, world, b):
     eval_rows = max(min(args.eval_size, args.eval_chunk), min(args.eval_size, max(1, args.eval_chunk // max(k, 1))) * k)
     T = P + N
     per_row = update_bytes_per_row(cfg, T, b, args.grad_checkpoint)
-    if args.micro_batch == "auto":  # as micro_batch_rows decides it at full length on a CPU
-        update_rows = max(1, min(rows, int(UPDATE_MEMORY_CPU // per_row)))
-    else:
-        update_rows = min(args.micro_batch or rows, rows)
+    update_rows = auto_micro_batch(cfg, rows, T, b, args.grad_checkpoint, device) if args.micro_batch == "auto" \
+        else min(args.micro_batch or rows, rows)  # auto as the update decides it, at full length
     logits = 4 * min(rollout.LOGITS_CHUNK_BYTES, update_rows * T * cfg.vocab_size * 4)  # a chunk and its gradients
     q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     adapter_numbers = args.lora_r * L * (2 * (C + q_out) + 2 * (C + kv_out) + 3 * (C + I))  # A, B of 7 projections
@@ -1386,7 +1387,7 @@ def check_sizes(args, task, world, device):
                           task.problems(args.seed, 0, min(args.batch, 64)))  # the longest prompt, in tokens
     dtype, why = policy_dtype(args, device, cfg)
     args.dtype = str(dtype).replace("torch.", "")  # the choice goes into args.json: a resume computes alike
-    adapters, phases = run_memory(args, cfg, P, world, dtype.itemsize)
+    adapters, phases = run_memory(args, cfg, P, world, dtype.itemsize, device)
     largest = max(phases, key=phases.get)
     what = largest if phases[largest] > adapters else f"--lora-r {args.lora_r}'s adapters"
     common.check_memory_fits(adapters + phases[largest], device, f"this run (mostly {what})")

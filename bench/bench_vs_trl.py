@@ -32,7 +32,6 @@ import importlib
 import io
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -49,7 +48,7 @@ TRL_VENV_HINT = ("python -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install to
 
 
 def peak_rss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return common.peak_rss_bytes() / 2 ** 20
 
 
 def grpo_flags(job):

@@ -20,7 +20,6 @@ Needs `make smollm2` for the default model (assets/smollm2-135m-instruct).
 """
 import importlib
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -159,7 +158,7 @@ def main(argv=None):
                "decode step")
     print_rows(f"update, {rows} rows of {int(mask.sum(1).max())} tokens at most, in {n_micro} micro-batches of "
                f"{micro}", t_update, profile(update), n_micro, "micro-batch")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # Linux reports KiB
+    peak = common.peak_rss_bytes() / 2 ** 30
     print(f"\nstep | sampling {t_sample:.2f} s | update {t_update:.2f} s | peak RSS {peak:.2f} GB")
 
 
