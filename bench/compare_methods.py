@@ -1130,12 +1130,24 @@ def read_invocations(out):
         return []
 
 
+def wall_union(inv):
+    """Seconds covered by the invocations' [start, start + wall] intervals: a second copy started beside
+    the first (to fill a free core) adds only the time it ran alone."""
+    spans = sorted((t, t + i["wall_s"]) for i in inv
+                   for t in [time.mktime(time.strptime(i["started"], "%Y-%m-%d %H:%M:%S"))])
+    total, end = 0.0, -math.inf
+    for a, b in spans:
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total
+
+
 def invocation_lines(out):
     inv = read_invocations(out)
     if not inv:
         return ""
-    total = sum(i["wall_s"] for i in inv) / 60
-    return "\n".join(["", f"Commands ({total:.0f} min of wall time in all):", ""] +
+    return "\n".join(["", f"Commands ({wall_union(inv) / 60:.0f} min of wall time in all; copies that ran at the same "
+                          f"time count once):", ""] +
                      [f"- `{i['command']}` ({i['started']}, {i['wall_s'] / 60:.0f} min)" for i in inv]) + "\n"
 
 # ---------------------------------------------------------------------------------------------------

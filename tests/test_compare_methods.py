@@ -84,3 +84,9 @@ def test_a_missing_smollm2_folder_says_how_to_build_it(tmp_path, capsys, monkeyp
     monkeypatch.setitem(cmp.STUDIES["smollm2-table1"], "train_args", ["--model", str(tmp_path / "absent")])
     with pytest.raises(FileNotFoundError, match="make smollm2"):
         cmp.main(["--study", "smollm2-table1", "--out", str(tmp_path / "out")])
+
+
+def test_overlapping_invocations_count_their_wall_time_once():
+    inv = [{"started": "2026-12-02 02:00:00", "wall_s": 600}, {"started": "2026-12-02 02:05:00", "wall_s": 600},
+           {"started": "2026-12-02 03:00:00", "wall_s": 60}]
+    assert cmp.wall_union(inv) == 600 + 300 + 60
