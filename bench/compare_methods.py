@@ -226,7 +226,7 @@ STUDIES = {
                     "qlora": METHODS["qlora"], "nvfp4-lora": METHODS["nvfp4-lora"],
                     "qerl": ("QeRL (NVFP4 + LoRA + AQN), pi_old trainer", METHODS["qerl"][1] + ["--pi-old", "trainer"],
                              "tab:red"),
-                    "qerl-sampler": ("QeRL, pi_old sampler", METHODS["qerl"][1] + ["--pi-old", "sampler"], "tab:orange"),
+                    "qerl-sampler": ("QeRL, pi_old sampler", METHODS["qerl"][1] + ["--pi-old", "sampler"], "tab:brown"),
                     "lora-aqn": ("LoRA + AQN (bf16 base, control), pi_old trainer",
                                  ["--quant", "none", "--aqn", "--pi-old", "trainer"], "tab:purple"),
                     "lora-aqn-sampler": ("LoRA + AQN (bf16 base), pi_old sampler",
