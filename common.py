@@ -138,7 +138,9 @@ def pick_dtype(name, device, hidden_size=None):
         return torch.bfloat16, "auto: CUDA"
     if not cpu_has_native_bf16():
         return torch.float32, "auto: this CPU has no native bf16"
-    if not isinstance(hidden_size, int) or hidden_size < AUTO_BF16_MIN_HIDDEN:  # unknown: the safe choice
+    if not isinstance(hidden_size, int):  # no config to go by: the safe choice
+        return torch.float32, "auto: the model's hidden size is unknown"
+    if hidden_size < AUTO_BF16_MIN_HIDDEN:
         return torch.float32, f"auto: hidden size {hidden_size} < {AUTO_BF16_MIN_HIDDEN}, too small to gain from bf16"
     return torch.bfloat16, "auto: native bf16 (AMX or AVX512-BF16)"
 

@@ -72,7 +72,7 @@ def hf_worker(folder, threads):
         print(json.dumps({"s": s, "cpu": cpu, "tokens": out[:, ids.shape[1]:].tolist()}), flush=True)
 
 
-def write_hf_folder(model, folder, prompts, new_tokens, dtype):
+def write_hf_folder(model, folder):
     """config.json + model.safetensors in HF's Qwen2 layout (our module names are HF's)."""
     from safetensors.torch import save_file
     c = model.config
@@ -88,8 +88,6 @@ def write_hf_folder(model, folder, prompts, new_tokens, dtype):
              if not (c.tie_word_embeddings and k == "lm_head.weight")}
     save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
-    job = {"prompts": prompts, "new_tokens": new_tokens, "dtype": str(dtype).replace("torch.", "")}
-    json.dump(job, open(os.path.join(folder, "job.json"), "w"))
 
 
 def start_hf(python, folder, threads):
@@ -190,10 +188,10 @@ def one_quant(args, ro, model, quant, dtype, prompts, sync):
         if args.model:  # transformers reads the folder's own config and weights
             for name in ("config.json", "model.safetensors"):
                 os.symlink(os.path.abspath(os.path.join(args.model, name)), os.path.join(tmp.name, name))
-            job = {"prompts": prompts, "new_tokens": N, "dtype": str(dtype).replace("torch.", "")}
-            json.dump(job, open(os.path.join(tmp.name, "job.json"), "w"))
         else:
-            write_hf_folder(model, tmp.name, prompts, N, dtype)
+            write_hf_folder(model, tmp.name)
+        job = {"prompts": prompts, "new_tokens": N, "dtype": str(dtype).replace("torch.", "")}  # what hf_worker runs
+        json.dump(job, open(os.path.join(tmp.name, "job.json"), "w"))
         hf, hf_note = start_hf(args.hf_python or sys.executable, tmp.name, args.threads)
         print(f"hf | {'transformers ' + hf_note if hf else hf_note}", flush=True)
     elif not args.no_hf:

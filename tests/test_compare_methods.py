@@ -80,7 +80,7 @@ def test_a_study_brings_its_defaults_and_flags_override_them(tmp_path):
 
 
 def test_a_missing_smollm2_folder_says_how_to_build_it(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cmp, "SMOLLM2_MODEL", str(tmp_path / "absent"))
+    monkeypatch.setitem(cmp.BUILD_HINTS, str(tmp_path / "absent"), cmp.BUILD_HINTS[cmp.SMOLLM2_MODEL])
     monkeypatch.setitem(cmp.STUDIES["smollm2-table1"], "train_args", ["--model", str(tmp_path / "absent")])
     with pytest.raises(FileNotFoundError, match="make smollm2"):
         cmp.main(["--study", "smollm2-table1", "--out", str(tmp_path / "out")])
