@@ -164,7 +164,11 @@ class Attention(nn.Module):
         G, S = self.H // self.H_kv, k.shape[2]
         q = q.reshape(B, self.H_kv, G * T, self.D)  # (B, H_kv, G*T, D)
         mask = mask[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # (B, 1, G*T, S)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.D ** -0.5)  # (B, H_kv, G*T, D)
+        if T == 1 and not q.is_cuda:  # a CPU decode step: the plain product (HF's eager order) beats SDPA's kernel 2x
+            a = (q @ k.transpose(-1, -2)).float().mul_(self.D ** -0.5).masked_fill_(~mask, float("-inf"))
+            y = a.softmax(-1).to(v.dtype) @ v  # (B, H_kv, G, D); the softmax in fp32
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.D ** -0.5)  # (B, H_kv, G*T, D)
         y = y.reshape(B, self.H, T, self.D).transpose(1, 2)  # (B, T, H, D)
         return self.o_proj(y.reshape(B, T, self.H * self.D))  # (B, T, C)
 

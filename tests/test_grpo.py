@@ -650,6 +650,41 @@ def test_micro_batch_auto_takes_as_many_rows_as_the_memory_budget_holds(lora_pol
     assert parse().micro_batch == "auto" and parse("--micro-batch", 4).micro_batch == 4
 
 
+
+# A fresh process meets 300 bf16 matmul shapes once each, forward and backward (an update's rows change
+# length every step), and prints how much its live heap grew, in MiB (glibc's mallinfo2).
+MATMUL_SHAPES = r"""
+import ctypes, importlib, sys
+sys.path.insert(0, sys.argv[1])
+importlib.import_module("common")  # caps oneDNN's kernel caches, unless the environment already set them
+import torch
+libc = ctypes.CDLL("libc.so.6")
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc.mallinfo2.restype = Info
+w = torch.randn(1536, 576, dtype=torch.bfloat16, requires_grad=True)
+start = libc.mallinfo2().uordblks
+for rows in range(100, 400):
+    (torch.randn(rows, 576, dtype=torch.bfloat16, requires_grad=True) @ w.t()).float().sum().backward()
+print((libc.mallinfo2().uordblks - start) / 2 ** 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallinfo2 is glibc's")
+def test_bf16_matmuls_of_new_shapes_keep_the_heap_bounded():
+    def growth_mib(**env):
+        env = {k: v for k, v in os.environ.items() if k not in env} | env | {"OMP_NUM_THREADS": "1"}
+        r = subprocess.run([sys.executable, "-c", MATMUL_SHAPES, ROOT], capture_output=True, text=True, env=env)
+        if r.returncode != 0 and "mallinfo2" in r.stderr:
+            pytest.skip("this libc has no mallinfo2")
+        assert r.returncode == 0, r.stderr
+        return float(r.stdout)
+    uncapped = growth_mib(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")  # oneDNN's defaults
+    if uncapped < 50:
+        pytest.skip(f"this torch build keeps no kernel per bf16 matmul shape (the heap grew {uncapped:.0f} MiB)")
+    capped = growth_mib()  # common's caps
+    assert capped < 150 and capped < uncapped / 2, (capped, uncapped)
+
 # -----------------------------------------------------------------------------
 # pi_old: the clean policy (trainer, the official code's reading) or the noisy sampler
 
