@@ -110,10 +110,9 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """Preallocated keys/values: k[i], v[i] are (B, H_kv, S, D) for layer i; `pos`, a (1,) device tensor, is
-    the next slot to write. Left padding puts every row's next token in the same slot, so one position
-    serves the batch. Attention reads all S slots (the mask hides those not written yet): every decode
-    step has the same shapes and never reads a device value on the host, so it runs eager or compiled."""
+    """Preallocated keys/values: k[i], v[i] are (B, H_kv, S, D) for layer i; `pos`, a (1,) device tensor, is the
+    next slot to write (left padding puts every row's next token in the same slot). Attention reads all S slots,
+    the mask hiding the unwritten: every decode step has one shape and no host read, so it runs eager or compiled."""
 
     def __init__(self, cfg, batch, max_len, device, dtype):
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
@@ -158,16 +157,15 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, H_kv, T, D)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), all of the cache's slots
-        # Grouped-query attention without copying K/V: query head h reads K/V head h // G, so fold the
-        # G query heads of each group into the query-length axis, and the mask with them. (SDPA's enable_gqa
-        # would too, but with a mask on CUDA it falls back to the math kernel: (B, H, T, S) in fp32.)
+        # Grouped-query attention without copying K/V: query head h reads K/V head h // G, so the G heads of a group
+        # fold into the query axis, the mask with them (SDPA's enable_gqa with a mask falls back to math on CUDA).
         G, S = self.H // self.H_kv, k.shape[2]
         q = q.reshape(B, self.H_kv, G * T, self.D)  # (B, H_kv, G*T, D)
-        mask = mask[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # (B, 1, G*T, S)
         if T == 1 and not q.is_cuda:  # a CPU decode step: the plain product (HF's eager order) beats SDPA's kernel 2x
-            a = (q @ k.transpose(-1, -2)).float().mul_(self.D ** -0.5).masked_fill_(~mask, float("-inf"))
-            y = a.softmax(-1).to(v.dtype) @ v  # (B, H_kv, G, D); the softmax in fp32
+            a = (q @ k.transpose(-1, -2)).float().mul_(self.D ** -0.5)  # (B, H_kv, G, S); mask (B, 1, 1, S) broadcasts
+            y = a.masked_fill_(~mask, float("-inf")).softmax(-1).to(v.dtype) @ v  # (B, H_kv, G, D); softmax in fp32
         else:
+            mask = mask[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # (B, 1, G*T, S)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.D ** -0.5)  # (B, H_kv, G*T, D)
         y = y.reshape(B, self.H, T, self.D).transpose(1, 2)  # (B, T, H, D)
         return self.o_proj(y.reshape(B, T, self.H * self.D))  # (B, T, C)
@@ -311,8 +309,7 @@ def decode_step(model, cache, tok, key_ok, temperature, top_k, top_p, generator)
     return sample_next(logits, temperature, top_k, top_p, generator)  # a generator breaks a compiled graph here
 
 
-# "Are all rows done?" is asked only every DONE_CHECK_EVERY tokens: reading a GPU value on the host waits
-# for every queued kernel (finished rows decode masked pad tokens meanwhile).
+# "All rows done?" is asked every DONE_CHECK_EVERY tokens only: on a GPU, reading a value waits for the queue.
 DONE_CHECK_EVERY = 8
 
 
@@ -352,8 +349,7 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     t1 = time.perf_counter()
     compile_s = 0.0
     for t in range(N):
-        # Finished rows keep being fed (pad tokens): their outputs are ignored, and dropping rows would
-        # mean compacting the cache.
+        # Finished rows keep being fed pad tokens (outputs ignored): dropping them would mean compacting the cache.
         tok = torch.where(live, tok, pad_id)  # (B,)
         out_ids[:, t], out_mask[:, t], out_lp[:, t], out_ent[:, t] = tok, live.float(), lp * live, ent * live
         live = live & ~torch.isin(tok, eos)  # the EOS token itself stays in the completion
