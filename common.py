@@ -78,8 +78,8 @@ def free_memory(device):
 # the documented SmolLM2 run's live heap grew by ~10 MB a step (0.5 GB in 60 steps) until both caches were
 # capped. 128 entries hold a step's shapes. oneDNN reads these at its first matmul, so setting them at import
 # is in time; a value already in the environment wins.
-ONEDNN_CACHE_ENTRIES = "128"
-for _name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+ONEDNN_CACHE_VARS, ONEDNN_CACHE_ENTRIES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"), "128"
+for _name in ONEDNN_CACHE_VARS:
     os.environ.setdefault(_name, ONEDNN_CACHE_ENTRIES)
 
 

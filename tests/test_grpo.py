@@ -650,7 +650,6 @@ def test_micro_batch_auto_takes_as_many_rows_as_the_memory_budget_holds(lora_pol
     assert parse().micro_batch == "auto" and parse("--micro-batch", 4).micro_batch == 4
 
 
-
 # A fresh process meets 300 bf16 matmul shapes once each, forward and backward (an update's rows change
 # length every step), and prints how much its live heap grew, in MiB (glibc's mallinfo2).
 MATMUL_SHAPES = r"""
@@ -672,18 +671,22 @@ print((libc.mallinfo2().uordblks - start) / 2 ** 20)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallinfo2 is glibc's")
 def test_bf16_matmuls_of_new_shapes_keep_the_heap_bounded():
-    def growth_mib(**env):
-        env = {k: v for k, v in os.environ.items() if k not in env} | env | {"OMP_NUM_THREADS": "1"}
+    common = importlib.import_module("common")
+
+    def growth_mib(cap=None):  # cap None: the child's own import of common sets the caps
+        env = {k: v for k, v in os.environ.items() if k not in common.ONEDNN_CACHE_VARS} | {"OMP_NUM_THREADS": "1"}
+        env |= {name: cap for name in common.ONEDNN_CACHE_VARS} if cap else {}
         r = subprocess.run([sys.executable, "-c", MATMUL_SHAPES, ROOT], capture_output=True, text=True, env=env)
         if r.returncode != 0 and "mallinfo2" in r.stderr:
             pytest.skip("this libc has no mallinfo2")
         assert r.returncode == 0, r.stderr
         return float(r.stdout)
-    uncapped = growth_mib(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")  # oneDNN's defaults
+    uncapped = growth_mib("1024")  # oneDNN's defaults
     if uncapped < 50:
         pytest.skip(f"this torch build keeps no kernel per bf16 matmul shape (the heap grew {uncapped:.0f} MiB)")
     capped = growth_mib()  # common's caps
     assert capped < 150 and capped < uncapped / 2, (capped, uncapped)
+
 
 # -----------------------------------------------------------------------------
 # pi_old: the clean policy (trainer, the official code's reading) or the noisy sampler
