@@ -7,11 +7,13 @@ bitsandbytes `quantize_4bit(nf4)` write them, so a checkpoint written here loads
 
     python 01_quantize.py                                  # demo: bits, bytes, error, time per format
     python 01_quantize.py --model DIR --out DIR [--force]  # HF folder -> compressed-tensors NVFP4 folder
+    python 01_quantize.py --show-block [--seed N]         # one 16-weight block quantized step by step
 
-NVFP4Linear runs CUDA inputs through the Triton kernel (kernels/) and dequantizes for CPU inputs, unless
-NVFP4Linear.kernel_on_cpu is True: then CPU inputs go through the kernel too, run by Triton's interpreter
-(TRITON_INTERPRET=1; stage 05's --gpu-path sets both). Later stages load this file with
-`importlib.import_module("01_quantize")`.
+Part 1 shows a quantized layer's forward as what it computes, F.linear(x, W, b) with W dequantized from
+4 bits. What runs is the same product, cheaper (fast_forward, Part 2): NVFP4 on CUDA through the Triton
+kernel (kernels/; on the CPU too when NVFP4Linear.kernel_on_cpu is True, by Triton's interpreter, as stage
+05's --gpu-path sets), else W rebuilt in backward instead of saved (quant_engine.py). Later stages load
+this file with `importlib.import_module("01_quantize")`.
 """
 import functools
 import math
@@ -25,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common  # the project's plumbing (device, atomic IO, folder readers, command line): imports no stage
+import quant_engine  # beneath the quantized Linears: the rebuilt-in-backward product, kept weights, dtype-keeping .to()
 
 # -----------------------------------------------------------------------------------------------------
 # NVFP4: E2M1 values, an FP8 E4M3 scale per 16 inputs, an FP32 scale per tensor (all maths in fp32)
@@ -40,7 +43,7 @@ _E2M1_MIDS = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, Fa
 
 
 # Four Over Six (arXiv 2512.02010), an extension: a rounding that may scale a block's max to 4 instead of
-# 6 where that reconstructs the block better, in NVFP4's bytes (`four_over_six`, Part 2, also says why 256).
+# 6 where that reconstructs the block better, in NVFP4's bytes (`four_over_six` below also says why 256).
 NVFP4_METHODS = ("rtn", "4over6")
 FOUR_OVER_SIX_SCALE_MAX = 256.0
 
@@ -76,6 +79,26 @@ def _e2m1_codes(blocks, s, gs):
     return idx | ((y < 0).to(torch.uint8) << 3)
 
 
+# Four Over Six (arXiv 2512.02010): E2M1 has nothing between 4 and 6, so a weight at 67-100% of its block's
+# max loses up to a sixth of its size. Scaling the block max to 4 instead of 6 (a 1.5x larger block scale)
+# trades range for resolution there; per block, keep whichever candidate reconstructs the block better. The
+# bytes stay NVFP4. The larger candidate must still fit E4M3: the tensor scale puts the largest block's
+# max -> 6 scale at 256 instead of 448, so its max -> 4 scale is 384 (the reference code's choice).
+def four_over_six(blocks, amax_b, gs, code, s):
+    """quantize_nvfp4's "4over6": per block, the max -> 4 candidate where its squared reconstruction error is
+    lower than the max -> 6 one's (code, s) -> the chosen (code (out, nb, 16), s (out, nb)). A max -> 4 scale
+    that E4M3 cannot hold (only with a global scale meant for "rtn") leaves that block at max -> 6."""
+    s4 = _block_scales(amax_b, gs, FP4_MAX / 1.5)                        # (out, nb), the max -> 4 candidate
+    code4 = _e2m1_codes(blocks, s4, gs)                                  # (out, nb, 16)
+    values = E2M1_VALUES.to(blocks.device)
+
+    def sq_error(c, sc):                                                 # (out, nb)
+        return (values[c.long()] * (sc / gs).unsqueeze(-1) - blocks).pow(2).sum(-1)
+    fits = gs * amax_b / (FP4_MAX / 1.5) <= FP8_MAX
+    use4 = fits & (sq_error(code4, s4) < sq_error(code, s))              # (out, nb); ties keep max -> 6
+    return torch.where(use4.unsqueeze(-1), code4, code), torch.where(use4, s4, s)
+
+
 @torch.no_grad()
 def quantize_nvfp4(w, global_scale=None, name="weight", method="rtn"):
     """w [out, in] -> packed uint8 [out, K_pad/2], scale fp8 [out, K_pad/16], global_scale fp32 [1].
@@ -97,7 +120,7 @@ def quantize_nvfp4(w, global_scale=None, name="weight", method="rtn"):
     amax_b = blocks.abs().amax(dim=-1)                                   # (out, nb)
     s = _block_scales(amax_b, gs, FP4_MAX)                               # (out, nb)
     code = _e2m1_codes(blocks, s, gs)                                    # (out, nb, 16)
-    if method == "4over6":  # per block, the max -> 4 candidate instead where it reconstructs better (Part 2)
+    if method == "4over6":  # per block, the max -> 4 candidate instead where it reconstructs better
         code, s = four_over_six(blocks, amax_b, gs, code, s)             # (out, nb, 16), (out, nb)
     code = code.view(out_f, k_pad)                                       # (out, K_pad)
     packed = code[:, 0::2] | (code[:, 1::2] << 4)                        # (out, K_pad/2), even elt low nibble
@@ -167,38 +190,15 @@ def dequantize_nf4(packed, absmax, shape, blocksize=64):
 # Quantized Linear modules (frozen buffers; only LoRA trains on top of them in stage 02)
 
 
-class _RebuiltWeightLinear(torch.autograd.Function):
-    """y = x @ W^T + b for a frozen 4-bit weight, rebuilding W in backward instead of saving it: autograd
-    would otherwise keep every layer's full-precision W until backward (the unquantized model's memory in a
-    LoRA step). W is frozen, so backward needs only dL/dx = dL/dy @ W (the Triton kernel does the same)."""
-
-    @staticmethod
-    def forward(ctx, x, module):
-        ctx.module = module
-        b = None if module.bias is None else module.bias.to(x.dtype)
-        return F.linear(x, module.weight_in(x.dtype), b)
-
-    @staticmethod
-    def backward(ctx, grad_out):                                         # (..., out)
-        return grad_out @ ctx.module.weight_in(grad_out.dtype), None     # (..., in)
-
-
-class _QuantLinear(nn.Module):
+class _QuantLinear(quant_engine.FrozenQuantLinear):
     """What NVFP4Linear and NF4Linear share: the format's buffers (under their checkpoint names, so that
-    `load_state_dict` and stage 03 fill them by name), an optional bias, and a forward that rebuilds the
-    weight in backward. A format says which roundings it has (`methods`) and whether it takes the global
-    scale quantize_model shares within a fused group (`global_scale`)."""
+    `load_state_dict` and stage 03 fill them by name), an optional bias, and the forward. A format says
+    which roundings it has (`methods`) and whether it takes the global scale quantize_model shares within a
+    fused group (`global_scale`). The base class (quant_engine) holds what is not the method: .to() keeping
+    the buffers' dtypes, building a layer from checked buffers, and the kept weights of keep_dequantized."""
     methods = ("rtn",)
     global_scale = False
-    kept = None  # {dtype: dequantized weight} while keep_dequantized (Part 2) is on: a frozen weight rebuilt once
-
-    def weight_in(self, dtype):
-        """The dequantized weight (out, in) in `dtype`: built once and kept under keep_dequantized, else rebuilt."""
-        if self.kept is None:
-            return self.dequantized_weight(dtype)
-        if dtype not in self.kept:
-            self.kept[dtype] = self.dequantized_weight(dtype)
-        return self.kept[dtype]
+    fast = True  # runs the product below cheaper (fast_forward, Part 2); False: the plain product, as written
 
     def __init__(self, in_features, out_features, bias, device, **format_buffers):
         super().__init__()
@@ -207,36 +207,16 @@ class _QuantLinear(nn.Module):
             self.register_buffer(k, t)
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
 
-    @classmethod
-    def _from_linear(cls, linear, quantized, **kwargs):
-        """The layer holding `quantized`, {buffer name: tensor}: every buffer of the format, each with the
-        shape and dtype the format's __init__ gives it (a mismatch is an error, not a silent reshape)."""
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device, **kwargs)
-        want = {k: t for k, t in m._buffers.items() if k != "bias"}
-        if set(quantized) != set(want):
-            raise ValueError(f"{cls.__name__}: got buffers {sorted(quantized)}, the format has {sorted(want)}")
-        for k, t in quantized.items():
-            if t.shape != want[k].shape or t.dtype != want[k].dtype:
-                raise ValueError(f"{cls.__name__}.{k}: got {tuple(t.shape)} {t.dtype}, the format needs "
-                                 f"{tuple(want[k].shape)} {want[k].dtype}")
-            setattr(m, k, t)
-        if linear.bias is not None:
-            m.bias = linear.bias.detach().clone()
-        return m
-
     def forward(self, x):                                                # (..., in) -> (..., out)
-        return _RebuiltWeightLinear.apply(x, self)  # without grad: just F.linear on the dequantized W
-
-    def _apply(self, fn, recurse=True):  # .to(bf16) etc. move the format's buffers, keep their dtypes (Part 2)
-        return _apply_keeping_dtypes(self, fn, recurse)
-
-    def extra_repr(self):
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        if self.fast:  # what runs: this y and dL/dx, cheaper (the Triton kernel, or W rebuilt in backward)
+            return fast_forward(self, x)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized_weight(x.dtype), b)          # W (out, in) rebuilt from its 4 bits
 
 
 class NVFP4Linear(_QuantLinear):
     """y = x @ W_hat^T + b with W_hat stored as NVFP4; its buffers are a compressed-tensors checkpoint's."""
-    kernel_on_cpu = False  # True: CPU inputs too go through the Triton kernel (05's --gpu-path)
+    kernel_on_cpu = False  # True: CPU inputs too go through the Triton kernel (fast_forward; 05's --gpu-path)
     methods = NVFP4_METHODS
     global_scale = True
     BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")  # quantize_nvfp4's outputs, in order
@@ -257,12 +237,6 @@ class NVFP4Linear(_QuantLinear):
     def dequantized_weight(self, dtype=torch.float32):
         w = dequantize_nvfp4(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
         return w[:, : self.in_features]                                  # (out, in), padding dropped
-
-    def forward(self, x):                                                # (..., in) -> (..., out)
-        kernel = nvfp4_kernel() if (x.is_cuda or self.kernel_on_cpu) else None  # None without Triton (Part 2)
-        if kernel is not None:
-            return kernel(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
-        return super().forward(x)
 
 
 class NF4Linear(_QuantLinear):
@@ -309,11 +283,25 @@ WEIGHT_FORMATS = {"nvfp4": NVFP4Linear, "nf4": NF4Linear}
 QUANT_CHOICES = ("none", *WEIGHT_FORMATS)  # what --quant takes: "none" keeps the float weights
 
 
+def weight_format(fmt):
+    """The quantized Linear class of format `fmt`; an unknown name is an error, never a fallback."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+    return WEIGHT_FORMATS[fmt]
+
+
+def replace_module(model, name, new):
+    """Put `new` where model's submodule `name` (e.g. "model.layers.0.mlp.up_proj") is; returns `new`."""
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, new)  # get_submodule("") is the model itself
+    return new
+
+
 @torch.no_grad()
 def quantize_model(model, fmt="nvfp4", skip=("lm_head",), method="rtn"):
     """Replace every nn.Linear (names containing a `skip` entry excepted) in place; returns model.
     method: NVFP4's rounding, "rtn" (compressed-tensors) or "4over6" (see quantize_nvfp4)."""
-    linear_cls = weight_format(fmt)  # WEIGHT_FORMATS[fmt]; an unknown name is an error (Part 2)
+    linear_cls = weight_format(fmt)  # WEIGHT_FORMATS[fmt]; an unknown name is an error
     linears = {n: m for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and not any(s in n for s in skip)}
     groups = {}  # fused group -> its members' weights
@@ -326,29 +314,12 @@ def quantize_model(model, fmt="nvfp4", skip=("lm_head",), method="rtn"):
     return model
 
 
-# ========= Part 2: plumbing (shared helpers, checks, compressed-tensors writer, demo, command line) =========
+# ========== Part 2: plumbing (fast forward, checks, compressed-tensors writer, demo, command line) ==========
 
 # -----------------------------------------------------------------------------------------------------
-# Kept weights: a CPU has no 4-bit matmul
+# The fast forward: _QuantLinear.forward's product with the same ops, cheaper (quant_engine has the why)
 
-def keep_dequantized(model, enabled=True):
-    """A CPU has no 4-bit matmul, so each forward and backward rebuilds the full weight, which costs more than
-    the matmul. The base is frozen: with this on, each 4-bit layer rebuilds it once per dtype and keeps it (a
-    float copy of the model in memory, as the unquantized base would take; the bytes stay 4-bit)."""
-    for m in model.modules():
-        if isinstance(m, _QuantLinear):
-            m.kept = {} if enabled else None
-    return model
-
-
-# -----------------------------------------------------------------------------------------------------
-# What Part 1 calls by name: the format lookup, the Triton kernel, dtype-keeping buffers, Four Over Six
-
-def weight_format(fmt):
-    """The quantized Linear class of format `fmt`; an unknown name is an error, never a fallback."""
-    if fmt not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight format {fmt!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
-    return WEIGHT_FORMATS[fmt]
+keep_dequantized = quant_engine.keep_dequantized  # a CPU's frozen base: each 4-bit weight rebuilt once per dtype
 
 
 @functools.cache
@@ -361,48 +332,17 @@ def nvfp4_kernel():
     return nvfp4_matmul if HAS_TRITON else None
 
 
-def _apply_keeping_dtypes(module, fn, recurse):
-    """_QuantLinear._apply. model.to(torch.bfloat16) casts every floating buffer, and .to()/.cuda()/.half()
-    all end here. The format must keep its dtypes (fp8 scales; a bf16 global scale would shift every
-    weight), so its buffers take only the device from a conversion; the bias converts as usual."""
-    keep = {k: t for k, t in module._buffers.items() if k != "bias"}
-    nn.Module._apply(module, fn, recurse)
-    for k, t in keep.items():
-        module._buffers[k] = t.to(module._buffers[k].device)
-    if module.kept is not None:  # kept weights are rebuilt on the new device
-        module.kept = {}
-    return module
-
-
-# Four Over Six (arXiv 2512.02010): E2M1 has nothing between 4 and 6, so a weight at 67-100% of its block's
-# max loses up to a sixth of its size. Scaling the block max to 4 instead of 6 (a 1.5x larger block scale)
-# trades range for resolution there; per block, keep whichever candidate reconstructs the block better. The
-# bytes stay NVFP4. The larger candidate must still fit E4M3: the tensor scale puts the largest block's
-# max -> 6 scale at 256 instead of 448, so its max -> 4 scale is 384 (the reference code's choice).
-def four_over_six(blocks, amax_b, gs, code, s):
-    """quantize_nvfp4's "4over6": per block, the max -> 4 candidate where its squared reconstruction error is
-    lower than the max -> 6 one's (code, s) -> the chosen (code (out, nb, 16), s (out, nb)). A max -> 4 scale
-    that E4M3 cannot hold (only with a global scale meant for "rtn") leaves that block at max -> 6."""
-    s4 = _block_scales(amax_b, gs, FP4_MAX / 1.5)                        # (out, nb), the max -> 4 candidate
-    code4 = _e2m1_codes(blocks, s4, gs)                                  # (out, nb, 16)
-    values = E2M1_VALUES.to(blocks.device)
-
-    def sq_error(c, sc):                                                 # (out, nb)
-        return (values[c.long()] * (sc / gs).unsqueeze(-1) - blocks).pow(2).sum(-1)
-    fits = gs * amax_b / (FP4_MAX / 1.5) <= FP8_MAX
-    use4 = fits & (sq_error(code4, s4) < sq_error(code, s))              # (out, nb); ties keep max -> 6
-    return torch.where(use4.unsqueeze(-1), code4, code), torch.where(use4, s4, s)
+def fast_forward(layer, x):                                              # (..., in) -> (..., out)
+    """What a quantized layer runs: NVFP4 on CUDA (or kernel_on_cpu) through the Triton kernel, which reads the
+    4-bit bytes; otherwise F.linear on the dequantized W, W rebuilt in backward (and kept under keep_dequantized)."""
+    kernel = nvfp4_kernel() if isinstance(layer, NVFP4Linear) and (x.is_cuda or layer.kernel_on_cpu) else None
+    if kernel is not None:  # None without Triton
+        return kernel(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, layer.bias)
+    return quant_engine.RebuiltWeightLinear.apply(x, layer)  # without grad: just F.linear on the dequantized W
 
 
 # -----------------------------------------------------------------------------------------------------
-# Helpers and checks (the project's plumbing, shared by every stage, is common.py)
-
-
-def replace_module(model, name, new):
-    """Put `new` where model's submodule `name` (e.g. "model.layers.0.mlp.up_proj") is; returns `new`."""
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent), leaf, new)  # get_submodule("") is the model itself
-    return new
+# Checks (the project's plumbing, shared by every stage, is common.py)
 
 
 def _check_weight(w, name, global_scale=None):
@@ -599,6 +539,35 @@ def demo(seed=0):
           "quantization: 4-bit code + one fp32 absmax per 64; QLoRA's double quantization brings it to ~4.127 bits.")
 
 
+def show_block(seed=0):
+    """--show-block: the first block of 16 of a small random weight through quantize_nvfp4, step by step.
+    Every number printed is quantize_nvfp4's or dequantize_nvfp4's own (tests/test_quantize.py checks)."""
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(seed)) * 0.02  # (4, 64): 16 blocks
+    packed, scale, gs = quantize_nvfp4(w)
+    block, s, byte = w[0, :NVFP4_BLOCK], scale[0, 0].float(), scale[0, 0].view(torch.uint8).item()
+    code = torch.stack((packed[0, :8] & 0xF, packed[0, :8] >> 4), -1).reshape(-1)  # (16,), low nibble first
+    w_hat = dequantize_nvfp4(packed, scale, gs)[0, :NVFP4_BLOCK]                    # (16,)
+    y = block / (s / gs)                                                            # (16,), before rounding
+    e, m = byte >> 3 & 0xF, byte & 7
+    fp8 = f"2^({e} - 7) * (1 + {m}/8)" if e else f"2^-6 * {m}/8"
+    print(f"NVFP4, one block: a (4, 64) weight ~ N(0, 0.02^2) (seed {seed}), its first 16 weights w[0, 0:16]")
+    print(f"1. tensor scale gs = 448 * 6 / amax|W| = 2688 / {w.abs().max().item():.7f} = {gs.item():.8g} (fp32)")
+    print(f"2. block scale gs * amax|block| / 6 = {(gs * (block.abs().max() / FP4_MAX)).item():.4f} -> FP8 E4M3 "
+          f"s = {s.item():g} (byte 0x{byte:02x} = {fp8})")
+    print(f"3. y = w / (s / gs), s / gs = {(s / gs).item():.7f}, rounds to the nearest E2M1 value (ties to even);\n"
+          "   its 4-bit code: bit 3 the sign, bits 0-2 which of 0, 0.5, 1, 1.5, 2, 3, 4, 6")
+    print(f"{'i':>4} | {'w':>10} | {'y':>7} | {'E2M1':>4} | {'code':>11} | {'w_hat':>10} | {'w_hat - w':>10}")
+    for i in range(NVFP4_BLOCK):
+        c = code[i].item()
+        print(f"{i:>4} | {block[i].item():+.7f} | {y[i].item():+7.3f} | {E2M1_VALUES[c].item():+4.1f} | "
+              f"0x{c:x} ({c:04b}) | {w_hat[i].item():+.7f} | {(w_hat[i] - block[i]).item():+.3e}")
+    print("4. packed, w[2k] in byte k's low nibble: " + " ".join(f"{b:02x}" for b in packed[0, :8].tolist())
+          + " (+ 1 scale byte: 4.5 bits a weight)")
+    err = w_hat - block                                                              # (16,)
+    print(f"5. w_hat = E2M1 * s / gs: rel RMS error {(err.norm() / block.norm()).item():.4f}, "
+          f"max abs error {err.abs().max().item():.3e}")
+
+
 def main(argv=None):
     p = common.ArgumentParser(description="NVFP4/NF4 demo, or HF folder -> compressed-tensors NVFP4 checkpoint")
     p.add_argument("--model", help="Hugging Face model folder (config.json + safetensors)")
@@ -608,8 +577,12 @@ def main(argv=None):
                    help="NVFP4 rounding: rtn (compressed-tensors) or 4over6 (per block, max -> 6 or 4)")
     p.add_argument("--force", action="store_true", help="replace --out if it is an earlier output of this command")
     p.add_argument("--device", default=None, help="where to quantize (default: cuda if available, else cpu)")
-    p.add_argument("--seed", type=common.number(int, 0), default=0, help="demo seed")
+    p.add_argument("--seed", type=common.number(int, 0), default=0, help="demo and --show-block seed")
+    p.add_argument("--show-block", action="store_true", help="print one 16-weight block quantized step by step")
     args = p.parse_args(argv)
+    if args.show_block:
+        show_block(args.seed)
+        return 0
     if args.model is None and args.out is None:
         demo(args.seed)
         return 0

@@ -6,9 +6,10 @@ B [out, r]. B starts at zero, so training starts from exactly the base model, an
 numbers per layer get gradients and AdamW state (about 1% of a 7B model at r = 32). This is the part
 of PEFT that QeRL uses, by hand: `LoRALinear` wraps any frozen [..., in] -> [..., out] module (nn.Linear,
 NVFP4Linear, NF4Linear); `add_lora` puts one on every projection; `lora_disabled` gives the base
-model's output (GRPO's reference policy) without a second copy; `lora_merged` runs each layer as one
-matmul while the weights are fixed (sampling); `merge_lora` folds B A into the base for good;
-`save_adapter` / `load_adapter` write and read PEFT's files (PeftModel.from_pretrained loads them).
+model's output (GRPO's reference policy) without a second copy. Part 2: `lora_merged` runs each layer as
+one matmul of W + (alpha / r) B A while the weights are fixed (sampling: the same function, cheaper);
+`merge_lora` folds B A into the base for good; `save_adapter` / `load_adapter` write and read PEFT's
+files (PeftModel.from_pretrained loads them).
 
 Run the demo (a frozen NVFP4 MLP learns a teacher through LoRA alone, < 30 s on 2 CPU cores):
     python 02_lora.py
@@ -26,7 +27,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+import common  # the project's plumbing (device, atomic IO, command line): imports no stage
+
 quantize = importlib.import_module("01_quantize")
 
 DEFAULT_TARGETS = quantize.LINEAR_NAMES  # every projection of a decoder layer
@@ -36,7 +38,8 @@ DEFAULT_TARGETS = quantize.LINEAR_NAMES  # every projection of a decoder layer
 
 
 class LoRALinear(nn.Module):
-    """base(x) + dropout(x) @ A.T @ B.T * scaling, with the base frozen and A, B in fp32."""
+    """y = base(x) + scaling * B (A dropout(x)): the frozen base's W x + b plus a trainable rank-r branch,
+    A [r, in] and B [out, r] held in fp32."""
 
     def __init__(self, base, r, alpha, dropout=0.0, use_rslora=False, generator=None):
         super().__init__()
@@ -47,7 +50,7 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.disabled = False
-        self.merged = None  # (weight, bias) while `lora_merged` is active: one F.linear per call
+        self.merged = None  # (W + scaling * B A, bias) while `lora_merged` (Part 2) is active: one F.linear a call
         # fp32 adapters whatever the activations: an Adam step of lr 1e-5 is a relative change that
         # bf16's 8 significand bits would round away. Initialised on the CPU, so one seeded generator
         # gives the same adapter on any device.
@@ -68,9 +71,9 @@ class LoRALinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x):  # x (..., in) -> (..., out)
-        if self.merged is not None:
+        if self.merged is not None:  # inside lora_merged (Part 2): this same function as one matmul, for sampling
             return F.linear(x, *self.merged)
-        y = self.base(x)  # (..., out) in x.dtype
+        y = self.base(x)  # (..., out) in x.dtype: W x + b, W frozen
         if self.disabled:
             return y  # bit-identical to the base: lora_disabled relies on this
         # The low-rank branch runs in the activations' dtype (autocast off, so nothing else picks it): the
@@ -134,6 +137,16 @@ def lora_disabled(model):
             m.disabled = d
 
 
+def lora_parameters(model):
+    """The trainable tensors: [A, B] of every LoRA layer, in module order (give these to AdamW)."""
+    return [p for _, m in _lora_layers(model) for p in (m.lora_A, m.lora_B)]
+
+
+# ======================= Part 2: plumbing (merged weights, PEFT files, demo, command line) =======================
+# -----------------------------------------------------------------------------
+# Merged weights: for sampling while the adapters are fixed (lora_merged), and for good (merge_lora)
+
+
 @contextmanager
 @torch.no_grad()
 def lora_merged(model, dtype=None):
@@ -152,15 +165,6 @@ def lora_merged(model, dtype=None):
     finally:
         for m in layers:
             m.merged = None
-
-
-def lora_parameters(model):
-    """The trainable tensors: [A, B] of every LoRA layer, in module order (give these to AdamW)."""
-    return [p for _, m in _lora_layers(model) for p in (m.lora_A, m.lora_B)]
-
-
-# -----------------------------------------------------------------------------
-# Merging
 
 
 def _merged_weight(m):
@@ -202,7 +206,6 @@ def merge_lora(model):
     return model
 
 
-# ============================ Part 2: plumbing (PEFT files, demo, command line) =============================
 # -----------------------------------------------------------------------------
 # Saving and loading in PEFT's layout
 

@@ -5,8 +5,10 @@ In GRPO each prompt gets G sampled completions, compared within their group. Gen
 Part 1: a Qwen2 / Llama / Qwen3 decoder with the HF module names (so stages 01 and 02 find layers by
 name), a batched sampler (`generate`: a prefill, one `decode_step` per new token over a preallocated KV
 cache, then a trim; compiled=True runs that same step through torch.compile), and `sequence_logprobs`
-(the sampled tokens' log-probs again, with gradients). Part 2: the loader, the tokenizer, two options
-(llama3 RoPE scaling, top-k / top-p), the CLI.
+(the sampled tokens' log-probs again, with gradients). Part 2: two options (llama3 RoPE scaling, top-k /
+top-p), the loader, the CLI. Beneath the stages: engine.py runs the fast equivalents of Part 1's plain
+computations (the compiled step, chunked log-probs, a CPU decode attention; tests/test_rollout.py proves
+them equal), hf_files.py reads a model folder's files (config.json's checks, tokenizer, safetensors).
 
 Run it:
     python 03_rollout.py                                 # the bundled assets/tiny-qwen
@@ -22,8 +24,6 @@ cache per batch (no paged attention, no continuous batching); only SwiGLU, RMSNo
 """
 import importlib
 import math
-import numbers
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,10 +33,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from safetensors import safe_open
-import tokenizers
 
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+import common  # the project's plumbing
+import engine  # the fast equivalents of Part 1's plain computations (compiled step, chunked log-probs)
+import hf_files  # a model folder's files: config.json's checks, safetensors reads, the tokenizer, ChatML
 quantize = importlib.import_module("01_quantize")
 
 # ---------------------------------------------------------------------------------------------------
@@ -64,18 +64,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d, where="config.json"):
-        _check_config(d, where)
-        mt, heads, bias = d["model_type"], d["num_attention_heads"], d.get("attention_bias", False)
-        return cls(
-            model_type=mt, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=_rope_scaling(d, where), max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=True if mt == "qwen2" else bias, o_bias=False if mt == "qwen2" else bias,
-            mlp_bias=d.get("mlp_bias", False), qk_norm=(mt == "qwen3"))
+        """config.json's dict -> ModelConfig; each bad or unsupported field is one clear error (hf_files.py)."""
+        return cls(**hf_files.model_config_fields(d, where))
 
 
 class RMSNorm(nn.Module):
@@ -161,12 +151,11 @@ class Attention(nn.Module):
         # fold into the query axis, the mask with them (SDPA's enable_gqa with a mask falls back to math on CUDA).
         G, S = self.H // self.H_kv, k.shape[2]
         q = q.reshape(B, self.H_kv, G * T, self.D)  # (B, H_kv, G*T, D)
-        if T == 1 and not q.is_cuda:  # a CPU decode step: the plain product (HF's eager order) beats SDPA's kernel 2x
-            a = (q @ k.transpose(-1, -2)).float().mul_(self.D ** -0.5)  # (B, H_kv, G, S); mask (B, 1, 1, S) broadcasts
-            y = a.masked_fill_(~mask, float("-inf")).softmax(-1).to(v.dtype) @ v  # (B, H_kv, G, D); softmax in fp32
-        else:
+        if T != 1 or q.is_cuda:  # softmax(q k^T / sqrt(D)) v over the allowed keys
             mask = mask[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # (B, 1, G*T, S)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.D ** -0.5)  # (B, H_kv, G*T, D)
+        else:  # a CPU decode step: the same as the plain product, 2x faster there than SDPA's kernel (engine.py)
+            y = engine.decode_attention_cpu(q, k, v, mask, self.D ** -0.5)  # (B, H_kv, G, D)
         y = y.reshape(B, self.H, T, self.D).transpose(1, 2)  # (B, T, H, D)
         return self.o_proj(y.reshape(B, T, self.H * self.D))  # (B, T, C)
 
@@ -319,8 +308,8 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     """Sample `num_samples` completions for each prompt (a list of token-id lists) -> Rollout, with rows
     prompt-major. temperature=0 is greedy; each row stops at its own EOS (default: the tokenizer's). A
     seeded torch.Generator (CPU or the model's device) makes it reproducible. compiled=True runs the decode
-    steps through torch.compile (`compiled_decode_step`; the first call per shape bucket compiles)."""
-    _check_generate(model.config, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
+    steps through torch.compile (engine.py; the first call per shape bucket compiles)."""
+    engine.check_generate(model.config, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
     if eos_token_ids is None:
         eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else []
     pad_id = tokenizer.pad_token_id if tokenizer is not None else (list(eos_token_ids) or [0])[0]
@@ -334,9 +323,9 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     S = -(-(P + N) // 64) * 64  # cache slots, rounded up: prompts of different lengths share a compiled step
     key_ok = F.pad(key_ok, (0, S - P - N))  # (B, S); the slots past P+N are never written
     sampling = (temperature, top_k, top_p, generator)
-    if compiled:  # the same step through torch.compile, with a cache kept for later calls (see static_cache)
-        step = compiled_decode_step(dev)
-        cache, compiling = static_cache(model, B, S, (temperature, top_k, top_p, generator is None))
+    if compiled:  # the same step through torch.compile, over a cache kept for later calls (engine.py)
+        step = engine.compiled_decode_step(dev, decode_step)
+        cache, compiling = engine.static_cache(model, B, S, (temperature, top_k, top_p, generator is None), KVCache)
     else:
         step, compiling = decode_step, False
         cache = KVCache(model.config, B, S, dev, model.model.embed_tokens.weight.dtype)  # freed when we return
@@ -404,21 +393,23 @@ def token_logprobs(lm_head, h, ids, temperature, entropy=True):
 def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0, entropy=True):
     """Log-probs and entropies (None unless `entropy`) (B, T) of `completion_ids` after each row's prompt, with
     gradients; 0 after EOS. Without top-k/top-p it equals what `generate` recorded (up to rounding). One
-    forward; only the completion tokens (mask > 0) reach lm_head, in chunks (Part 2, LOGITS_CHUNK_BYTES)."""
+    forward; only the completion tokens (mask > 0) reach lm_head."""
     completion_ids = completion_ids.to(common.model_device(model))
     B, T = completion_ids.shape
     h = completion_hidden(model, prompt_ids, completion_ids)  # (B, T, C)
     m = completion_mask.to(h.device, torch.float32)  # (B, T)
     sel = m.reshape(-1).nonzero().squeeze(1)  # (n,) flat indices of the completion tokens
     h_sel, ids_sel = h.reshape(B * T, -1)[sel], completion_ids.reshape(-1)[sel]  # (n, C), (n,)
-    # token_logprobs, a chunk of tokens at a time, without keeping the logits for backward (Part 2)
-    picked = chunked_token_logprobs(model.lm_head, h_sel, ids_sel, temperature, model.config.vocab_size, entropy)
+    # equals token_logprobs(model.lm_head, h_sel, ids_sel, temperature, entropy), chunked (engine.py): a few
+    # tokens' logits at a time, recomputed in backward, never the whole batch's (a 7B batch's are ~80 GB)
+    picked = engine.chunked_token_logprobs(token_logprobs, model.lm_head, h_sel, ids_sel, temperature,
+                                           model.config.vocab_size, entropy, LOGITS_CHUNK_BYTES)
     zero = h.sum(-1).float().reshape(-1) * 0  # (B*T,) zeros that keep the graph even with no token selected
     lp, ent = (zero.index_put((sel,), x) for x in picked) if picked else (zero, zero)  # (B*T,) each
     return lp.view(B, T) * m, ent.view(B, T) * m if entropy else None  # (B, T) each
 
 
-# =============== Part 2: plumbing (HF loader, tokenizer, random model, checks, command line) ================
+# ============ Part 2: plumbing (options, HF loader, random model, memory estimate, command line) ============
 
 # ---------------------------------------------------------------------------------------------------
 # Options the method calls by name: llama3 RoPE scaling (rope_inv_freq), top-k / top-p (sample_next)
@@ -465,8 +456,8 @@ def load_model(path, quant="none", dtype=None, device=None, method="rtn"):
     files = {name: path / f for name, f in weight_map.items()}  # tensor name -> safetensors file
     cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
     quant, prequantized = _load_format(path, raw, quant, method)
-    tokenizer = load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
-    _check_vocab(tokenizer, cfg, path)
+    tokenizer = hf_files.load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
+    hf_files.check_vocab(tokenizer, cfg.vocab_size, path)
     device = common.pick_device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -516,213 +507,15 @@ def _fill(model, names, files, quant, device, dtype, method="rtn"):
     handles = {}
     order = sorted(names, key=layer_of)
     for j, n in enumerate(order):
-        try:
-            if files[n] not in handles:
-                handles[files[n]] = safe_open(files[n], "pt", device="cpu")  # memory-mapped, reads lazily
-            t = handles[files[n]].get_tensor(n)
-        except Exception as e:  # safetensors raises its own SafetensorError (not an OSError/ValueError)
-            raise ValueError(common.safetensors_problem(files[n]) or f"{files[n]}: cannot read tensor {n} ({e}); "
-                             "the file is truncated or corrupt, download or write it again") from None
-        if t.dtype in (torch.float32, torch.float16, torch.bfloat16) and not torch.isfinite(t).all():
-            raise ValueError(f"{files[n]}: tensor {n} holds NaN or Inf values; the checkpoint is broken (a diverged "
-                             "run or a bad conversion): use another one")
+        t = hf_files.read_tensor(handles, files[n], n)  # checked: readable, and finite if a float
         # Float weights take the compute dtype; packed codes and scales keep theirs (a bf16 global scale would
         # shift every dequantized value), and so do weights about to be quantized (as `01_quantize.py --out`).
         keep = (t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or n.endswith("global_scale")
                 or (quant != "none" and n.startswith("model.layers.") and n.endswith("_proj.weight")))
-        _put(model, n, t.to(device=device, dtype=None if keep else dtype), files[n])
+        hf_files.put_tensor(model, n, t.to(device=device, dtype=None if keep else dtype), files[n])
         i = layer_of(n)
         if quant != "none" and i >= 0 and (j + 1 == len(order) or layer_of(order[j + 1]) != i):
             quantize.quantize_model(model.model.layers[i], fmt=quant, skip=(), method=method)  # layer i complete
-
-
-def _put(model, name, t, file="the checkpoint"):
-    """Replace the meta tensor `name` by `t` (a Parameter stays a Parameter)."""
-    mod_name, _, attr = name.rpartition(".")
-    mod = model.get_submodule(mod_name)
-    old = getattr(mod, attr)
-    if tuple(old.shape) != tuple(t.shape):
-        raise ValueError(f"{file}: weight {name} has shape {tuple(t.shape)}, config.json implies {tuple(old.shape)}")
-    if attr in mod._parameters:
-        mod._parameters[attr] = nn.Parameter(t, requires_grad=old.requires_grad)
-    else:
-        mod._buffers[attr] = t
-
-
-# ---------------------------------------------------------------------------------------------------
-# compile=True: the same decode_step through torch.compile (the gpt-fast recipe; README, stage 03)
-
-_compiled_steps = {}  # mode -> decode_step under torch.compile; dynamo keeps one graph per shape and setting
-
-
-def compiled_decode_step(device):
-    """decode_step through torch.compile, built once per mode: on CUDA "reduce-overhead" replays each step
-    as one CUDA graph; on a CPU inductor fuses it into generated C++ loops."""
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    if mode not in _compiled_steps:
-        compiled = torch.compile(decode_step, mode=mode, dynamic=False)
-        # One graph per (batch, cache length, sampling settings); dynamo's default allows only 8.
-        c = torch._dynamo.config
-        limit = "recompile_limit" if hasattr(c, "recompile_limit") else "cache_size_limit"  # older torch
-        setattr(c, limit, max(getattr(c, limit), 64))
-
-        def step(*args):
-            if mode == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-            return compiled(*args)
-        _compiled_steps[mode] = step
-    return _compiled_steps[mode]
-
-
-def static_cache(model, batch, slots, setting):
-    """-> (this model's KVCache for (batch, slots), whether `setting` (temperature, top_k, top_p, generator is
-    None) is new for it, so that its first compiled step compiles). Built once and reused by every compiled
-    call: dynamo guards on the cache's tensors and a CUDA graph replays on their addresses."""
-    w = model.model.embed_tokens.weight
-    caches = model.__dict__.setdefault("_static_caches", {})  # (batch, slots, dtype, device) -> (cache, settings)
-    key = (batch, slots, w.dtype, w.device)
-    if key not in caches:
-        cache = KVCache(model.config, batch, slots, w.device, w.dtype)
-        for t in (cache.pos, *cache.k, *cache.v):
-            torch._dynamo.mark_static_address(t)  # CUDA graphs then read and write them in place, no copies
-        caches[key] = (cache, set())
-    cache, settings = caches[key]
-    cache.pos.zero_()
-    first = setting not in settings
-    settings.add(setting)
-    return cache, first
-
-
-# ---------------------------------------------------------------------------------------------------
-# Log-probs in chunks, for sequence_logprobs (the policy update)
-
-# Log-probs without the full logits (~80 GB in fp32 for a 7B GRPO batch; README, "One GPU at 7B"):
-# lm_head runs over chunks of at most LOGITS_CHUNK_BYTES of logits, recomputed one at a time in backward.
-LOGITS_CHUNK_BYTES = 2 ** 26  # 64 MiB of fp32 logits per chunk: 110 tokens at V = 151,936
-
-
-class _ChunkLogprobs(torch.autograd.Function):
-    """(log-prob, entropy) of one chunk of tokens; saves h, not the logits, and recomputes them in backward.
-    (torch.utils.checkpoint would keep the recomputed entropy branch alive until the whole backward ends.)"""
-
-    @staticmethod
-    def forward(ctx, h, ids, lm_head, temperature, entropy):  # h (n, C), ids (n,)
-        ctx.save_for_backward(h, ids)
-        ctx.lm_head, ctx.temperature, ctx.entropy = lm_head, temperature, entropy
-        ctx.set_materialize_grads(False)  # an unused output (often the entropy) gets None: skip its branch
-        with torch.no_grad():
-            lp, ent = token_logprobs(lm_head, h, ids, temperature, entropy)
-        return lp, torch.zeros_like(lp) if ent is None else ent  # (n,) each; zeros stand in when not asked
-
-    @staticmethod
-    def backward(ctx, g_lp, g_ent):
-        h, ids = ctx.saved_tensors
-        head = ctx.lm_head
-        if g_ent is None and g_lp is not None and isinstance(head, nn.Linear) and head.bias is None \
-                and not head.weight.requires_grad:  # the usual case: the log-prob's gradient alone, by hand
-            # d log p_id / d logits = (onehot(id) - softmax) / T: one softmax pass over the chunk, no autograd graph
-            logits = head(h).float()  # (n, V)
-            t = ctx.temperature if ctx.temperature > 0 else 1.0
-            g = (logits / t).softmax(-1).mul_(-g_lp[:, None])  # (n, V)
-            g.scatter_add_(-1, ids[:, None], g_lp[:, None]).div_(t)
-            return g.to(h.dtype) @ head.weight, None, None, None, None  # (n, C)
-        with torch.enable_grad():
-            h = h.detach().requires_grad_()
-            outs = token_logprobs(ctx.lm_head, h, ids, ctx.temperature, ctx.entropy)  # (n,) each, with a graph
-            used = [(o, g) for o, g in zip(outs, (g_lp, g_ent)) if g is not None]
-            if used:  # also accumulates into any trainable lm_head parameter's .grad
-                torch.autograd.backward(*zip(*used))
-        return h.grad, None, None, None, None
-
-
-def chunked_token_logprobs(lm_head, h, ids, temperature, vocab_size, entropy=True):
-    """token_logprobs of h (n, C), ids (n,) over chunks of at most LOGITS_CHUNK_BYTES of logits -> (log-prob,
-    entropy), each (n,) (the entropy zeros unless `entropy`); None when n is 0."""
-    step = max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))  # tokens per chunk
-    chunks = [_ChunkLogprobs.apply(h[i:i + step], ids[i:i + step], lm_head, temperature, entropy)
-              for i in range(0, len(ids), step)]  # (log-prob, entropy) pairs, (chunk,) each
-    return tuple(torch.cat([c[j] for c in chunks]) for j in (0, 1)) if chunks else None
-
-
-# ---------------------------------------------------------------------------------------------------
-# Tokenizer and the ChatML template
-
-class Tokenizer:
-    """A `tokenizers.Tokenizer` plus the ids generation needs (EOS list, pad) and the system message the
-    model's chat template writes when the conversation has none (`default_system`, None if it writes none)."""
-
-    def __init__(self, tok, eos_token_ids, pad_token_id=None, default_system=None):
-        self.tok = tok
-        self.default_system = default_system
-        self.eos_token_ids = list(eos_token_ids)
-        self.pad_token_id = pad_token_id if pad_token_id is not None else (self.eos_token_ids or [0])[0]
-        self.vocab_size = tok.get_vocab_size()
-
-    def encode(self, text):
-        # tokenizer.json's own post-processor decides about BOS: Llama 3 adds <|begin_of_text|>,
-        # Qwen adds nothing. ChatML special tokens in `text` map to their single ids.
-        return self.tok.encode(text).ids
-
-    def decode(self, ids, skip_special_tokens=True):
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-
-def load_tokenizer(path, config=None):
-    path = Path(path)
-    if not (path / "tokenizer.json").exists():
-        raise FileNotFoundError(f"{path / 'tokenizer.json'} not found: the model folder needs a tokenizer.json "
-                                "(the `tokenizers` format Hugging Face saves)")
-    gen_file = path / "generation_config.json"  # its ids win over config.json's
-    try:
-        tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
-    except Exception as e:  # tokenizers raises its own Exception subclass on a corrupt file
-        raise ValueError(f"{path / 'tokenizer.json'} is not a readable tokenizer ({str(e)[:120]}); write or "
-                         "download it again") from None
-    gen = {**(config or {}), **(common.read_json(gen_file) if gen_file.exists() else {})}
-    eos, pad = gen.get("eos_token_id"), gen.get("pad_token_id")
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
-    if (not isinstance(eos, list) or not all(isinstance(i, int) and 0 <= i for i in eos)
-            or not (pad is None or isinstance(pad, int) and pad >= 0)):
-        raise ValueError(f"{gen_file if gen_file.exists() else path / 'config.json'}: eos_token_id must be a token id or "
-                         f"a list of them and pad_token_id a token id (or null), got {gen.get('eos_token_id')!r} and "
-                         f"{pad!r}")
-    return Tokenizer(tok, eos, pad, template_default_system(path / "tokenizer_config.json"))
-
-
-# A ChatML template that fills in a system message when there is none holds it as a literal
-# '<|im_start|>system\n...<|im_end|>' (Qwen2.5: "You are Qwen, ...", SmolLM2: "You are a helpful AI
-# assistant named SmolLM, ..."); the block that prints the user's own system message has a quote there.
-_DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system(?:\n|\\n)([^'\"]+?)<\|im_end\|>")
-
-
-def template_default_system(config_file):
-    """The default system message of tokenizer_config.json's chat template, or None."""
-    if not config_file.exists():
-        return None
-    template = common.read_json(config_file).get("chat_template")
-    found = _DEFAULT_SYSTEM.search(template) if isinstance(template, str) else None
-    return found.group(1) if found else None
-
-
-def chat_prompt(user, system=None):
-    """ChatML prompt (Qwen2.5, SmolLM2), ending where the assistant starts talking. system=None writes no
-    system block; pass `tokenizer.default_system` to write what the model's own template writes."""
-    if not isinstance(user, str) or not (system is None or isinstance(system, str)):
-        raise ValueError(f"chat_prompt: the user message and the system message (or None) must be strings, got "
-                         f"{type(user).__name__} and {type(system).__name__}")
-    head = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
-    return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def byte_tokenizer():
-    """A byte-level tokenizer built in memory (256 byte tokens + 3 ChatML specials) for random models."""
-    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())  # the 256 printable stand-ins for bytes
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    return Tokenizer(tok, [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
-                     tok.token_to_id("<|endoftext|>"))
 
 
 def random_model(tok, seed=0, device="cpu"):
@@ -738,84 +531,18 @@ def random_model(tok, seed=0, device="cpu"):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Checks (one clear line for each kind of bad input) and the command line
+# Names that live in the engine modules now, reachable here too for the callers that use them (04, 05, bench/,
+# tests/). LOGITS_CHUNK_BYTES is the live setting: sequence_logprobs passes this module's value.
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
-CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
-
-def _check_config(d, where):
-    mt = d.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{where}: unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (only silu)")
-    if d.get("use_sliding_window"):
-        raise ValueError(f"{where}: use_sliding_window=true is not supported; set it to false")
-    missing = [k for k in CONFIG_SIZES if k not in d]
-    if missing:
-        raise ValueError(f"{where}: missing required field(s) {', '.join(missing)}")
-    for k in ("rope_parameters", "rope_scaling"):
-        if d.get(k) is not None and not isinstance(d[k], dict):
-            raise ValueError(f"{where}: {k} must be an object {{...}} or null, got {d[k]!r}")
-    for k in (*CONFIG_SIZES, "num_key_value_heads", "head_dim", "max_position_embeddings"):
-        if d.get(k) is not None:
-            _check_positive(where, k, d[k], int)
-    for k, v in (("rms_norm_eps", d.get("rms_norm_eps")), ("rope_theta", d.get("rope_theta")),
-                 ("rope_parameters.rope_theta", (d.get("rope_parameters") or {}).get("rope_theta"))):
-        if v is not None:
-            _check_positive(where, k, v, float)
-    H, H_kv = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
-    if d.get("head_dim") is None and d["hidden_size"] % H:
-        raise ValueError(f"{where}: hidden_size {d['hidden_size']} is not divisible by num_attention_heads {H} "
-                         f"(and there is no head_dim)")
-    if H % H_kv:
-        raise ValueError(f"{where}: num_attention_heads {H} is not a multiple of num_key_value_heads {H_kv}")
-    if (d.get("head_dim") or d["hidden_size"] // H) % 2:  # RoPE rotates pairs of lanes
-        raise ValueError(f"{where}: head_dim {d.get('head_dim') or d['hidden_size'] // H} must be even for RoPE")
+Tokenizer, load_tokenizer, byte_tokenizer = hf_files.Tokenizer, hf_files.load_tokenizer, hf_files.byte_tokenizer
+chat_prompt, template_default_system = hf_files.chat_prompt, hf_files.template_default_system
+SUPPORTED_MODEL_TYPES = hf_files.SUPPORTED_MODEL_TYPES
+LOGITS_CHUNK_BYTES = engine.LOGITS_CHUNK_BYTES
+MIN_TEMPERATURE = engine.MIN_TEMPERATURE
 
 
-def _check_positive(where, name, v, kind):
-    # bool is an int to Python, and "128" (a number written as a string) is not a size
-    number = isinstance(v, int) if kind is int else isinstance(v, (int, float)) and math.isfinite(v)
-    if not number or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"{where}: {name} must be a positive {'integer' if kind is int else 'number'}, got {v!r}")
-
-
-def _rope_scaling(d, where):
-    # transformers < 5 writes rope_theta + rope_scaling; transformers 5 writes one rope_parameters dict.
-    rope = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaling is None:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind not in ("default", "llama3"):
-        raise ValueError(f"{where}: rope scaling {kind!r} is not supported (only 'llama3')")
-    if kind == "llama3":
-        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            _check_positive(where, f"rope scaling's {k}", scaling.get(k), float)
-        if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:  # rope_inv_freq divides by their gap
-            raise ValueError(f"{where}: rope scaling needs high_freq_factor > low_freq_factor, got "
-                             f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
-    return scaling if kind == "llama3" else None
-
-
-def _check_vocab(tokenizer, cfg, path):
-    # config.json's vocab_size is the embedding's rows, often padded past the tokenizer for faster matmuls
-    # (Qwen2.5-0.5B: 151,665 tokens, 151,936 rows): a few percent more rows is normal. A token id past the
-    # rows has no embedding, and a tokenizer under half the rows belongs to another model (288 tokens
-    # beside a 49,152-row model: it runs, and samples gibberish).
-    top = max(tokenizer.tok.get_vocab(with_added_tokens=True).values(), default=-1)
-    if top >= cfg.vocab_size or 2 * (top + 1) < cfg.vocab_size:
-        raise ValueError(f"{path / 'tokenizer.json'} has token ids up to {top}, but config.json's vocab_size is "
-                         f"{cfg.vocab_size}: the tokenizer belongs to another model; put this model's own "
-                         f"tokenizer.json beside it")
-
-
-# Below this (0 aside, which is greedy) logit / temperature heads for fp32's overflow (1e-40 gives inf,
-# then NaN probabilities), and long before it the draw is the greedy token in all but ties.
-MIN_TEMPERATURE = 1e-4
-
+# ---------------------------------------------------------------------------------------------------
+# generate()'s memory (to refuse up front what cannot fit) and the command line
 
 def generate_memory(cfg, rows, prompt_len, max_new_tokens, dtype_bytes):
     """About the bytes generate() allocates, beyond the weights, for `rows` rows (prompts x samples) of
@@ -830,30 +557,6 @@ def generate_memory(cfg, rows, prompt_len, max_new_tokens, dtype_bytes):
     sampler = 4 * rows * cfg.vocab_size * 4  # logits, tempered, log-probs and probabilities, (rows, V) fp32
     outputs = rows * max_new_tokens * (8 + 3 * 4)  # ids, mask, log-probs and entropies
     return kv_cache + prefill + sampler + outputs
-
-
-def _check_generate(cfg, prompts, num_samples, max_new_tokens, temperature, top_k, top_p):
-    if isinstance(prompts, torch.Tensor):
-        raise ValueError("generate: prompts must be a list of token-id lists (prompt.tolist() for a tensor)")
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("generate: prompts must be a non-empty list of prompts, each a list of token ids")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, (list, tuple)) or not p or not all(isinstance(t, numbers.Integral) for t in p):
-            raise ValueError(f"generate: prompt {i} must be a non-empty list of int token ids, got "
-                             f"{type(p).__name__} {str(p)[:40]}")
-    settings = (temperature, top_k, top_p, max_new_tokens, num_samples)
-    if (not all(isinstance(v, (int, float)) and math.isfinite(v) for v in settings)
-            or not (temperature == 0 or temperature >= MIN_TEMPERATURE)
-            or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 1 or num_samples < 1):
-        raise ValueError(f"generate: need temperature 0 or >= {MIN_TEMPERATURE:g}, 0 < top_p <= 1, top_k >= 0, "
-                         f"max_new_tokens >= 1 and num_samples >= 1, all finite; got temperature={temperature}, "
-                         f"top_p={top_p}, top_k={top_k}, max_new_tokens={max_new_tokens}, num_samples={num_samples}")
-    for i, p in enumerate(prompts):
-        if len(p) + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
-                             f"model's context of {cfg.max_position_embeddings} (shorten it or lower max_new_tokens)")
-        if max(p) >= cfg.vocab_size or min(p) < 0:
-            raise ValueError(f"prompt {i} has a token id outside [0, {cfg.vocab_size})")
 
 
 def build_parser():
@@ -906,7 +609,7 @@ def main(argv=None):
     system = args.system
     if system is None and not args.no_system:
         system = tok.default_system  # what the model's own chat template writes
-    prompt = tok.encode(chat_prompt(args.prompt, system))
+    prompt = tok.encode(hf_files.chat_prompt(args.prompt, system))
     dtype_bytes = model.model.embed_tokens.weight.element_size()
     common.check_memory_fits(generate_memory(cfg, args.num_samples, len(prompt), args.max_new_tokens, dtype_bytes),
                              device, f"--num-samples {args.num_samples} with --max-new-tokens {args.max_new_tokens}")

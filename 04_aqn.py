@@ -20,7 +20,7 @@ line 9 reads (docs/paper-notes.md).
 
 Run it (the schedule of a 600-step run, then the exploration table: entropy and KL to the unquantized base, per
 sampled token, of fp32 / NF4 / NVFP4 and of base / NVFP4 under AQN, on the bundled model):
-    python 04_aqn.py                # fp32, 32 problems x 8 samples x 2 draws: ~35 s on 2 idle CPU cores
+    python 04_aqn.py                # fp32, 32 problems x 8 samples x 2 draws: ~50 s on 2 CPU cores
     python 04_aqn.py --full         # fp32 and bf16, 64 x 8 x 2, three sigmas: 3-5 min
     python 04_aqn.py --model path/to/hf-folder --samples 8 --sigmas 1e-2 5e-2
     python 04_aqn.py --schedule-only --steps 750  # the schedule table alone (instant)
@@ -36,7 +36,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+import common  # the project's plumbing (imports no stage)
+
 quantize = importlib.import_module("01_quantize")
 rollout = importlib.import_module("03_rollout")
 
@@ -62,15 +63,14 @@ SIGMA_KINDS = DECAYING_KINDS + ("none", "feedback")  # feedback: FeedbackSigma, 
 
 
 def sigma_stage(step, total_steps, num_stages):
-    """Which of the `num_stages` equal intervals 0-based `step` falls in."""
-    _check_stage(step, total_steps, num_stages)
+    """Which of the `num_stages` equal intervals 0-based `step` falls in (sigma_schedule checks the input)."""
     return min(step * num_stages // total_steps, num_stages - 1)
 
 
 def sigma_schedule(step, total_steps, sigma_start=1e-2, sigma_end=5e-4, num_stages=10, kind="exp"):
     """The AQN noise std for 0-based `step` of a `total_steps` run (Algorithm 1's stages; exp is the
     official code's K-1 geometric values, see docs/paper-notes.md)."""
-    check_sigma_range(sigma_start, sigma_end, kind)
+    check_schedule(total_steps, num_stages, sigma_start, sigma_end, kind, step)
     stage = sigma_stage(step, total_steps, num_stages)
     if kind == "none" or stage == 0:
         return 0.0
@@ -83,31 +83,43 @@ def sigma_schedule(step, total_steps, sigma_start=1e-2, sigma_end=5e-4, num_stag
 AQN_NORMS = ("input_layernorm", "post_attention_layernorm")  # read by q/k/v, then by gate/up
 
 
+def _standard_normal(w, generator):
+    """One fp32 N(0, 1) draw per gain, on the generator's device (the CPU without one)."""
+    device = generator.device if generator is not None else torch.device("cpu")
+    return torch.randn(w.shape, generator=generator, device=device, dtype=torch.float32)  # (C,)
+
+
+# The kinds of AQN noise. A kind is a function (w, sigma, generator) -> Z: w is one norm's gains (C,),
+# sigma the step's noise level (> 0), and Z the noise added to them, an fp32 (C,) tensor on any device
+# (aqn_noise moves it to w's). It draws only from `generator` (None: torch's global one), once per call:
+# aqn_noise calls it once per norm, in aqn_norms' order, once per step, so a seed fixes every draw.
+# Another kind is one more entry (noise proportional to each gain would scale the draw by |w|).
+NOISES = {
+    "absolute": lambda w, sigma, gen: _standard_normal(w, gen) * sigma,  # Z ~ N(0, sigma^2): the paper's
+}
+
+
 def aqn_norms(model):
     """The (name, RMSNorm) pairs AQN perturbs, in order: per decoder layer its input_layernorm, then its
     post_attention_layernorm (2 per layer)."""
-    layers = _check_layers(model)
-    for i, layer in enumerate(layers):
-        _check_layer_norms(i, layer)
+    layers = _check_aqn_layers(model)
     return [(f"model.layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(layers) for n in AQN_NORMS]
 
 
 @contextlib.contextmanager
-def aqn_noise(model, sigma, generator=None):
-    """Draw Z ~ N(0, sigma^2), one fp32 [hidden] vector per pre-norm, which stage 03's RMSNorm adds to its
-    gain in an fp32 product rounded once; on exit, even after an error, the norms are noise-free again.
-    The gains are never written (a bf16 gain near 1 would round a draw of 5e-4 away; trained gains come
-    back exactly). Yields {sigma, applied_std: the RMS of the Z really applied, num_norms}."""
-    _check_sigma(sigma)
+def aqn_noise(model, sigma, generator=None, kind="absolute"):
+    """Draw Z (kind "absolute": Z ~ N(0, sigma^2)), one fp32 [hidden] vector per pre-norm, which stage 03's
+    RMSNorm adds to its gain in an fp32 product rounded once; on exit, even after an error, the norms are
+    noise-free again. The gains are never written (a bf16 gain near 1 would round a draw of 5e-4 away;
+    trained gains come back exactly). Yields {sigma, applied_std: the RMS of the Z really applied, num_norms}."""
+    _check_noise(sigma, kind)
     norms = aqn_norms(model)
     info = {"sigma": float(sigma), "applied_std": 0.0, "num_norms": len(norms)}
-    gen_dev = generator.device if generator is not None else torch.device("cpu")
     try:
         if sigma > 0:  # at 0 (stage 0) only the quantization noise acts: no draw, the model untouched
             for _, norm in norms:
                 w = norm.weight  # (hidden,)
-                z = torch.randn(w.shape, generator=generator, device=gen_dev, dtype=torch.float32) * sigma
-                norm.noise = z.to(w.device)  # (hidden,) fp32
+                norm.noise = NOISES[kind](w, sigma, generator).to(w.device)  # (hidden,) fp32
             info["applied_std"] = float(torch.cat([n.noise for _, n in norms]).double().pow(2).mean().sqrt())
         yield info
     finally:
@@ -200,9 +212,19 @@ def check_sigma_range(sigma_start, sigma_end, kind):
                          f"{sigma_end}); use kind 'linear' or 'cosine' to decay to zero")
 
 
+def check_schedule(total_steps, num_stages, sigma_start, sigma_end, kind, step=0):
+    """Everything sigma_schedule(step, total_steps, sigma_start, sigma_end, num_stages, kind) refuses, as one
+    ValueError line; a trainer calls it before any work (stage 05's --num-stages)."""
+    check_sigma_range(sigma_start, sigma_end, kind)
+    _check_stage(step, total_steps, num_stages)
+
+
 def _check_stage(step, total_steps, num_stages):
-    if total_steps < 1 or num_stages < 2:
-        raise ValueError(f"AQN needs total_steps >= 1 and num_stages >= 2 (got {total_steps}, {num_stages})")
+    if total_steps < 1:
+        raise ValueError(f"AQN needs total_steps >= 1 (got {total_steps})")
+    if num_stages < 2:  # stage 0 is noise-free: with one stage, AQN would never add noise
+        raise ValueError(f"AQN needs num_stages >= 2 (got {num_stages}): stage 0 is noise-free, so one stage "
+                         f"would never add noise; use kind 'none' to train without AQN")
     if not 0 <= step < total_steps:
         raise ValueError(f"step {step} is outside [0, {total_steps})")
 
@@ -215,16 +237,21 @@ def _check_feedback(target_entropy, sigma_init, up, down, sigma_min, sigma_max):
         raise ValueError(f"FeedbackSigma needs up >= 1 and 0 < down <= 1 (got up={up}, down={down})")
 
 
-def _check_sigma(sigma):
+def _check_noise(sigma, kind):
     if not (sigma >= 0 and math.isfinite(sigma)):
         raise ValueError(f"AQN sigma must be a finite number >= 0, got {sigma}")
+    if kind not in NOISES:
+        raise ValueError(f"unknown AQN noise kind '{kind}'; choose one of {', '.join(NOISES)}")
 
 
-def _check_layers(model):
+def _check_aqn_layers(model):
+    """model.layers, each with both of AQN's norms (_check_layer_norms)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no model.layers: AQN needs a Qwen2/Llama-like decoder, "
                          "with input_layernorm feeding q/k/v and post_attention_layernorm feeding gate/up")
+    for i, layer in enumerate(layers):
+        _check_layer_norms(i, layer)
     return layers
 
 
@@ -271,8 +298,8 @@ def demo_models(model_dir, dtype, seed, num_prompts, method="rtn"):
     return tok, {"base": base, "NF4": nf4, "NVFP4": nvfp4}, prompts
 
 
-# The default run is the quick one (~45 s); --full is the table measured at size (docs/aqn.md). A flag
-# given explicitly wins over either.
+# The default run is the quick one (its time: the docstring); --full is the table measured at size
+# (docs/aqn.md). A flag given explicitly wins over either.
 QUICK = {"prompts": 32, "samples": 8, "sigmas": [1e-2, 5e-2], "dtypes": ["float32"]}
 FULL = {"prompts": 64, "samples": 8, "sigmas": [5e-4, 1e-2, 5e-2], "dtypes": ["float32", "bfloat16"]}
 
@@ -285,7 +312,7 @@ def build_parser():
     # The table prints every decaying kind, and exp/log need sigma_end > 0 (check_sigma_range).
     parser.add_argument("--sigma-start", type=number(float, above=0), default=1e-2)
     parser.add_argument("--sigma-end", type=number(float, above=0), default=5e-4)
-    # sigma_stage needs >= 2 stages (stage 0 is noise-free); the table has a row per stage.
+    # check_schedule needs >= 2 stages (stage 0 is noise-free); the table has a row per stage.
     parser.add_argument("--num-stages", type=number(int, 2, 1000), default=10)
     parser.add_argument("--full", action="store_true",
                         help=f"the table at size: {FULL} (default: {QUICK}); explicit flags override either")

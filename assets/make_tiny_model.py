@@ -45,8 +45,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 rollout = importlib.import_module("03_rollout")
-grpo = importlib.import_module("05_grpo")  # the task: problems, prompts, reward, evaluation
-TASK = grpo.ArithmeticTask(eval_size=0)  # its prompt (bare, no system message) and its `correct`
+grpo = importlib.import_module("05_grpo")  # the evaluation
+tasks = importlib.import_module("tasks")  # the task: problems, prompts, reward
+TASK = tasks.ArithmeticTask(eval_size=0)  # its prompt (bare, no system message) and its `correct`
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
@@ -74,7 +75,7 @@ def build_tokenizer(digits, nops):
     rng = random.Random(0)
     corpus = []
     for _ in range(200):
-        p = grpo.make_problem(rng, digits, nops)
+        p = tasks.make_problem(rng, digits, nops)
         text = TASK.prompt(p) + p["solution"]
         for t in SPECIALS + TAGS:
             text = text.replace(t, "\n")
@@ -179,7 +180,7 @@ def main(args):
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tokenizer | vocab {cfg.vocab_size} | model | params {n_params:,}")
 
-    eval_pool = grpo.arithmetic_problems(grpo.EVAL_POOL, grpo.EVAL_SEED, args.digits, args.nops)
+    eval_pool = tasks.arithmetic_problems(tasks.EVAL_POOL, tasks.EVAL_SEED, args.digits, args.nops)
     exclude = {p["question"] for p in eval_pool}
     select_set, final_set = eval_pool[:args.select_size], eval_pool[:args.eval_size]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -189,7 +190,7 @@ def main(args):
     for step in range(1, args.max_steps + 1):
         problems = []
         while len(problems) < args.batch:
-            p = grpo.make_problem(rng, args.digits, args.nops)
+            p = tasks.make_problem(rng, args.digits, args.nops)
             if p["question"] not in exclude:
                 problems.append(p)
         ids, labels = make_batch(problems, tok, im_end)  # (B, T) each
@@ -215,11 +216,11 @@ def main(args):
         print(f"note | greedy never reached {args.target} in {args.max_steps} steps; keeping the last model")
         chosen = step
     model.eval()
-    res = grpo.evaluate(model, tok, TASK, final_set, args.max_new_tokens, k=8, temperature=1.0, seed=grpo.EVAL_SEED)
+    res = grpo.evaluate(model, tok, TASK, final_set, args.max_new_tokens, k=8, temperature=1.0, seed=tasks.EVAL_SEED)
     # what `python 05_grpo.py` starts from: the same weights with every decoder linear in NVFP4
     q = copy.deepcopy(model)
     importlib.import_module("01_quantize").quantize_model(q, fmt="nvfp4")
-    res_q = grpo.evaluate(q, tok, TASK, final_set, args.max_new_tokens, k=8, temperature=1.0, seed=grpo.EVAL_SEED)
+    res_q = grpo.evaluate(q, tok, TASK, final_set, args.max_new_tokens, k=8, temperature=1.0, seed=tasks.EVAL_SEED)
     info = {"train_steps": chosen, "train_seconds": round(time.time() - t0, 1), "params": n_params,
             "eval_n": res["n"], "fp32": res, "nvfp4": res_q, "seed": args.seed, "threads": torch.get_num_threads()}
     write_folder(args.out, tok_raw, cfg, model.state_dict())

@@ -3,8 +3,8 @@
 QeRL's speed claim is about the rollout: sampling runs the model once per generated token, so it is
 memory-bound and a 4-bit base streams ~3.5x fewer weight bytes. The update (one forward + backward
 over the sampled tokens, AdamW on the adapters) and the reward barely change with the base format.
-This script measures that split on the bundled tiny model with stage 05's own step function
-(`grpo_step`), default batch 16 prompts x 8 samples, for an unquantized, an NF4 and an NVFP4 base:
+This script measures that split on the bundled tiny model with stage 05's own functions, one step
+of its loop (`one_step` below), default batch 16 prompts x 8 samples, for an unquantized, an NF4 and an NVFP4 base:
   rollout  building the prompts + sampling B*G completions (05's t_sample, with its merged weights)
   reward   scoring the completions (the step record's t_score)
   update   the rest of the step: log-probs with gradients, the clipped loss, backward, clip, AdamW
@@ -32,19 +32,41 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+tasks = importlib.import_module("tasks")
+runs = importlib.import_module("runs")
 grpo = importlib.import_module("05_grpo")
 quantize = importlib.import_module("01_quantize")
 
 # ---------------------------------------------------------------------------------------------------
-# One quantization: build what 05's train() builds (with its functions), then run grpo_step and split its time
+# One quantization: build what 05's train() builds (with its functions), then run one step of its loop and split its time
 
 
 def setup(args):
-    """Model, tokenizer, optimizer and the other inputs of grpo_step, made by 05's own functions."""
+    """Model, tokenizer, optimizer and task, made by 05's own functions."""
     device = str(common.pick_device(args.device))
-    task = grpo.make_task(args)
+    task = tasks.make_task(args, grpo.parser_defaults())
     model, tok, params, opt = grpo.build_policy(args, device)
     return dict(model=model, tok=tok, opt=opt, params=params, task=task)
+
+
+def one_step(args, s, step):
+    """One step of 05's train() loop, phase for phase -> its record (runs.step_record, which times the phases)."""
+    clock, model, tok, task = runs.StepClock(), s["model"], s["tok"], s["task"]
+    for group in s["opt"].param_groups:  # as 05's train() does before each step
+        group["lr"] = args.lr * grpo.lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
+    problems = task.problems(args.seed, step, args.batch)
+    prompts = [tok.encode(task.prompt(p)) for p in problems]
+    samples, _ = grpo.sample_groups(model, tok, prompts, step, grpo.step_sigma(args, step), seed=args.seed,
+                                    group=args.group, max_new_tokens=args.max_new_tokens,
+                                    temperature=args.temperature, compiled=args.compile, noise=args.aqn_noise)
+    clock.lap("sample")
+    rewards, correct = grpo.score(task, problems, samples.texts, args.group)
+    clock.lap("score")
+    mask = samples.completion_mask.float().clone()  # (N, T)
+    truncated = grpo.truncated_rows(samples.completion_ids, mask, tok.eos_token_ids)
+    report = grpo.policy_update(model, s["opt"], s["params"], samples.prompt_ids, samples.completion_ids.clone(),
+                                mask, samples.logprobs.float().clone(), rewards, **grpo.update_options(args))
+    return runs.step_record(step + 1, samples, mask, truncated, rewards, correct, report, clock)
 
 
 def measure(bench_args, train_argv):
@@ -60,10 +82,7 @@ def measure(bench_args, train_argv):
         runs[q] = (args, setup(args), [])
     for step in range(bench_args.warmup + bench_args.steps):
         for q, (args, s, rows) in runs.items():
-            for group in s["opt"].param_groups:  # as 05's train() does before each step
-                group["lr"] = args.lr * grpo.lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
-            rec = grpo.grpo_step(s["model"], s["tok"], s["opt"], s["params"], s["task"], step,
-                                 grpo.step_sigma(args, step), **grpo.step_options(args))
+            rec = one_step(args, s, step)
             if step >= bench_args.warmup:  # the step's own record times its phases (t_score: the rewards)
                 total, roll, rew = rec["s/step"], rec["t_sample"], rec["t_score"]
                 rows.append({"rollout": roll, "reward": rew, "update": total - roll - rew, "total": total,
@@ -93,7 +112,7 @@ def print_table(results, base):
 
 
 def build_parser():
-    p = common.ArgumentParser(description="Split one GRPO step (05_grpo.grpo_step) into rollout / reward / update "
+    p = common.ArgumentParser(description="Split one GRPO step (05_grpo's loop) into rollout / reward / update "
                               "per quantization (arguments after -- go to 05_grpo.py's parser)")
     p.add_argument("--quants", nargs="+", default=["none", "nf4", "nvfp4"], choices=quantize.QUANT_CHOICES)
     p.add_argument("--steps", type=common.number(int, 1), default=5, help="measured steps per quantization")

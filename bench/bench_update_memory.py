@@ -40,6 +40,7 @@ import torch.utils.checkpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+tasks = importlib.import_module("tasks")
 quantize = importlib.import_module("01_quantize")
 lora = importlib.import_module("02_lora")
 rollout = importlib.import_module("03_rollout")
@@ -255,7 +256,7 @@ class AlternatingRewards:
 def smoke(model_dir, flags):
     """05's train() with rewards 0, 1, 0, 1, ...; s/step from its lines, peak GPU memory per phase."""
     args = grpo.build_parser().parse_args(["--model", model_dir, *flags])
-    task = AlternatingRewards(grpo.make_task(args))
+    task = AlternatingRewards(tasks.make_task(args, grpo.parser_defaults()))
     grpo.train(args, task=task)
     if task.updating:
         task.peak("update")

@@ -42,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+tasks = importlib.import_module("tasks")
 
 TRL_VENV_HINT = ("python -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install torch==2.13.0 trl peft transformers "
                  "accelerate")
@@ -75,7 +76,7 @@ def ours_worker(job, result_file):
     args = grpo.build_parser().parse_args(grpo_flags(job) + [
         "--out", os.path.join(job["dir"], "ours"), "--time-budget", "0", "--save-every", "0", "--eval-every", "0",
         "--eval-k", "0"])
-    task = grpo.make_task(args)  # built with --eval-size: chat-arithmetic's training split depends on it
+    task = tasks.make_task(args, grpo.parser_defaults())  # built with --eval-size: chat-arithmetic's training split depends on it
     args.eval_size = 0  # no evaluation inside the run: the parent evaluates both sides with one evaluator
     # each step's record (metrics.jsonl) has its CPU seconds and the peak RSS so far: no hooks into 05 needed
     summary = grpo.train(args, task=task)
@@ -106,7 +107,7 @@ def trl_worker(job, result_file):
     from transformers.generation.utils import GenerationMixin
     grpo = load_grpo()  # for the task's reward and 05's LR schedule, not reimplemented here
     args = grpo.build_parser().parse_args(grpo_flags(job))
-    task = grpo.make_task(args)
+    task = tasks.make_task(args, grpo.parser_defaults())
 
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
     hf_ids = tokenizer(text=job["prompts"])["input_ids"]  # what TRL's _tokenize_prompts will feed generate
@@ -339,7 +340,7 @@ def main(argv=None):
            "dtype": args.dtype, "trl_dtype": args.trl_dtype}
     try:  # the parent's own model (the initial adapter, then one evaluator for both sides) is fp32
         g_args = grpo.build_parser().parse_args(grpo_flags(job) + ["--dtype", "float32"])
-        task = grpo.make_task(g_args)
+        task = tasks.make_task(g_args, grpo.parser_defaults())
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -259,7 +259,8 @@ STUDIES = {
 # Running: one subprocess per (method, seed), at most --parallel at a time
 
 
-CODE_FILES = ("common.py", "01_quantize.py", "02_lora.py", "03_rollout.py", "04_aqn.py", "05_grpo.py", "kernels")
+# what a run imports: the stages and the engine modules beneath them (every .py at the top), and the kernels
+CODE_FILES = (*sorted(f for f in os.listdir(ROOT) if f.endswith(".py")), "kernels")
 
 
 def code_hash(root, names=CODE_FILES, suffix=".py"):

@@ -32,6 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+tasks = importlib.import_module("tasks")
+memory = importlib.import_module("memory")
 grpo = importlib.import_module("05_grpo")
 
 SMOLLM2 = os.path.join(ROOT, "assets", "smollm2-135m-instruct")
@@ -118,14 +120,13 @@ def main(argv=None):
         args.out = scratch
         grpo.check_args(args, 1)
     device = str(common.pick_device(args.device))
-    task = grpo.make_task(args)
+    task = tasks.make_task(args, grpo.parser_defaults())
     model, tok, params, opt = grpo.build_policy(args, device)
-    opts = grpo.step_options(args)
+    opts = grpo.update_options(args)
     dtype = model.model.embed_tokens.weight.dtype
     print(f"model {os.path.basename(a.model)} | device {device} | dtype {str(dtype).replace('torch.', '')} | "
           f"threads {torch.get_num_threads()} | quant {args.quant} | B {args.batch} x G {args.group} | "
           f"max new tokens {args.max_new_tokens}")
-    grpo.grpo_step(model, tok, opt, params, task, 0, 1e-2, **opts)  # warm-up: first-call costs, allocator
 
     problems = task.problems(args.seed, 1, args.batch)
     prompts = [tok.encode(task.prompt(p)) for p in problems]
@@ -134,23 +135,23 @@ def main(argv=None):
     def sample():
         return grpo.sample_groups(model, tok, prompts, 1, sigma, group=args.group,
                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                                  compiled=args.compile)[0]
+                                  compiled=args.compile, noise=args.aqn_noise)[0]
 
-    samples = sample()
+    samples = sample()  # and a warm-up (first-call costs, the allocator), with update() below
     # rewards 0, 1, 0, 1, ...: every group has signal, so the update trains all B x G rows (a step's worst case,
     # and the same work whatever the samples scored)
     rewards = torch.arange(len(samples.prompt_ids)).remainder(2).float()
     mask = samples.completion_mask.float().clone()
-    update_kw = {k: v for k, v in opts.items() if k in ("loss_options", "update_options")}
 
     def update():
         grpo.policy_update(model, opt, params, samples.prompt_ids, samples.completion_ids.clone(), mask,
-                           samples.logprobs.float().clone(), rewards, group=args.group,
-                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, **update_kw)
+                           samples.logprobs.float().clone(), rewards, **opts)
+
+    update()
 
     steps = samples.stats["decode_steps_run"]
     rows = int((rewards.view(-1, args.group).std(1) > 0).sum()) * args.group
-    micro = grpo.micro_batch_rows(opts["update_options"].micro_batch, rows, model,
+    micro = memory.micro_batch_rows(opts["update_options"].micro_batch, rows, model,
                                   max(map(len, samples.prompt_ids)) + int(mask.sum(1).max()))
     n_micro = -(-rows // micro)
     t_sample, t_update = timed(sample, a.repeats), timed(update, a.repeats)

@@ -85,6 +85,25 @@ def test_none_kind_and_bad_settings():
         aqn.sigma_schedule(50, 50)
 
 
+def test_check_schedule_refuses_what_sigma_schedule_refuses_before_any_step():
+    assert aqn.check_schedule(600, 10, 1e-2, 5e-4, "exp") is None
+    assert aqn.check_schedule(1, 2, 1e-2, 5e-4, "none") is None
+    with pytest.raises(ValueError) as early:
+        aqn.check_schedule(50, 1, 1e-2, 5e-4, "exp")  # 05 accepts --num-stages 1; its run would fail at step 0
+    with pytest.raises(ValueError) as late:
+        aqn.sigma_schedule(0, 50, 1e-2, 5e-4, num_stages=1)
+    assert str(early.value) == str(late.value) and "\n" not in str(early.value)
+    assert str(early.value).startswith("AQN needs num_stages >= 2 (got 1): stage 0 is noise-free")
+    with pytest.raises(ValueError, match="num_stages >= 2"):
+        aqn.check_schedule(50, 1, 1e-2, 5e-4, "none")  # sigma_schedule reads the stage for kind none too
+    with pytest.raises(ValueError, match="total_steps >= 1"):
+        aqn.check_schedule(0, 10, 1e-2, 5e-4, "exp")
+    with pytest.raises(ValueError, match="sigma_end .* must be <= sigma_start"):
+        aqn.check_schedule(50, 10, 1e-3, 1e-2, "exp")
+    with pytest.raises(ValueError, match="unknown AQN kind"):
+        aqn.check_schedule(50, 10, 1e-2, 5e-4, "no-such-kind")
+
+
 def test_feedback_controller_is_bounded_and_moves_the_right_way():
     ctl = aqn.FeedbackSigma(target_entropy=0.2, sigma_init=1e-2, up=2.0, down=0.5, sigma_min=1e-3, sigma_max=4e-2)
     assert ctl.update(0.1) == pytest.approx(2e-2)  # entropy below target: more noise
@@ -133,6 +152,31 @@ def test_noise_changes_logits_and_hits_exactly_the_pre_norms():
     assert not torch.allclose(clean, noisy)
     assert all(torch.equal(before[n], inside[n]) for n in before)  # no weight is written, not even the gains
     assert not noises(model) and torch.equal(model(ids), clean)
+
+
+def test_noise_kinds_registry_holds_absolute_and_refuses_an_unknown_kind():
+    assert "absolute" in aqn.NOISES and all(callable(f) for f in aqn.NOISES.values())
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"unknown AQN noise kind 'relativ'; choose one of absolute"):
+        with aqn.aqn_noise(model, 1e-2, torch.Generator().manual_seed(0), kind="relativ"):
+            pass
+    assert not noises(model)
+
+
+def test_default_noise_kind_is_the_hand_written_gaussian_draw_bit_for_bit():
+    # Z = N(0, 1) * sigma in fp32, one draw per pre-norm in aqn_norms' order from the one generator
+    model, sigma = tiny_model(layers=3), 3e-2
+    gen = torch.Generator().manual_seed(11)
+    want = [torch.randn(64, generator=gen, dtype=torch.float32) * sigma for _ in range(6)]
+    after = torch.randn(5, generator=gen)  # the generator's state after the six draws
+    for kind in ({}, {"kind": "absolute"}):
+        gen = torch.Generator().manual_seed(11)
+        with aqn.aqn_noise(model, sigma, gen, **kind):
+            got = [m.noise.clone() for _, m in aqn.aqn_norms(model)]
+        assert all(g.dtype == torch.float32 and torch.equal(g, w) for g, w in zip(got, want)) and len(got) == 6
+        assert torch.equal(torch.randn(5, generator=gen), after)  # no draw more, none less
+    z = aqn.NOISES["absolute"](model.model.layers[0].input_layernorm.weight, sigma, torch.Generator().manual_seed(11))
+    assert z.shape == (64,) and z.dtype == torch.float32 and torch.equal(z, want[0])
 
 
 def test_noisy_norm_computes_w_plus_z_in_fp32():

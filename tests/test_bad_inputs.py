@@ -28,6 +28,9 @@ TINY = os.path.join(ROOT, "assets", "tiny-qwen")
 if ROOT not in sys.path:  # run as a script: `python tests/test_bad_inputs.py` prints the table
     sys.path.insert(0, ROOT)
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+tasks = importlib.import_module("tasks")
+runs = importlib.import_module("runs")
+checkpoints = importlib.import_module("checkpoints")
 quantize = importlib.import_module("01_quantize")
 STAGES = {n: importlib.import_module(n) for n in ("01_quantize", "02_lora", "03_rollout", "04_aqn", "05_grpo")}
 
@@ -506,7 +509,7 @@ def _state(tmp, change=None, folder="old", model=None, flags=()):
     ({model}), changed by change(state) -> state."""
     grpo = STAGES["05_grpo"]
     args = grpo.build_parser().parse_args(["--model", model or os.path.join(tmp, "model"), *flags])
-    state = {"step": 2, "args": vars(args), "run": grpo.run_record(args)}
+    state = {"step": 2, "args": vars(args), "run": checkpoints.run_record(args, grpo.lora.DEFAULT_TARGETS)}
     ckpt = os.path.join(tmp, folder, "checkpoint-000002")
     os.makedirs(ckpt, exist_ok=True)
     torch.save(change(state) if change else state, os.path.join(ckpt, "trainer_state.pt"))
@@ -608,7 +611,7 @@ def test_old_checkpoint_without_its_run_record_still_resumes(tmp_path, capsys):
     model_copy(str(tmp_path))
     ckpt = _state(str(tmp_path), lambda s: {k: v for k, v in s.items() if k != "run"})
     args = grpo.build_parser().parse_args(["--resume", ckpt])
-    assert grpo.resume_args(args)[0] == ckpt and args.model == str(tmp_path / "model")
+    assert checkpoints.resume_args(args, grpo.parser_defaults())[0] == ckpt and args.model == str(tmp_path / "model")
     assert "has no record of its model (an older checkpoint): not checked" in capsys.readouterr().out
 
 
@@ -622,7 +625,7 @@ def test_resume_takes_a_moved_model_given_again(tmp_path):
     with pytest.raises(ValueError, match=r"model is not there: pass --model"):
         grpo.resume_args(grpo.build_parser().parse_args(["--resume", ckpt]))
     args = grpo.build_parser().parse_args(["--resume", ckpt, "--model", str(tmp_path / "moved")])
-    assert grpo.resume_args(args)[0] == ckpt and args.model == str(tmp_path / "moved")
+    assert checkpoints.resume_args(args, grpo.parser_defaults())[0] == ckpt and args.model == str(tmp_path / "moved")
 
 
 @pytest.mark.parametrize("limit, file", [(100_000, "adapter_model.safetensors"), (1_000_000, "trainer_state.pt")])
@@ -696,19 +699,19 @@ def test_a_repeated_signal_within_a_second_is_the_same_request():
     """In a run, a stop signal asks for a stop at the step's end; the same again within REPEAT_S (torchrun
     passing on what the ranks already got) changes nothing; later, it stops at once. A single process
     (repeat_s 0) stops at a second signal however quick."""
-    grpo, before = STAGES["05_grpo"], signal.getsignal(signal.SIGTERM)
-    with grpo.StopAtStepEnd(grpo.StopAtStepEnd.REPEAT_S) as stop:  # as under torchrun
+    before = signal.getsignal(signal.SIGTERM)
+    with runs.StopAtStepEnd(runs.StopAtStepEnd.REPEAT_S) as stop:  # as under torchrun
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)  # the handler runs between two bytecodes of this thread
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
         assert stop.requested() == signal.SIGTERM
-        time.sleep(grpo.StopAtStepEnd.REPEAT_S)
+        time.sleep(runs.StopAtStepEnd.REPEAT_S)
         with pytest.raises(common.Interrupted) as stopped:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
     assert stopped.value.signum == signal.SIGTERM
-    with pytest.raises(common.Interrupted), grpo.StopAtStepEnd() as stop:
+    with pytest.raises(common.Interrupted), runs.StopAtStepEnd() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)
@@ -868,23 +871,6 @@ CASES_LIMITS = [
 ]
 
 
-def test_gold_answers_read_as_the_scorer_reads_numbers(tmp_path, capsys):
-    """1e5, 1/2 and a Unicode minus are the numbers they say (scored as 100000, 0.5, -7, not 5, 2, 7); a
-    byte-order mark on a line is not a malformed line."""
-    grpo = STAGES["05_grpo"]
-    path = str(tmp_path / "d.jsonl")
-    write(path, "\ufeff" + "".join(json.dumps({"question": f"q{i}", "answer": f"#### {gold}"}) + "\n"
-                                   for i, gold in enumerate(["1e5", "1/2", "\u22127", "1,200", "-3.5"])))
-    rows = grpo.load_jsonl(path)
-    assert [r["answer"] for r in rows] == ["100000", "0.5", "-7", "1200", "-3.5"]
-    assert "skipped" not in capsys.readouterr().out  # the BOM line is line 1, read
-    assert grpo.reward_fn("<think>.</think><answer>100000</answer>", rows[0]["answer"]) == pytest.approx(1.1)
-    assert grpo.reward_fn("<think>.</think><answer>5</answer>", rows[0]["answer"]) == pytest.approx(0.1)
-    assert grpo.answer_correct("<answer>0.5</answer>", rows[1]["answer"])
-    assert grpo.answer_correct("<answer>-7</answer>", rows[2]["answer"])
-    assert not grpo.answer_correct("<answer>7</answer>", rows[2]["answer"])
-
-
 def _fake_model(folder, config):  # a model folder check_sizes reads: config.json, an index, the tiny tokenizer
     os.makedirs(folder)
     shutil.copy(os.path.join(TINY, "tokenizer.json"), folder)
@@ -911,7 +897,7 @@ def test_memory_estimates_pass_the_documented_runs_and_refuse_the_rest(tmp_path,
     _fake_model(qwen, QWEN7B)
     args = grpo.build_parser().parse_args(["--model", smol, "--task", "chat-arithmetic", "--batch", "4", "--group", "8",
                                            "--max-new-tokens", "48", "--eval-size", "200", "--eval-k", "0"])
-    grpo.check_sizes(args, grpo.make_task(args), 1, "cpu")
+    grpo.check_sizes(args, tasks.make_task(args, grpo.parser_defaults()), 1, "cpu")
     assert 1 * 2 ** 30 < asked[-1][0] < 16 * 2 ** 30, asked
     _jsonl(str(tmp_path / "gsm8k.jsonl"), [{"question": "Natalia sold clips to 48 of her friends in April, and then she "
                                             "sold half as many clips in May. " * 3 + str(i), "answer": f"#### {i}"}
@@ -920,10 +906,10 @@ def test_memory_estimates_pass_the_documented_runs_and_refuse_the_rest(tmp_path,
         "--model", qwen, "--task", "gsm8k", "--data", str(tmp_path / "gsm8k.jsonl"), "--quant", "nvfp4", "--dtype",
         "bfloat16", "--batch", "16", "--group", "8", "--mu", "4", "--lora-r", "32", "--max-new-tokens", "4096",
         "--eval-size", "500", "--eval-k", "4", "--eval-chunk", "128", "--micro-batch", "8", "--grad-checkpoint"])
-    grpo.check_sizes(args, grpo.make_task(args), 1, "cuda")
+    grpo.check_sizes(args, tasks.make_task(args, grpo.parser_defaults()), 1, "cuda")
     assert 20 * 2 ** 30 < asked[-1][0] < 139 * 2 ** 30, asked
     args.grad_checkpoint, args.micro_batch = False, 0  # all 128 rows' activations at once: no GPU holds that
-    grpo.check_sizes(args, grpo.make_task(args), 1, "cuda")
+    grpo.check_sizes(args, tasks.make_task(args, grpo.parser_defaults()), 1, "cuda")
     assert asked[-1][0] > 1000 * 2 ** 30 and "mostly the update" in asked[-1][1], asked
     cfg = rollout.ModelConfig.from_dict(SMOLLM2)
     assert 23 * 2 ** 30 < rollout.generate_memory(cfg, 64, 40, 8000, 4) < 26 * 2 ** 30
@@ -1011,33 +997,31 @@ def test_resume_keeps_the_runs_own_runtime_flags(tmp_path):
                                                  "--lr", "0.5", "--out", str(tmp_path / "run")]))
     torch.save({"step": 2, "args": saved}, ckpt / "trainer_state.pt")
     args = grpo.build_parser().parse_args(["--resume", str(tmp_path / "run")])
-    assert grpo.resume_args(args)[0] == str(ckpt)
+    assert checkpoints.resume_args(args, grpo.parser_defaults())[0] == str(ckpt)
     assert (args.save_every, args.time_budget, args.eval_every, args.lr) == (7, 0, 3, 0.5)
     args = grpo.build_parser().parse_args(["--resume", str(ckpt), "--save-every", "5", "--lr", "0.1"])
-    grpo.resume_args(args)
+    checkpoints.resume_args(args, grpo.parser_defaults())
     assert (args.save_every, args.lr) == (5, 0.5)  # a runtime flag given wins; a hyper-parameter does not
 
 
 def test_damaged_metrics_line(tmp_path, capsys):
     """metrics.jsonl cut off mid-line (a kill): the cut row goes, with a note; a bad line before the last is
     an error naming the file and the line."""
-    grpo = STAGES["05_grpo"]
     path = str(tmp_path / "metrics.jsonl")
     write(path, '{"step": 1}\n{"eval": {"step": 2}}\n{"step": 2}\n{"step": 3, "rew')
-    assert grpo.read_metrics(path, 2) == [{"step": 1}, {"eval": {"step": 2}}, {"step": 2}]
+    assert runs.read_metrics(path, 2) == [{"step": 1}, {"eval": {"step": 2}}, {"step": 2}]
     assert "metrics.jsonl line 4 was cut off mid-write: dropped" in capsys.readouterr().out
     write(path, '{"step": 1}\n{"st\n{"step": 2}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl line 2 is not JSON: the run log is damaged"):
-        grpo.read_metrics(path, 2)
+        runs.read_metrics(path, 2)
 
 
 def test_library_entry_points_raise_value_errors():
     """What a forker calls with bad values: a ValueError with a sentence, not an IndexError or a hang."""
-    grpo = STAGES["05_grpo"]
     with pytest.raises(ValueError, match="has only 200 distinct ones"):
-        grpo.arithmetic_problems(201, 0, digits=1, nops=1)
+        tasks.arithmetic_problems(201, 0, digits=1, nops=1)
     with pytest.raises(ValueError, match="makes only 4000 distinct problems"):
-        grpo.ArithmeticTask(digits=1, nops=2, eval_size=2001)
+        tasks.ArithmeticTask(digits=1, nops=2, eval_size=2001)
     with pytest.raises(argparse.ArgumentTypeError, match="need >= 1"):
         common.number(int, 1)("0")
 

@@ -20,6 +20,7 @@ if ROOT not in sys.path:  # when torchrun runs this file as the worker
     sys.path.insert(0, ROOT)
 
 grpo = importlib.import_module("05_grpo")
+import distributed  # noqa: E402  (the engine module beneath 05)
 rollout = importlib.import_module("03_rollout")
 lora = importlib.import_module("02_lora")
 
@@ -76,7 +77,7 @@ def run_case(name, flags, optimizer, rows, rank=0, world=1):
                                            *flags])
     opt = torch.optim.SGD(params, lr=0.5) if optimizer == "sgd" else torch.optim.AdamW(params, lr=1e-2)
     n_groups = rows["ids"].shape[0] // G
-    mine = grpo.shard(list(range(n_groups)), rank, world)
+    mine = distributed.shard(list(range(n_groups)), rank, world)
     r = [g * G + j for g in mine for j in range(G)]
     report = grpo.policy_update(model, opt, params, [rows["prompt_ids"][i] for i in r], rows["ids"][r],
                                 rows["mask"][r], rows["old_logp"][r], rows["rewards"][r], **grpo.update_options(args))
@@ -84,11 +85,11 @@ def run_case(name, flags, optimizer, rows, rank=0, world=1):
 
 
 def worker(case_file, out_dir):
-    rank, world, _ = grpo.init_distributed("cpu")
+    rank, world, _ = distributed.init("cpu")
     cases = torch.load(case_file, weights_only=True)
     results = {name: run_case(name, flags, optimizer, rows, rank, world) for name, flags, optimizer, rows in cases}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    grpo.leave_distributed()
+    distributed.leave()
 
 
 def torchrun(*argv, nproc=2, timeout=180):
@@ -183,13 +184,13 @@ def test_a_signal_under_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(
 def test_shards_are_whole_contiguous_and_balanced():
     items = list(range(7))
     for world in (1, 2, 3, 7):
-        parts = [grpo.shard(items, r, world) for r in range(world)]
+        parts = [distributed.shard(items, r, world) for r in range(world)]
         assert sum(parts, []) == items  # every group once, in order
         assert max(map(len, parts)) - min(map(len, parts)) <= 1
 
 
 def test_fewer_prompts_than_ranks_is_one_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(grpo, "init_distributed", lambda device: (0, 4, "cpu"))  # as if torchrun started 4
+    monkeypatch.setattr(distributed, "init", lambda device: (0, 4, "cpu"))  # as if torchrun started 4
     args = grpo.build_parser().parse_args(["--batch", "2", "--out", str(tmp_path / "o")])
     with pytest.raises(ValueError, match=r"--batch 2 is smaller than the number of ranks \(4\)"):
         grpo.train(args)

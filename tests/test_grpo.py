@@ -1,5 +1,6 @@
 """Stage 05: the task, its registry and the reward, advantages, loss aggregations, clipping and LossOptions,
 evaluation counts, data loading, and short GRPO runs on the bundled tiny model (smoke, exact resume, bad input)."""
+import functools
 import importlib
 import json
 import math
@@ -12,88 +13,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checkpoints  # the engine modules beneath 05 (conftest puts the repository on sys.path)
+import memory
+import runs
+import tasks
+
 grpo = importlib.import_module("05_grpo")
 rollout = importlib.import_module("03_rollout")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # -----------------------------------------------------------------------------
-# Task and reward
-
-
-def test_problem_is_worked_left_to_right():
-    import random
-    p = grpo.make_problem(random.Random(3), digits=3, nops=2)
-    a, op1, b, op2, c = [int(x) if x.isdigit() else x for x in
-                         p["question"][:-2].replace("+", " + ").replace("-", " - ").split()]
-    want = (a + b if op1 == "+" else a - b)
-    want = want + c if op2 == "+" else want - c
-    assert p["answer"] == str(want)
-    assert p["solution"].endswith(f"<answer>{want}</answer>") and p["solution"].startswith("<think>")
-    assert grpo.reward_fn(p["solution"], p["answer"]) == pytest.approx(1.1)
-
-
-@pytest.mark.parametrize("text, gold, want", [
-    ("<think>1+2=3</think><answer>3</answer>", "3", 1.1),          # correct and well formed
-    ("<think>1+2=3</think><answer>3</answer><|im_end|>", "3", 1.1),  # a decoded stop token is ignored
-    ("<think>1+2=4</think><answer>4</answer>", "3", 0.1),          # wrong, but the format is right
-    ("<think>x</think> <answer> 1,200 </answer>\n", "1200", 1.1),   # commas and whitespace
-    ("<answer>7</answer>", "7", 1.0),                               # right answer, no think block
-    ("<think>a</think><answer>5</answer> and more", "5", 1.0),      # trailing junk costs the format
-    ("<think>a</think><answer>1</answer><answer>2</answer>", "2", 1.0),  # the last answer counts
-    ("<think>a</think><answer>12.50</answer>", "12.5", 1.1),        # exact decimal comparison
-    ("<think>a</think><answer>abc</answer>", "3", 0.0),             # no number: not even format
-    ("<think>unfinished <answer>3", "3", 0.0),                      # truncated
-    ("", "3", 0.0),
-    (None, "3", 0.0),
-    ("<think></think><answer>-538</answer>", "-538", 1.1),          # negative numbers
-    ("<think></think><answer>538</answer>", "-538", 0.1),
-])
-def test_reward(text, gold, want):
-    assert grpo.reward_fn(text, gold) == pytest.approx(want)
-
-
-@pytest.mark.parametrize("text, want", [
-    ("<think>1+2=3</think><answer>3</answer>", True),
-    (" <think>a</think>\n<answer> -4.5 </answer> <|im_end|>", True),  # whitespace, a decoded stop token
-    ("<think></think><answer>0</answer>", True),                # an empty think block is still the format
-    ("<answer>3</answer>", False),                              # no think block
-    ("<think>a</think><answer>3</answer>tail", False),          # text after the answer
-    ("<think>a</think><think>b</think><answer>3</answer>", False),  # two think blocks
-    ("<answer>3</answer><think>a</think>", False),              # wrong order
-    ("<think>a</think><answer>three</answer>", False),          # no number in the answer
-    ("<think>a <answer>3</answer>", False),                     # unclosed think
-    ("", False),
-    (None, False),
-])
-def test_format_ok(text, want):
-    assert grpo.format_ok(text) is want
-    # the reward's format bonus is exactly format_ok (gold "7" is never right here)
-    assert grpo.reward_fn(text, "7") == pytest.approx(0.1 if want else 0.0)
-
-
-def test_splits_exclude_eval_and_are_pure_functions_of_seed_and_step():
-    pool = {p["question"] for p in grpo.arithmetic_problems(grpo.EVAL_POOL, grpo.EVAL_SEED)}
-    exclude = frozenset(list(pool)[:50])
-    task = grpo.ArithmeticTask()
-    task.exclude = exclude
-    b1 = task.problems(1, 5, 16)
-    assert b1 == task.problems(1, 5, 16)  # same (seed, step) -> same problems
-    assert b1 != task.problems(1, 6, 16)
-    assert not {p["question"] for p in b1} & exclude
-    # a forced collision: with an exclusion set holding the stream's first problems they are skipped
-    import random
-    first = grpo.make_problem(random.Random(1 * 1_000_003 + 0))["question"]
-    task.exclude = frozenset([first])
-    assert first not in {p["question"] for p in task.problems(1, 0, 4)}
-    # the eval set is a prefix of the held-out stream, so --eval-size 200 is part of --eval-size 500
-    assert grpo.arithmetic_problems(20, grpo.EVAL_SEED) == grpo.arithmetic_problems(50, grpo.EVAL_SEED)[:20]
-    # training skips the whole held-out pool, not just the part that is evaluated
-    task = grpo.make_task(parse("--eval-size", "300"))
-    assert len(task.held) == 300 and task.exclude == pool
-
-# -----------------------------------------------------------------------------
-# Data
+# The task flags (the tasks themselves: tests/test_tasks.py)
 
 
 def write_jsonl(path, rows):
@@ -101,51 +32,12 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-def test_gsm8k_loader(tmp_path, capsys):
-    path = write_jsonl(tmp_path / "train.jsonl", [
-        {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7"},
-        "this is not json\n",
-        {"question": "Big", "answer": "lots of work #### 1,200"},
-        {"question": "no gold", "answer": "forgot the marker"},
-        "\n",
-        {"question": "Neg", "answer": "#### -3.5"},
-        {"answer": "#### 1"},
-    ])
-    rows = grpo.load_jsonl(path)
-    assert rows == [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "7", "where": f"{path}:1"},
-                    {"question": "Big", "answer": "1200", "where": f"{path}:3"},
-                    {"question": "Neg", "answer": "-3.5", "where": f"{path}:6"}]  # where: its file line, for errors
-    out = capsys.readouterr().out
-    assert "skipped 3 malformed line(s) (first at line 2)" in out
-    assert grpo.reward_fn("<think>..</think><answer>1,200</answer>", rows[1]["answer"]) == pytest.approx(1.1)
-
-    with pytest.raises(FileNotFoundError, match="not found"):
-        grpo.load_jsonl(str(tmp_path / "missing.jsonl"))
-    (tmp_path / "empty.jsonl").write_text("")
-    with pytest.raises(ValueError, match="no usable problems"):
-        grpo.load_jsonl(str(tmp_path / "empty.jsonl"))
-
-
-def test_jsonl_splits_hold_out_eval(tmp_path):
-    rows = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(20)]
-    args = grpo.build_parser().parse_args(["--task", "gsm8k", "--data", write_jsonl(tmp_path / "d.jsonl", rows),
-                                           "--eval-size", "5"])
-    task = grpo.make_task(args)
-    assert isinstance(task, grpo.JsonlTask) and task.system is False  # --system auto: the bundled model's is bare
-    train, held = task.train, task.held
-    assert len(held) == 5 and len(train) == 15 and not hasattr(task, "exclude")  # a file's split is disjoint
-    assert not {p["question"] for p in held} & {p["question"] for p in train}
-    # every training problem is visited once per epoch, in a seeded order
-    seen = [p["question"] for s in range(5) for p in task.problems(0, s, 3)]
-    assert sorted(seen) == sorted(p["question"] for p in train)
-
-
 def test_task_registry_and_its_flags(tmp_path, monkeypatch, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(8)])
-    assert set(grpo.TASKS) == {"arithmetic", "gsm8k", "chat-arithmetic"} and parse().task == "arithmetic"  # the default
-    arith = grpo.make_task(parse("--digits", "2", "--nops", "1", "--eval-size", "7"))
-    assert type(arith) is grpo.ArithmeticTask and (arith.digits, arith.nops, len(arith.held)) == (2, 1, 7)
-    assert type(grpo.make_task(parse("--task", "gsm8k", "--data", data))) is grpo.JsonlTask
+    assert {"arithmetic", "gsm8k", "chat-arithmetic"} <= set(tasks.TASKS) and parse().task == "arithmetic"  # the default
+    arith = tasks.make_task(parse("--digits", "2", "--nops", "1", "--eval-size", "7"), grpo.parser_defaults())
+    assert type(arith) is tasks.ArithmeticTask and (arith.digits, arith.nops, len(arith.held)) == (2, 1, 7)
+    assert type(tasks.make_task(parse("--task", "gsm8k", "--data", data), grpo.parser_defaults())) is tasks.JsonlTask
     # --task's choices are the registry: an unknown name is argparse's error, and make_task's without the parser
     with pytest.raises(SystemExit):
         parse("--task", "mnist")
@@ -153,7 +45,7 @@ def test_task_registry_and_its_flags(tmp_path, monkeypatch, capsys):
     args = parse()
     args.task = "mnist"
     with pytest.raises(ValueError, match=r"unknown task 'mnist': choose one of arithmetic, gsm8k"):
-        grpo.make_task(args)
+        tasks.make_task(args, grpo.parser_defaults())
     # --data belongs to gsm8k, and gsm8k needs it: each a one-line error from train, before the model loads
     with pytest.raises(ValueError, match=r"^--data is the file of --task gsm8k, but the task is arithmetic: add "
                                          r"--task gsm8k to train on '\S+d.jsonl', or drop --data$"):
@@ -166,12 +58,12 @@ def test_task_registry_and_its_flags(tmp_path, monkeypatch, capsys):
     lines = [line for line in r.stderr.splitlines() if line]
     assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: --data is the file of --task gsm8k")
     # a forker's task: one registry entry, and --task offers it (its flags read in from_args)
-    class Sum(grpo.ArithmeticTask):
+    class Sum(tasks.ArithmeticTask):
         @classmethod
         def from_args(cls, args, system):
             return cls(digits=2, nops=1, eval_size=args.eval_size, system=system)
-    monkeypatch.setitem(grpo.TASKS, "sum", Sum)
-    task = grpo.make_task(parse("--task", "sum", "--eval-size", "3"))
+    monkeypatch.setitem(tasks.TASKS, "sum", Sum)
+    task = tasks.make_task(parse("--task", "sum", "--eval-size", "3"), grpo.parser_defaults())
     assert type(task) is Sum and len(task.held) == 3 and (task.digits, task.nops) == (2, 1)
 
 # -----------------------------------------------------------------------------
@@ -302,7 +194,7 @@ def test_evaluate_counts(monkeypatch):
                                torch.zeros(n, 1), torch.zeros(n, 1), texts)
 
     monkeypatch.setattr(grpo.rollout, "generate", fake_generate)
-    res = grpo.evaluate(torch.nn.Linear(1, 1), Tok(), grpo.ArithmeticTask(eval_size=0), problems, 8, k=4)
+    res = grpo.evaluate(torch.nn.Linear(1, 1), Tok(), tasks.ArithmeticTask(eval_size=0), problems, 8, k=4)
     assert res["n"] == 3 and res["greedy_correct"] == 2 and res["greedy"] == pytest.approx(2 / 3)
     assert res["sample_correct"] == 5 and res["pass@1"] == pytest.approx(5 / 12)
     assert res["pass_k_correct"] == 2 and res["pass@4"] == pytest.approx(2 / 3)
@@ -318,7 +210,7 @@ def test_merged_sampling_weights_compute_the_same_function():
     with torch.no_grad():
         for p in grpo.lora.lora_parameters(model):  # a trained-looking adapter: B != 0
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    ids = torch.tensor([tok.encode(grpo.ArithmeticTask(eval_size=0).prompt({"question": "12+3-4=?"}))])  # (1, T)
+    ids = torch.tensor([tok.encode(tasks.ArithmeticTask(eval_size=0).prompt({"question": "12+3-4=?"}))])  # (1, T)
     want = model(ids)  # (1, T, V)
     with grpo.merged_sampling_weights(model):
         got = model(ids)
@@ -336,7 +228,7 @@ def test_lora_sampler_merged_unmerged_and_compiled_draw_the_same_samples():
     with torch.no_grad():
         for p in grpo.lora.lora_parameters(model):  # a trained-looking adapter: B != 0
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
-    prompts = [tok.encode(grpo.ArithmeticTask(eval_size=0).prompt({"question": q})) for q in ("12+3-4=?", "7*8=?")]
+    prompts = [tok.encode(tasks.ArithmeticTask(eval_size=0).prompt({"question": q})) for q in ("12+3-4=?", "7*8=?")]
     kw = dict(num_samples=2, max_new_tokens=12, temperature=1.0, eos_token_ids=tok.eos_token_ids)
     with torch.inference_mode():
         plain = rollout.generate(model, prompts, generator=torch.Generator().manual_seed(3), **kw)
@@ -449,9 +341,15 @@ def test_train_norms_first_adam_step_by_hand():
         pre = [n for _, n in grpo.aqn.aqn_norms(model)]
         before = [n.weight.detach().clone() for n in pre]
         final = model.model.norm.weight.detach().clone()
-        rec = grpo.grpo_step(model, tok, opt, params, grpo.ArithmeticTask(eval_size=0), 0, 0.0,
-                             **grpo.step_options(args))
-        assert rec["frac_zero_std"] < 1  # some group had signal: an update was taken
+        task = tasks.ArithmeticTask(eval_size=0)
+        problems = task.problems(args.seed, 0, args.batch)
+        samples, _ = grpo.sample_groups(model, tok, [tok.encode(task.prompt(p)) for p in problems], 0, 0.0,
+                                        group=args.group, max_new_tokens=args.max_new_tokens, seed=args.seed)
+        rewards, _ = grpo.score(task, problems, samples.texts, args.group)
+        report = grpo.policy_update(model, opt, params, samples.prompt_ids, samples.completion_ids.clone(),
+                                    samples.completion_mask.float().clone(), samples.logprobs.float().clone(),
+                                    rewards, **grpo.update_options(args))
+        assert report["kept_rows"] > 0 and not report["skipped"]  # some group had signal: an update was taken
         moves[bool(flag)] = torch.cat([n.weight.detach().float() - b.float() for n, b in zip(pre, before)])
         assert torch.equal(model.model.norm.weight.detach(), final)
         if flag:
@@ -486,7 +384,7 @@ def test_mask_truncated_update_by_hand(monkeypatch):
             policy.theta.zero_()
         opt = torch.optim.SGD([policy.theta], lr=1.0)
         args = parse("--group", "2", "--max-new-tokens", "3", "--grad-clip", "1e9", *(["--mask-truncated"] * masked))
-        loss_mask = mask * (~trunc).float()[:, None] if args.mask_truncated else mask  # as grpo_step does
+        loss_mask = mask * (~trunc).float()[:, None] if args.mask_truncated else mask  # as train's loop does
         grpo.policy_update(policy, opt, [policy.theta], [[5]] * 4, ids, loss_mask, torch.zeros(4, 3),
                            torch.tensor([1.0, 0.0, 1.0, 0.0]), **grpo.update_options(args))
         got[masked] = policy.theta.detach().clone()
@@ -607,7 +505,7 @@ def test_micro_batches_give_the_same_update(lora_policy, agg, beta, monkeypatch)
     monkeypatch.setattr(rollout, "LOGITS_CHUNK_BYTES", 4 * model.config.vocab_size * 6)  # 6 tokens per chunk
     batch = update_batch(model.config.vocab_size)
     results = []
-    monkeypatch.setattr(grpo, "UPDATE_MEMORY_CPU", 1)  # --micro-batch auto with no room: one row at a time
+    monkeypatch.setattr(memory, "UPDATE_MEMORY_CPU", 1)  # --micro-batch auto with no room: one row at a time
     for mb, ckpt in ((0, False), (1, False), (3, False), (3, True), ("auto", False)):
         with torch.no_grad():
             for p, p0 in zip(params, start):
@@ -635,16 +533,16 @@ def test_micro_batches_give_the_same_update(lora_policy, agg, beta, monkeypatch)
 
 def test_micro_batch_auto_takes_as_many_rows_as_the_memory_budget_holds(lora_policy, monkeypatch):
     model = lora_policy[0]
-    per_row = grpo.update_bytes_per_row(model.config, 20, 4, False)  # fp32 activations, rows of 20 tokens
-    monkeypatch.setattr(grpo, "UPDATE_MEMORY_CPU", 3.5 * per_row)
-    assert grpo.micro_batch_rows("auto", 8, model, 20) == 3
-    assert grpo.micro_batch_rows("auto", 2, model, 20) == 2  # everything fits: all rows at once
-    assert grpo.micro_batch_rows("auto", 8, model, 80) == 1  # longer rows: fewer fit, never fewer than 1
-    assert grpo.micro_batch_rows("auto", 1, model, 0) == 1  # a rank whose groups all lack signal: no rows, no T
-    assert [grpo.micro_batch_rows(n, 8, model, 20) for n in (0, 5, 12)] == [8, 5, 8]  # explicit sizes as given
+    per_row = memory.update_bytes_per_row(model.config, 20, 4, False)  # fp32 activations, rows of 20 tokens
+    monkeypatch.setattr(memory, "UPDATE_MEMORY_CPU", 3.5 * per_row)
+    assert memory.micro_batch_rows("auto", 8, model, 20) == 3
+    assert memory.micro_batch_rows("auto", 2, model, 20) == 2  # everything fits: all rows at once
+    assert memory.micro_batch_rows("auto", 8, model, 80) == 1  # longer rows: fewer fit, never fewer than 1
+    assert memory.micro_batch_rows("auto", 1, model, 0) == 1  # a rank whose groups all lack signal: no rows, no T
+    assert [memory.micro_batch_rows(n, 8, model, 20) for n in (0, 5, 12)] == [8, 5, 8]  # explicit sizes as given
     model.grad_checkpoint = True  # a checkpointed layer keeps only its input: more rows fit
     try:
-        assert grpo.micro_batch_rows("auto", 8, model, 20) > 3
+        assert memory.micro_batch_rows("auto", 8, model, 20) > 3
     finally:
         model.grad_checkpoint = False
     assert parse().micro_batch == "auto" and parse("--micro-batch", 4).micro_batch == 4
@@ -840,7 +738,7 @@ def test_gpu_code_path_runs_two_steps(tmp_path, monkeypatch):
     monkeypatch.setattr(grpo, "merged_sampling_weights", lambda m, enabled=True: merged.append(enabled) or
                         real_merged(m, enabled))
     rewards = iter([1.1, 0.0, 0.1, 1.0] * 2)  # every group has signal, so both steps update
-    monkeypatch.setattr(grpo, "reward_fn", lambda text, gold: next(rewards))
+    monkeypatch.setattr(tasks.AnswerTask, "reward", lambda self, problem, text: next(rewards))
     out = tmp_path / "gpu-path"
     grpo.train(grpo.build_parser().parse_args([
         "--model", random_model_folder(tmp_path / "model"), "--lora-r", "4",
@@ -873,7 +771,8 @@ def test_truncated_safetensors_is_one_clear_line(tmp_path):
     # a checkpoint whose adapter file was cut short: --resume names the file and a tensor
     args = tiny_args(tmp_path / "run", "--eval-size", "0")
     model, tok, params, opt = grpo.build_policy(args, "cpu")
-    ckpt = grpo.save_checkpoint(str(tmp_path / "run"), 1, model, opt, params, args)
+    ckpt = checkpoints.save_checkpoint(str(tmp_path / "run"), 1, opt, params, args,
+                                       functools.partial(grpo.lora.save_adapter, model), grpo.lora.DEFAULT_TARGETS)
     adapter = os.path.join(ckpt, "adapter_model.safetensors")
     data = open(adapter, "rb").read()
     open(adapter, "wb").write(data[:-8])
@@ -902,7 +801,7 @@ class SumTask:
         return rollout.chat_prompt(problem["question"])
 
     def correct(self, problem, completion):
-        return grpo.extract_answer(completion) == sum(problem["operands"])
+        return tasks.extract_answer(completion) == sum(problem["operands"])
 
     def reward(self, problem, completion):
         self.calls.append(problem)
@@ -923,8 +822,8 @@ def test_a_new_task_trains_through_the_interface_alone(tmp_path):
 
 
 def test_steps_without_signal_are_reported(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(grpo, "reward_fn", lambda text, gold: 0.0)  # every group's rewards are equal
-    monkeypatch.setattr(grpo.RunLog, "NO_SIGNAL_STEPS", 2)
+    monkeypatch.setattr(tasks.AnswerTask, "reward", lambda self, problem, text: 0.0)  # every group's rewards are equal
+    monkeypatch.setattr(runs.RunLog, "NO_SIGNAL_STEPS", 2)
     args = tiny_args(tmp_path / "flat", "--steps", "3", "--eval-size", "0")
     args.quiet = False
     grpo.train(args)
@@ -936,22 +835,73 @@ def test_steps_without_signal_are_reported(tmp_path, monkeypatch, capsys):
     assert all(r["frac_zero_std"] == 1 and r["loss"] == 0 for r in step_rows(tmp_path / "flat")[0])
 
 
-def test_chat_arithmetic_task_for_a_real_instruct_model(tmp_path):
-    folder = tmp_path / "m"
-    folder.mkdir()
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
-        "{{ '<|im_start|>system\\nYou are SmolLM.<|im_end|>\\n' }}{% for m in messages %}...{% endfor %}")}))
-    args = grpo.build_parser().parse_args(["--task", "chat-arithmetic", "--model", str(folder), "--eval-size", "200"])
-    task = grpo.TASKS["chat-arithmetic"].from_args(args, system=True)
-    assert len(task.held) == 200 and len(task.train) == 803
-    assert not {p["question"] for p in task.held} & {p["question"] for p in task.train}  # held out never trains
-    p = {"question": "What is 13 - 4?", "answer": "9"}
-    assert task.prompt(p) == ("<|im_start|>system\nYou are SmolLM.<|im_end|>\n<|im_start|>user\nWhat is 13 - 4?"
-                              "<|im_end|>\n<|im_start|>assistant\n")
-    assert task.reward(p, "13 - 4 = 9.<|im_end|>") == 1.0 and task.correct(p, "The answer is 9")
-    assert task.reward(p, "13 - 4 is 9, and 9 + 1 = 10") == 0.0 and task.reward(p, "nine") == 0.0
-    assert task.problems(0, 5, 16) == task.problems(0, 5, 16) != task.problems(0, 6, 16)
-    assert all(q in task.train for q in task.problems(3, 1, 16))
-    with pytest.raises(ValueError, match="chat-arithmetic has 1003 problems: --eval-size must be 0..501"):
-        grpo.ChatArithmeticTask(eval_size=600)
-    assert len(grpo.ChatArithmeticTask(eval_size=0).train) == 1003  # --eval-size 0: no evaluation, all train
+
+# -----------------------------------------------------------------------------
+# The seams a fork uses: a pi_old reading, a logged statistic, the flags a run reads
+
+
+def test_a_new_pi_old_reading_is_one_registry_entry(lora_policy, monkeypatch):
+    """A reading added to PI_OLD alone is offered by --pi-old and acts: its per-token weight scales the
+    surrogate, so a weight of 2 moves the adapter by exactly twice the plain reading's SGD step."""
+    model, params, start = lora_policy
+    batch = update_batch(model.config.vocab_size)
+    double = grpo.PiOld("the trainer's pi_old, each token's surrogate weighted twice",
+                        lambda current, sampler, before: (current, torch.full_like(current, 2.0)))
+    monkeypatch.setitem(grpo.PI_OLD, "double", double)
+    moved = {}
+    for name in ("trainer", "double"):
+        with torch.no_grad():
+            for p, p0 in zip(params, start):
+                p.copy_(p0)
+        args = parse("--group", 4, "--max-new-tokens", 9, "--grad-clip", 1e9, "--pi-old", name)
+        assert args.pi_old == name  # the parser's choices are the registry
+        grpo.policy_update(model, torch.optim.SGD(params, lr=0.2), params, *batch, **grpo.update_options(args))
+        moved[name] = torch.cat([(p.detach() - p0).reshape(-1) for p, p0 in zip(params, start)])
+    assert moved["trainer"].abs().max() > 0
+    torch.testing.assert_close(moved["double"], 2 * moved["trainer"], rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        for p, p0 in zip(params, start):
+            p.copy_(p0)
+
+
+def test_a_new_loss_statistic_reaches_the_log_by_name(tmp_path, monkeypatch):
+    """A statistic added in grpo_loss's dict alone reaches metrics.jsonl: a token mean of a constant is the
+    constant, and one named in MAX_STATS is the maximum over micro-batches."""
+    real = grpo.grpo_loss
+
+    def with_more(*a, **kw):
+        loss, stats = real(*a, **kw)
+        return loss, {**stats, "answer_const": 0.5, "max_tokens": float(a[3].sum())}
+
+    monkeypatch.setattr(grpo, "grpo_loss", with_more)
+    monkeypatch.setitem(grpo.MAX_STATS, "max_tokens", 0.0)
+    out = tmp_path / "stats"
+    grpo.train(tiny_args(out, "--steps", "2", "--eval-size", "0", "--micro-batch", "2"))
+    steps, _ = step_rows(out)
+    updated = [r for r in steps if r["frac_zero_std"] < 1]
+    assert updated and all(r["answer_const"] == pytest.approx(0.5) for r in updated)
+    assert all(0 < r["max_tokens"] <= 2 * 40 for r in updated)  # one micro-batch of 2 rows' tokens, at most
+
+
+def test_num_stages_and_unread_flags_are_refused_before_any_work(tmp_path, capsys):
+    """--num-stages 1 (04 refuses it: stage 0 is noise-free) and a flag the chosen options do not read are
+    one line before the model loads and before any file is written."""
+    cases = [(["--num-stages", "1"], r"AQN needs num_stages >= 2 \(got 1\)"),
+             (["--no-aqn", "--sigma-start", "0.02"], r"--sigma-start 0.02 is read only with --aqn"),
+             (["--aqn-kind", "feedback", "--num-stages", "4"], r"--num-stages 4 is read only with --aqn with a "
+                                                                r"decaying --aqn-kind"),
+             (["--target-entropy", "0.3"], r"--target-entropy 0.3 is read only with --aqn-kind feedback")]
+    for i, (flags, message) in enumerate(cases):
+        with pytest.raises(ValueError, match=message):
+            grpo.train(parse(*flags, "--out", tmp_path / f"o{i}"))
+        assert not (tmp_path / f"o{i}").exists()
+
+
+def test_help_puts_the_flags_that_define_qerl_first():
+    groups = grpo.build_parser()._action_groups
+    first = [g for g in groups if g.title.startswith("QeRL")][0]
+    flags = {s for a in first._group_actions for s in a.option_strings}
+    assert {"--model", "--quant", "--aqn", "--sigma-start", "--sigma-end", "--num-stages", "--pi-old", "--lora-r",
+            "--steps", "--batch", "--group", "--lr"} <= flags and len(flags) <= 16
+    text = grpo.build_parser().format_help().split("options:", 1)[1]  # the groups, after the usage line
+    assert text.index("QeRL:") < text.index("--lr") < text.index("task and data") < text.index("--eval-size")

@@ -323,3 +323,31 @@ def test_merge_quantized_reports_requantization_error(capsys, fmt):
     assert math.isfinite(err) and 0 < err < 0.2  # 4-bit rounding is ~10% relative RMS
     rel = (model(x) - y).norm() / y.norm()
     assert rel < 0.2
+
+
+@pytest.mark.parametrize("fmt", ["float", "nvfp4", "nf4"])
+@pytest.mark.parametrize("keep", [False, True])
+def test_lora_merged_equals_the_plain_forward(fmt, keep):
+    # lora_merged (sampling) runs each layer as one F.linear of W + scaling * B A; the plain forward is
+    # W x + scaling * B (A x). The same function up to fp32 rounding; a disabled layer stays the base.
+    torch.manual_seed(0)
+    base = Tiny() if fmt == "float" else quant_module().quantize_model(Tiny(), fmt=fmt, skip=())
+    if fmt != "float":
+        quant_module().keep_dequantized(base, keep)
+    model = lora.add_lora(base, r=4, alpha=8, targets=TARGETS, generator=torch.Generator().manual_seed(0))
+    randomize_B(model)
+    x = x_batch()                                                            # (B, T, d)
+    with torch.no_grad():
+        y = model(x)                                                         # (B, T, 16)
+        with lora.lora_merged(model):
+            y_merged = model(x)
+            assert all(m.merged is not None for _, m in lora._lora_layers(model))
+        assert all(m.merged is None for _, m in lora._lora_layers(model))  # unmerged on exit
+        torch.testing.assert_close(y_merged, y, rtol=1e-5, atol=1e-6)
+        with lora.lora_disabled(model):
+            assert not torch.allclose(model(x), y, rtol=1e-3, atol=1e-3)     # the adapters do change y
+        q_proj = model.layers[0].self_attn.q_proj
+        q_proj.disabled = True
+        with lora.lora_merged(model):
+            assert q_proj.merged is None
+            torch.testing.assert_close(q_proj(x), q_proj.base(x), rtol=0, atol=0)

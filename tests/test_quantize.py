@@ -10,6 +10,7 @@ import importlib
 import json
 import shutil
 import os
+import re
 import subprocess
 import sys
 
@@ -662,3 +663,61 @@ def test_dtype_auto_takes_bf16_only_where_it_is_native_and_the_model_wide_enough
     assert common.pick_dtype("bfloat16", "cpu")[0] == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         common.pick_dtype("fp8", "cpu")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The plain forward of Part 1 and the fast one that runs; the worked example of --show-block
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_forward_equals_the_fast_one(fmt, keep, dtype):
+    # Part 1's forward, F.linear(x, dequantized_weight, bias) (fast = False), against what runs (fast_forward:
+    # W rebuilt in backward by quant_engine, kept under keep_dequantized): the same outputs and input gradients.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 16, bias=False))
+    model = q.keep_dequantized(q.quantize_model(model, fmt, skip=()).to(dtype), keep)
+    x = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_(True)  # (B, T, in)
+    outs = {}
+    for fast in (True, False):
+        for m in model.modules():
+            if isinstance(m, (q.NVFP4Linear, q.NF4Linear)):
+                m.fast = fast
+        x.grad = None
+        y = model(x)                                                             # (B, T, 16)
+        y.float().square().sum().backward()
+        outs[fast] = (y.detach(), x.grad.clone())
+    assert torch.equal(outs[True][0], outs[False][0])
+    torch.testing.assert_close(outs[True][1], outs[False][1], rtol=0, atol=0)
+    layers = [m for m in model.modules() if isinstance(m, (q.NVFP4Linear, q.NF4Linear))]
+    assert len(layers) == 2 and all((set(m.kept) == {dtype}) if keep else m.kept is None for m in layers)
+
+
+def test_show_block_prints_the_real_numbers(capsys):
+    # `01_quantize.py --show-block --seed 3` walks one block through quantize_nvfp4; each number it prints
+    # must be the quantizer's own: weights, global and block scale, codes, packed bytes, reconstruction, error.
+    assert q.main(["--show-block", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)) * 0.02
+    packed, scale, gs = q.quantize_nvfp4(w)
+    w_hat = q.dequantize_nvfp4(packed, scale, gs)[0, :16]
+    block = w[0, :16]
+    assert float(re.search(r"= (\S+) \(fp32\)", out).group(1)) == pytest.approx(gs.item(), rel=1e-7)
+    s, byte = re.search(r"s = (\S+) \(byte 0x(\w\w) =", out).groups()
+    assert float(s) == scale[0, 0].float().item() and int(byte, 16) == scale[0, 0].view(torch.uint8).item()
+    rows = re.findall(r"^\s+(\d+) \| (\S+) \| +(\S+) \| +(\S+) \| 0x(\w) \((\d{4})\) \| (\S+) \| (\S+)$", out, re.M)
+    assert [int(r[0]) for r in rows] == list(range(16))
+    codes = torch.stack((packed[0, :8] & 0xF, packed[0, :8] >> 4), -1).reshape(-1).tolist()  # low nibble first
+    for (i, wi, y, v, code, bits, wh, err), c in zip(rows, codes):
+        i = int(i)
+        assert float(wi) == pytest.approx(block[i].item(), abs=5e-8)
+        assert int(code, 16) == c == int(bits, 2) and float(v) == q.E2M1_VALUES[c].item()
+        assert float(wh) == pytest.approx(w_hat[i].item(), abs=5e-8)
+        assert float(err) == pytest.approx((w_hat[i] - block[i]).item(), rel=1e-3)
+    hexes = re.search(r"low nibble: ((?:[0-9a-f]{2} ){7}[0-9a-f]{2})", out).group(1)
+    assert bytes.fromhex(hexes) == bytes(packed[0, :8].tolist())
+    rel, top = re.search(r"rel RMS error (\S+), max abs error (\S+)", out).groups()
+    d = w_hat - block
+    assert float(rel) == pytest.approx((d.norm() / block.norm()).item(), abs=5e-5)
+    assert float(top) == pytest.approx(d.abs().max().item(), rel=1e-3)

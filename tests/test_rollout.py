@@ -1,5 +1,6 @@
 """Stage 03: the from-scratch decoder against Hugging Face reference logits, the KV-cached sampler against
-full recomputes, sampling masks, per-row EOS, sequence log-probs, and the loader's error messages.
+full recomputes, sampling masks, per-row EOS, sequence log-probs, the loader's error messages, and each fast
+path of engine.py (CPU decode attention, compiled step, chunked log-probs) against the plain one it replaces.
 
 The reference data in tests/data/<family>/ was made once by tests/make_reference_logits.py (with
 transformers, which the project does not depend on)."""
@@ -19,6 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import engine  # the fast equivalents 03 runs beneath its plain computations
+import hf_files
 ro = importlib.import_module("03_rollout")
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -166,6 +169,28 @@ def test_cached_logits_equal_full_recompute(model, dtype):
             seq = torch.cat([seq, nxt], dim=1)
             logits = model(nxt, attention_mask=key_ok, kv_cache=cache)[:, -1]
     assert int(cache.pos) == P + steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_attention_equals_sdpa(dtype):
+    """engine.decode_attention_cpu, the plain product a CPU decode step runs, equals the SDPA call beside it in
+    03's Attention (the one every other step runs) on the same grouped queries, keys, values and mask."""
+    g = torch.Generator().manual_seed(0)
+    B, H_kv, G, S, D = 3, 2, 4, 37, 16
+    q, k, v = (torch.randn(B, H_kv, n, D, generator=g).to(dtype) for n in (G, S, S))  # q (B, H_kv, G, D)
+    mask = torch.rand(B, 1, 1, S, generator=g) < 0.6  # (B, 1, 1, S): random real slots,
+    mask[..., -1] = True  # and the query's own slot is always one
+    mask[1, ..., :20] = False  # a left-padded row
+    plain = engine.decode_attention_cpu(q, k, v, mask, D ** -0.5)  # (B, H_kv, G, D)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(B, 1, G, S),
+                                                            scale=D ** -0.5)  # (B, H_kv, G, D)
+    assert plain.dtype == dtype and plain.shape == (B, H_kv, G, D)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)  # bf16: an ulp or two
+    torch.testing.assert_close(plain, sdpa, **tol)
+    # a masked slot is ignored: changing its key and value changes nothing
+    k2, v2 = k.clone(), v.clone()
+    k2[1, ..., 3, :], v2[1, ..., 3, :] = 100, -100
+    assert torch.equal(engine.decode_attention_cpu(q, k2, v2, mask, D ** -0.5), plain)
 
 
 def test_batched_greedy_equals_each_prompt_alone(model):
@@ -331,6 +356,14 @@ def test_top_k_top_p_masks():
 # ---------------------------------------------------------------------------------------------------
 # Tokenizer, chat template, CLI
 
+def test_names_moved_to_hf_files_and_engine_stay_reachable_from_03():
+    """04, 05, bench/ and tests/ still call these through 03: each is the engine module's own object."""
+    for name in ("Tokenizer", "load_tokenizer", "byte_tokenizer", "chat_prompt", "template_default_system",
+                 "SUPPORTED_MODEL_TYPES"):
+        assert getattr(ro, name) is getattr(hf_files, name), name
+    assert ro.LOGITS_CHUNK_BYTES == engine.LOGITS_CHUNK_BYTES and ro.MIN_TEMPERATURE == engine.MIN_TEMPERATURE
+
+
 def test_chat_prompt_and_tokenizer():
     assert ro.chat_prompt("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert ro.chat_prompt("hi", system="Be brief.") == ("<|im_start|>system\nBe brief.<|im_end|>\n"
@@ -489,6 +522,47 @@ def full_logits_reference(model, r, temperature):
     logp = (ro.completion_logits(model, r.prompt_ids, r.completion_ids) / temperature).log_softmax(-1)  # (B, T, V)
     lp = logp.gather(-1, r.completion_ids[..., None]).squeeze(-1)  # (B, T)
     return lp * r.completion_mask, ro.entropy_from_logp(logp) * r.completion_mask
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+@pytest.mark.parametrize("entropy,head_trained", [(True, True), (True, False), (False, False), (False, True)])
+def test_chunked_token_logprobs_equal_the_plain_token_logprobs(temperature, entropy, head_trained):
+    """engine.chunked_token_logprobs, what sequence_logprobs runs, equals 03's plain token_logprobs (full
+    logits, log-softmax, gather, entropy): values, and gradients into h and a trained lm_head, with the entropy
+    and without (a frozen head without it: the backward written by hand)."""
+    g = torch.Generator().manual_seed(1)
+    n, C, V = 23, 16, 50
+    head = torch.nn.Linear(C, V, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, C, generator=g))
+    head.weight.requires_grad_(head_trained)
+    h0, ids = torch.randn(n, C, generator=g), torch.randint(0, V, (n,), generator=g)
+    w_lp, w_ent = torch.rand(n, generator=g), torch.rand(n, generator=g)  # unequal weights per token
+    runs = []
+    for chunked in (False, True):
+        h = h0.clone().requires_grad_()
+        head.weight.grad = None
+        if chunked:  # 4 tokens per chunk: 23 tokens make five full chunks and a partial one
+            lp, ent = engine.chunked_token_logprobs(ro.token_logprobs, head, h, ids, temperature, V, entropy,
+                                                   chunk_bytes=4 * V * 4)
+        else:
+            lp, ent = ro.token_logprobs(head, h, ids, temperature, entropy)
+        loss = (w_lp * lp).sum() + ((w_ent * ent).sum() if entropy else 0)
+        loss.backward()
+        runs.append((lp.detach(), ent.detach() if entropy else None, h.grad,
+                     head.weight.grad.clone() if head_trained else None))
+    (lp_p, ent_p, gh_p, gw_p), (lp_c, ent_c, gh_c, gw_c) = runs
+    torch.testing.assert_close(lp_c, lp_p, atol=1e-6, rtol=1e-5)
+    assert (lp_c < 0).all()
+    if entropy:
+        torch.testing.assert_close(ent_c, ent_p, atol=1e-6, rtol=1e-5)
+        assert (ent_c > 0).all()
+    torch.testing.assert_close(gh_c, gh_p, atol=1e-6, rtol=1e-5)
+    assert gh_p.abs().sum() > 0
+    if head_trained:
+        torch.testing.assert_close(gw_c, gw_p, atol=1e-6, rtol=1e-5)
+        assert gw_p.abs().sum() > 0
+    assert engine.chunked_token_logprobs(ro.token_logprobs, head, h0[:0], ids[:0], temperature, V) is None
 
 
 def test_chunked_logprobs_equal_full_logits_values_and_gradients(model, monkeypatch):

@@ -1,0 +1,177 @@
+"""Checkpoints and --resume of a 05 run: checkpoint-NNNNNN folders holding the adapter (written and read by
+the callables 05 passes in, PEFT's layout from stage 02) and trainer_state.pt (AdamW state, step, the AQN
+feedback controller, RNG states as a safety net, the run's arguments and a record of what it ran on). The LR
+schedule and the per-step generators are pure functions of (seed, step), so a resumed run is, bit for bit,
+the uninterrupted one. trainer_state.pt is read with weights_only=True: tensors and plain values, never code.
+Imports no stage.
+"""
+import errno
+import hashlib
+import os
+import pickle
+import random
+import re
+import warnings
+
+import torch
+
+import common
+
+RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_every", "device", "quiet",
+                "micro_batch", "grad_checkpoint", "gpu_path", "compile")  # how to compute, not what: a resume may change them
+INHERITED_RUNTIME_ARGS = ("time_budget", "eval_every", "save_every", "quiet", "micro_batch", "grad_checkpoint",
+                          "compile")  # a resume keeps these unless given again
+
+
+def save_checkpoint(out, step, opt, params, args, write_adapter, lora_targets, feedback=None, extra=None):
+    """checkpoint-<step> in `out`: write_adapter(folder) writes the adapter files, then trainer_state.pt; None
+    (and the last good checkpoint stays) if a trained tensor is not finite. lora_targets: see run_record."""
+    if not all(torch.isfinite(p).all() for p in params):
+        print(f"checkpoint | step {step} | adapter has non-finite values | NOT saved")
+        return None
+
+    def write(tmp):
+        os.makedirs(tmp)
+        write_adapter(tmp)
+        file = os.path.join(tmp, "trainer_state.pt")
+        try:
+            torch.save({"step": step, "optimizer": opt.state_dict(), "lr": opt.param_groups[0]["lr"],
+                        "args": vars(args), "run": run_record(args, lora_targets),
+                        "feedback": feedback.state_dict() if feedback is not None else None,
+                        "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                        **(extra or {})}, file)
+        except RuntimeError:  # torch's zip writer reports a failed write (a full disk) so, without the reason
+            raise OSError(errno.EIO, "torch.save could not write it: is the disk full?", file) from None
+    return common.atomic_write(os.path.join(out, f"checkpoint-{step:06d}"), write)
+
+
+def model_fingerprint(model_dir):
+    """sha256 of a model folder's config.json and its weights' safetensors headers (names, dtypes, shapes,
+    offsets): another model, or the same one changed, has another; no tensor is read."""
+    _, weight_map, _ = common.find_weight_files(model_dir)
+    h = hashlib.sha256()
+    for name in ["config.json", *sorted(set(weight_map.values()))]:
+        with open(os.path.join(model_dir, name), "rb") as f:
+            h.update(f.read() if name == "config.json" else f.read(8 + int.from_bytes(f.read(8), "little")))
+    return h.hexdigest()
+
+
+def run_record(args, lora_targets):
+    """What a checkpoint says about its run, checked on --resume: the base (an absolute path, so a resume from
+    another directory finds it, and its fingerprint), the data files' absolute paths, quant and LoRA shape
+    (lora_targets: the module names the adapters wrap)."""
+    where = {k: os.path.abspath(getattr(args, k)) if getattr(args, k) else None for k in ("model", "data", "eval_data")}
+    return {**where, "model_fingerprint": model_fingerprint(args.model), "quant": args.quant,
+            "quant_method": args.quant_method, "lora_r": args.lora_r, "lora_alpha": args.lora_alpha,
+            "lora_targets": list(lora_targets)}
+
+
+def read_trainer_state(file, defaults):
+    """trainer_state.pt, loaded without running code, with the types resume_args and restore rely on
+    (each saved flag's value of the kind of its default in `defaults`, the parser's)."""
+    damaged = f"{file} cannot be read ({{}}): the checkpoint is damaged; resume from an earlier checkpoint-NNNNNN " \
+              f"folder beside it"
+    try:
+        with warnings.catch_warnings():  # torch warns about a bare pickle's protocol: the line below says it all
+            warnings.simplefilter("ignore")
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" in str(e):
+            raise ValueError(f"{file} holds pickled Python objects, which a checkpoint of 05_grpo.py never does: "
+                             f"refused unread (loading it could run code); resume only from checkpoints you trust") \
+                from None
+        raise ValueError(damaged.format(type(e).__name__)) from None
+    except Exception as e:  # torch.load raises RuntimeError, EOFError or pickle's errors on a damaged file
+        raise ValueError(damaged.format(type(e).__name__)) from None
+    want = {"step": int, "args": dict}  # what resume_args reads; restore checks the rest as it loads it
+    if not isinstance(state, dict):
+        raise ValueError(damaged.format(f"a {type(state).__name__}, not a dict"))
+    for k, kind in want.items():
+        if not isinstance(state.get(k), kind) or isinstance(state[k], bool):
+            raise ValueError(damaged.format(f"its {k} is {type(state.get(k)).__name__}, not {kind.__name__}"))
+    for k, v in state["args"].items():  # each saved flag's value has the kind of its default
+        d = defaults.get(k)
+        if d is not None and v is not None and type(v) is not type(d) and {type(v), type(d)} != {int, float}:
+            raise ValueError(damaged.format(f"its args.{k} is {v!r}, not a value of --{k.replace('_', '-')}"))
+    return state
+
+
+def resume_args(args, defaults):
+    """--resume: (checkpoint folder, its trainer state), with the run's hyper-parameters taken from it
+    (a flag given again is ignored, with a note); (None, None) without --resume. defaults: {flag dest: the
+    parser's default}, to tell a flag given again from one left out."""
+    if not args.resume:
+        return None, None
+    ckpt = args.resume
+    if not os.path.isfile(os.path.join(ckpt, "trainer_state.pt")):  # a run folder: its latest checkpoint
+        found = latest_checkpoint(ckpt)
+        if not found:
+            raise FileNotFoundError(f"--resume {ckpt!r}: no checkpoint there (expected a checkpoint-NNNNNN folder "
+                                    f"with trainer_state.pt, or a run folder containing one)")
+        ckpt = found
+    file = os.path.join(ckpt, "trainer_state.pt")
+    state = read_trainer_state(file, defaults)
+    saved = dict(state["args"], **check_run_record(args, ckpt, state, defaults))
+    for k, v in saved.items():
+        if k in RUNTIME_ARGS:  # how to compute: the command line's, else the run's own (not the default)
+            if k in INHERITED_RUNTIME_ARGS and getattr(args, k, None) == defaults.get(k):
+                setattr(args, k, v)
+            continue
+        if getattr(args, k, v) not in (v, defaults.get(k)):
+            print(f"note | --{k.replace('_', '-')} {getattr(args, k)} ignored: resuming keeps the checkpoint's {v}")
+        setattr(args, k, v)
+    if "pi_old" not in saved:  # a run from before --pi-old existed took pi_old from the sampler
+        args.pi_old = "sampler"
+    args.out = args.out or os.path.dirname(os.path.abspath(ckpt))
+    return ckpt, state
+
+
+def check_run_record(args, ckpt, state, defaults):
+    """--resume: the checkpoint's run record against its run folder's args.json and the model on disk ->
+    the saved args to replace (the absolute paths). One line for a checkpoint of another run, or a model
+    gone or changed; --model given again points at the run's model if it has moved."""
+    run = state.get("run")
+    if not isinstance(run, dict):
+        print(f"note | {ckpt} has no record of its model (an older checkpoint): not checked")
+        return {}
+    args_json = os.path.join(os.path.dirname(os.path.abspath(ckpt)), "args.json")
+    folder = common.read_json(args_json) if os.path.isfile(args_json) else {}
+    keys = [k for k in ("quant", "quant_method", "lora_r", "lora_alpha") if k in folder and k in run]
+    ours, theirs = (", ".join(f"{k} {a[k]}" for k in keys) for a in (run, folder))
+    if ours != theirs:
+        raise ValueError(f"--resume: {ckpt} is of a run with {ours}, but its folder's args.json is of one with "
+                         f"{theirs}: it belongs to another run; resume it from its own run folder")
+    model = args.model if args.model != defaults["model"] else run.get("model")
+    found = model_fingerprint(model) if isinstance(model, str) and os.path.isdir(model) else None
+    if found != run.get("model_fingerprint"):
+        what = "is not there" if found is None else "is another model (its config.json or weights differ)"
+        raise ValueError(f"--resume: {ckpt} was trained on {run.get('model')}, and {model} {what}: pass --model with "
+                         f"the folder of the run's model")
+    return {"model": model, **{k: run[k] for k in ("data", "eval_data") if run.get(k)}}
+
+
+def latest_checkpoint(folder):
+    """The run folder's newest checkpoint-NNNNNN (None if it has none)."""
+    found = sorted(d for d in os.listdir(folder) if re.fullmatch(r"checkpoint-\d+", d)) if os.path.isdir(folder) else []
+    return os.path.join(folder, found[-1]) if found else None
+
+
+def restore(ckpt, state, load_adapter, opt, feedback):
+    """Load a checkpoint's adapter (load_adapter(folder)), optimizer, controller and RNG states; returns its step."""
+    try:
+        load_adapter(ckpt)
+    except ValueError as e:  # a truncated adapter file, say: 02's line, naming the file and a tensor
+        raise ValueError(f"--resume: {e} (resume from another checkpoint)") from None
+    try:
+        opt.load_state_dict(state["optimizer"])
+        if feedback is not None and state.get("feedback"):
+            feedback.load_state_dict(state["feedback"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"--resume: {os.path.join(ckpt, 'trainer_state.pt')} does not fit this run's optimizer or "
+                         f"generators ({type(e).__name__}): the checkpoint is damaged; resume from another "
+                         f"checkpoint") from None
+    print(f"resume | {ckpt} | step {state['step']} | hyper-parameters from the checkpoint")
+    return state["step"]

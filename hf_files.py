@@ -1,0 +1,225 @@
+"""A Hugging Face model folder's files: config.json's fields and checks, safetensors reads, the tokenizer,
+the ChatML prompt.
+
+Engine code beneath the stages (it imports no stage): 03's `ModelConfig.from_dict` and `load_model` call the
+checks, the readers and `load_tokenizer`; 03, 04 and 05 write prompts with `chat_prompt`. Every bad field or
+file is one line naming the file, the problem and what to do (tests/test_bad_inputs.py holds the cases).
+"""
+import math
+import re
+from pathlib import Path
+
+import tokenizers
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+import common
+
+# ---------------------------------------------------------------------------------------------------
+# config.json: the fields 03's ModelConfig reads, checked before any tensor is allocated
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
+CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_config(d, where):
+    mt = d.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{where}: unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (only silu)")
+    if d.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window=true is not supported; set it to false")
+    missing = [k for k in CONFIG_SIZES if k not in d]
+    if missing:
+        raise ValueError(f"{where}: missing required field(s) {', '.join(missing)}")
+    for k in ("rope_parameters", "rope_scaling"):
+        if d.get(k) is not None and not isinstance(d[k], dict):
+            raise ValueError(f"{where}: {k} must be an object {{...}} or null, got {d[k]!r}")
+    for k in (*CONFIG_SIZES, "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        if d.get(k) is not None:
+            check_positive(where, k, d[k], int)
+    for k, v in (("rms_norm_eps", d.get("rms_norm_eps")), ("rope_theta", d.get("rope_theta")),
+                 ("rope_parameters.rope_theta", (d.get("rope_parameters") or {}).get("rope_theta"))):
+        if v is not None:
+            check_positive(where, k, v, float)
+    H, H_kv = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
+    if d.get("head_dim") is None and d["hidden_size"] % H:
+        raise ValueError(f"{where}: hidden_size {d['hidden_size']} is not divisible by num_attention_heads {H} "
+                         f"(and there is no head_dim)")
+    if H % H_kv:
+        raise ValueError(f"{where}: num_attention_heads {H} is not a multiple of num_key_value_heads {H_kv}")
+    if (d.get("head_dim") or d["hidden_size"] // H) % 2:  # RoPE rotates pairs of lanes
+        raise ValueError(f"{where}: head_dim {d.get('head_dim') or d['hidden_size'] // H} must be even for RoPE")
+
+
+def model_config_fields(d, where="config.json"):
+    """config.json's dict, checked -> the keyword arguments of 03's ModelConfig (its defaults filled in as
+    Hugging Face fills them: no num_key_value_heads means one per query head, no head_dim hidden / heads)."""
+    check_config(d, where)
+    mt, heads, bias = d["model_type"], d["num_attention_heads"], d.get("attention_bias", False)
+    return dict(
+        model_type=mt, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+        rope_scaling=rope_scaling(d, where), max_position_embeddings=d.get("max_position_embeddings", 2048),
+        tie_word_embeddings=d.get("tie_word_embeddings", False),
+        attention_bias=True if mt == "qwen2" else bias, o_bias=False if mt == "qwen2" else bias,
+        mlp_bias=d.get("mlp_bias", False), qk_norm=(mt == "qwen3"))
+
+
+def check_positive(where, name, v, kind):
+    # bool is an int to Python, and "128" (a number written as a string) is not a size
+    number = isinstance(v, int) if kind is int else isinstance(v, (int, float)) and math.isfinite(v)
+    if not number or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{where}: {name} must be a positive {'integer' if kind is int else 'number'}, got {v!r}")
+
+
+def rope_scaling(d, where):
+    """config.json's RoPE scaling -> the llama3 dict 03's rope_inv_freq applies, or None (no scaling)."""
+    # transformers < 5 writes rope_theta + rope_scaling; transformers 5 writes one rope_parameters dict.
+    rope = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"{where}: rope scaling {kind!r} is not supported (only 'llama3')")
+    if kind == "llama3":
+        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            check_positive(where, f"rope scaling's {k}", scaling.get(k), float)
+        if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:  # rope_inv_freq divides by their gap
+            raise ValueError(f"{where}: rope scaling needs high_freq_factor > low_freq_factor, got "
+                             f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
+    return scaling if kind == "llama3" else None
+
+
+def check_vocab(tokenizer, vocab_size, path):
+    # config.json's vocab_size is the embedding's rows, often padded past the tokenizer for faster matmuls
+    # (Qwen2.5-0.5B: 151,665 tokens, 151,936 rows): a few percent more rows is normal. A token id past the
+    # rows has no embedding, and a tokenizer under half the rows belongs to another model (288 tokens
+    # beside a 49,152-row model: it runs, and samples gibberish).
+    top = max(tokenizer.tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= vocab_size or 2 * (top + 1) < vocab_size:
+        raise ValueError(f"{Path(path) / 'tokenizer.json'} has token ids up to {top}, but config.json's vocab_size "
+                         f"is {vocab_size}: the tokenizer belongs to another model; put this model's own "
+                         f"tokenizer.json beside it")
+
+
+# ---------------------------------------------------------------------------------------------------
+# *.safetensors: one tensor at a time, checked, into a model built on the meta device
+
+def read_tensor(handles, file, name):
+    """Tensor `name` of safetensors `file` (handles: file -> open handle, filled as files are met); a file that
+    cannot be read, or a float tensor holding NaN or Inf, is one clear error naming it."""
+    try:
+        if file not in handles:
+            handles[file] = safe_open(file, "pt", device="cpu")  # memory-mapped, reads lazily
+        t = handles[file].get_tensor(name)
+    except Exception as e:  # safetensors raises its own SafetensorError (not an OSError/ValueError)
+        raise ValueError(common.safetensors_problem(file) or f"{file}: cannot read tensor {name} ({e}); "
+                         "the file is truncated or corrupt, download or write it again") from None
+    if t.dtype in (torch.float32, torch.float16, torch.bfloat16) and not torch.isfinite(t).all():
+        raise ValueError(f"{file}: tensor {name} holds NaN or Inf values; the checkpoint is broken (a diverged "
+                         "run or a bad conversion): use another one")
+    return t
+
+
+def put_tensor(model, name, t, file="the checkpoint"):
+    """Replace the meta tensor `name` by `t` (a Parameter stays a Parameter)."""
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    old = getattr(mod, attr)
+    if tuple(old.shape) != tuple(t.shape):
+        raise ValueError(f"{file}: weight {name} has shape {tuple(t.shape)}, config.json implies {tuple(old.shape)}")
+    if attr in mod._parameters:
+        mod._parameters[attr] = nn.Parameter(t, requires_grad=old.requires_grad)
+    else:
+        mod._buffers[attr] = t
+
+
+# ---------------------------------------------------------------------------------------------------
+# tokenizer.json, generation_config.json's ids, and the ChatML template
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the ids generation needs (EOS list, pad) and the system message the
+    model's chat template writes when the conversation has none (`default_system`, None if it writes none)."""
+
+    def __init__(self, tok, eos_token_ids, pad_token_id=None, default_system=None):
+        self.tok = tok
+        self.default_system = default_system
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id if pad_token_id is not None else (self.eos_token_ids or [0])[0]
+        self.vocab_size = tok.get_vocab_size()
+
+    def encode(self, text):
+        # tokenizer.json's own post-processor decides about BOS: Llama 3 adds <|begin_of_text|>,
+        # Qwen adds nothing. ChatML special tokens in `text` map to their single ids.
+        return self.tok.encode(text).ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(path, config=None):
+    """The folder's tokenizer.json -> Tokenizer, its EOS and pad ids from generation_config.json, else from
+    `config` (config.json's dict)."""
+    path = Path(path)
+    if not (path / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{path / 'tokenizer.json'} not found: the model folder needs a tokenizer.json "
+                                "(the `tokenizers` format Hugging Face saves)")
+    gen_file = path / "generation_config.json"  # its ids win over config.json's
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as e:  # tokenizers raises its own Exception subclass on a corrupt file
+        raise ValueError(f"{path / 'tokenizer.json'} is not a readable tokenizer ({str(e)[:120]}); write or "
+                         "download it again") from None
+    gen = {**(config or {}), **(common.read_json(gen_file) if gen_file.exists() else {})}
+    eos, pad = gen.get("eos_token_id"), gen.get("pad_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if (not isinstance(eos, list) or not all(isinstance(i, int) and 0 <= i for i in eos)
+            or not (pad is None or isinstance(pad, int) and pad >= 0)):
+        raise ValueError(f"{gen_file if gen_file.exists() else path / 'config.json'}: eos_token_id must be a token id or "
+                         f"a list of them and pad_token_id a token id (or null), got {gen.get('eos_token_id')!r} and "
+                         f"{pad!r}")
+    return Tokenizer(tok, eos, pad, template_default_system(path / "tokenizer_config.json"))
+
+
+# A ChatML template that fills in a system message when there is none holds it as a literal
+# '<|im_start|>system\n...<|im_end|>' (Qwen2.5: "You are Qwen, ...", SmolLM2: "You are a helpful AI
+# assistant named SmolLM, ..."); the block that prints the user's own system message has a quote there.
+_DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system(?:\n|\\n)([^'\"]+?)<\|im_end\|>")
+
+
+def template_default_system(config_file):
+    """The default system message of tokenizer_config.json's chat template, or None."""
+    config_file = Path(config_file)
+    if not config_file.exists():
+        return None
+    template = common.read_json(config_file).get("chat_template")
+    found = _DEFAULT_SYSTEM.search(template) if isinstance(template, str) else None
+    return found.group(1) if found else None
+
+
+def chat_prompt(user, system=None):
+    """ChatML prompt (Qwen2.5, SmolLM2), ending where the assistant starts talking. system=None writes no
+    system block; pass `tokenizer.default_system` to write what the model's own template writes."""
+    if not isinstance(user, str) or not (system is None or isinstance(system, str)):
+        raise ValueError(f"chat_prompt: the user message and the system message (or None) must be strings, got "
+                         f"{type(user).__name__} and {type(system).__name__}")
+    head = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
+    return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer built in memory (256 byte tokens + 3 ChatML specials) for random models."""
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())  # the 256 printable stand-ins for bytes
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    return Tokenizer(tok, [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
+                     tok.token_to_id("<|endoftext|>"))

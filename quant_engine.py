@@ -1,0 +1,85 @@
+"""The engine beneath stage 01's quantized Linear layers (NVFP4Linear, NF4Linear). Imports no stage.
+
+01 shows the method: a quantized layer computes y = F.linear(x, W, b), W dequantized from its 4-bit
+buffers. This module holds what its layers inherit beyond that, none of which changes a number:
+
+- `RebuiltWeightLinear`: the same product, with W rebuilt in backward instead of saved for it. Autograd
+  would otherwise keep every layer's full-precision W until backward: the unquantized model's memory in a
+  LoRA step. W is frozen, so backward needs only dL/dx = dL/dy @ W (the Triton kernel does the same).
+- `keep_dequantized` / `FrozenQuantLinear.weight_in`: a CPU has no 4-bit matmul, so each forward and
+  backward rebuilds W, which costs more than the matmul; with this on, W is built once per dtype and kept.
+- `FrozenQuantLinear._apply`: model.to(torch.bfloat16) casts every floating buffer; a quantized layer's
+  must keep their dtypes (fp8 scales; a bf16 global scale would shift every weight).
+- `FrozenQuantLinear._from_linear`: a layer from quantized buffers, each checked against the format's.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RebuiltWeightLinear(torch.autograd.Function):
+    """y = x @ W^T + b for a frozen 4-bit weight (module.weight_in(dtype)), W rebuilt in backward, not saved."""
+
+    @staticmethod
+    def forward(ctx, x, module):
+        ctx.module = module
+        b = None if module.bias is None else module.bias.to(x.dtype)
+        return F.linear(x, module.weight_in(x.dtype), b)
+
+    @staticmethod
+    def backward(ctx, grad_out):                                         # (..., out)
+        return grad_out @ ctx.module.weight_in(grad_out.dtype), None     # (..., in)
+
+
+class FrozenQuantLinear(nn.Module):
+    """The base of 01's quantized Linears: what they share that is not the method (see the docstring above).
+    A subclass registers its format's buffers and defines dequantized_weight(dtype) -> (out, in)."""
+    kept = None  # {dtype: dequantized weight} while keep_dequantized is on: a frozen weight rebuilt once
+
+    def weight_in(self, dtype):
+        """The dequantized weight (out, in) in `dtype`: built once and kept under keep_dequantized, else rebuilt."""
+        if self.kept is None:
+            return self.dequantized_weight(dtype)
+        if dtype not in self.kept:
+            self.kept[dtype] = self.dequantized_weight(dtype)
+        return self.kept[dtype]
+
+    @classmethod
+    def _from_linear(cls, linear, quantized, **kwargs):
+        """The layer holding `quantized`, {buffer name: tensor}: every buffer of the format, each with the
+        shape and dtype the format's __init__ gives it (a mismatch is an error, not a silent reshape)."""
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device, **kwargs)
+        want = {k: t for k, t in m._buffers.items() if k != "bias"}
+        if set(quantized) != set(want):
+            raise ValueError(f"{cls.__name__}: got buffers {sorted(quantized)}, the format has {sorted(want)}")
+        for k, t in quantized.items():
+            if t.shape != want[k].shape or t.dtype != want[k].dtype:
+                raise ValueError(f"{cls.__name__}.{k}: got {tuple(t.shape)} {t.dtype}, the format needs "
+                                 f"{tuple(want[k].shape)} {want[k].dtype}")
+            setattr(m, k, t)
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().clone()
+        return m
+
+    def _apply(self, fn, recurse=True):
+        """.to()/.cuda()/.half() all end here. The format's buffers take only the device from a conversion,
+        never its dtype; the bias converts as usual."""
+        keep = {k: t for k, t in self._buffers.items() if k != "bias"}
+        nn.Module._apply(self, fn, recurse)
+        for k, t in keep.items():
+            self._buffers[k] = t.to(self._buffers[k].device)
+        if self.kept is not None:  # kept weights are rebuilt on the new device
+            self.kept = {}
+        return self
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+def keep_dequantized(model, enabled=True):
+    """Keep each 4-bit layer's dequantized weight once built (per dtype), or stop keeping it (enabled=False).
+    A float copy of the model in memory, as the unquantized base would take; the stored bytes stay 4-bit."""
+    for m in model.modules():
+        if isinstance(m, FrozenQuantLinear):
+            m.kept = {} if enabled else None
+    return model

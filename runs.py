@@ -1,0 +1,269 @@
+"""The run folder of a 05 run and what happens around its steps: the one-writer lock, the run log (what a run
+prints, and metrics.jsonl, args.json and summary.json that rank 0 writes), the time budget, and stop signals
+(Ctrl-C, SIGTERM, SIGHUP let the step in flight finish, then checkpoint and stop). Imports no stage.
+"""
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import threading
+import time
+
+import checkpoints
+import common
+from distributed import global_sum, rank_and_world
+
+def read_metrics(path, upto):
+    """metrics.jsonl's rows up to step `upto`. A cut-off last line (a kill mid-write) is dropped with a note;
+    a bad line before it is an error naming the file and line."""
+    with open(path) as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for i, (n, line) in enumerate(lines):
+        damaged = f"{path} line {n} {{}}: the run log is damaged (fix or delete that line, then resume)"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i + 1 < len(lines):
+                raise ValueError(damaged.format("is not JSON")) from None
+            print(f"note | {path} line {n} was cut off mid-write: dropped")
+            continue
+        record = row.get("eval", row) if isinstance(row, dict) else None  # a step's row, or {"eval": {...}}
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ValueError(damaged.format("has no integer step"))
+        if step <= upto:
+            rows.append(row)
+    return rows
+
+
+
+class RunLog:
+    """What a run prints and what rank 0 writes: metrics.jsonl, args.json, summary.json."""
+    NO_SIGNAL_STEPS = 20  # steps in a row without signal before the warning
+
+    def __init__(self, args, rank, start, t_start, model, world, dtype_why=""):
+        self.args, self.rank, self.t_start, self.flat_steps = args, rank, t_start, 0
+        self.metrics = os.path.join(args.out, "metrics.jsonl")
+        self.opened, self.steps_logged, self.made, self.recent = False, 0, [], []  # recent: s/step of each step
+        self.lock = common.OutputLock(args.out) if rank == 0 else None  # held from __enter__ to __exit__
+        self.kept_rows = read_metrics(self.metrics, start) if rank == 0 and os.path.exists(self.metrics) else []
+        dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
+        print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
+              f"pi_old {args.pi_old} | "
+              f"device {common.model_device(model)} | dtype {dtype}" + (f" ({dtype_why})" if dtype_why else "") +
+              f" | steps {args.steps} | B {args.batch} | "
+              f"G {args.group} | lr {args.lr:g} | out {args.out}" + (f" | ranks {world}" if world > 1 else ""))
+
+    def out_of_time(self, first_eval):
+        """--time-budget: whether the next step (the mean of the last five) would eat the time kept for the final
+        evaluation (1.5x the first one, which also samples pass@k); rank 0's clock decides for everyone."""
+        reserve = 1.5 * first_eval["seconds"] if first_eval else 0.0
+        recent = self.recent[-5:]
+        next_step = sum(recent) / len(recent) if recent else 0.0
+        late = self.args.time_budget and time.time() - self.t_start + reserve + next_step > self.args.time_budget
+        return bool(global_sum([self.rank == 0 and late])[0])
+
+    def _open(self):
+        """The run folder's files, at the first record (a run that fails before it writes nothing): args.json,
+        and metrics.jsonl cut back to the checkpoint's step (a crash may have logged past it)."""
+        os.makedirs(self.args.out, exist_ok=True)
+        common.write_json(os.path.join(self.args.out, "args.json"), clean(vars(self.args)))
+        if self.kept_rows or os.path.exists(self.metrics):
+            common.write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in self.kept_rows))
+        self.opened = True
+
+    def _append(self, rec):  # one line of metrics.jsonl, written by rank 0
+        if self.rank == 0:
+            if not self.opened:
+                self._open()
+            with open(self.metrics, "a") as f:
+                f.write(json.dumps(clean(rec)) + "\n")
+
+    def __enter__(self):
+        """The run folder is this run's alone until it ends: a second run on it, or a --resume of it, fails
+        at once with one line naming this process."""
+        if self.lock:
+            self.lock.__enter__()
+            self.made = [n for n in RUN_FILES if not os.path.exists(os.path.join(self.args.out, n))]
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        """A run that ends before its first step removes the run files it wrote, then the folder if it made
+        it and nothing else is in it; every other file stays. Ctrl-C (or SIGTERM, SIGHUP) ends in one line
+        saying what to run to continue, pasteable into a shell."""
+        if self.lock:
+            if self.steps_logged == 0:
+                for name in self.made:
+                    if os.path.exists(os.path.join(self.args.out, name)):
+                        os.remove(os.path.join(self.args.out, name))
+            self.lock.__exit__(kind, exc, tb)
+        if kind is None:
+            return False
+        if issubclass(kind, KeyboardInterrupt) and not str(exc) and self.rank == 0:  # rank 0 saves, and says so
+            found = checkpoints.latest_checkpoint(self.args.out)
+            hint = (f"{os.path.basename(found)} saved: continue with  python 05_grpo.py --resume "
+                    f"{shlex.quote(self.args.out)}" if found else "no checkpoint yet: nothing to resume")
+            raise common.Interrupted(hint, getattr(exc, "signum", signal.SIGINT)) from None
+        return False
+
+    def eval(self, res, step, k, seconds):
+        res.update(step=step, seconds=seconds, time=time.time() - self.t_start)
+        line = f"eval | step {step} | n {res['n']} | greedy {res['greedy']:.3f}"
+        line += f" | pass@1 {res['pass@1']:.3f} | pass@{k} {res[f'pass@{k}']:.3f}" if k else ""
+        print(line + f" | {seconds:.1f}s", flush=True)
+        self._append({"eval": res})
+        return res
+
+    def step(self, rec, lr):
+        rec.update(lr=lr, time=time.time() - self.t_start)
+        self._append(rec)
+        self.steps_logged += 1
+        self.recent.append(rec["s/step"])
+        self.flat_steps = self.flat_steps + 1 if rec["frac_zero_std"] == 1 else 0
+        if not self.args.quiet:
+            print(f"step {rec['step']}/{self.args.steps} | reward {rec['reward']:.3f} | acc {rec['acc']:.3f} | "
+                  f"entropy {rec['entropy']:.3f} | kl {fmt(rec['kl'])} | clip {rec['clip']:.4f} | len {rec['len']:.1f} | "
+                  f"sigma {rec['sigma']:.2e} | sigma_applied {rec['sigma_applied']:.2e} | tok/s {rec['tok/s']:.0f} | "
+                  f"s/step {rec['s/step']:.2f}" + (" | no signal (all rewards equal in every group)"
+                                                    if self.flat_steps else ""), flush=True)
+        if self.flat_steps == self.NO_SIGNAL_STEPS:
+            never = rec["acc"] < 0.5
+            print(f"warning | {self.flat_steps} steps in a row without signal: the base {'never' if never else 'always'}"
+                  f" solves this task (acc {rec['acc']:.2f}), so GRPO learns nothing; try an "
+                  f"{'easier' if never else 'harder'} task or another base", flush=True)
+
+    def summary(self, done, stopped, skipped, first_eval, last_eval, last_ckpt):
+        if stopped == "time budget" and not self.steps_logged:  # then the run folder's files go (__exit__)
+            took = (f" (the first evaluation took {first_eval['seconds']:.0f} s, and 1.5x that is kept for the last "
+                    f"one)") if first_eval else ""
+            raise ValueError(f"--time-budget {self.args.time_budget:g} s ran out before the first step{took}: nothing "
+                             f"to save; raise --time-budget (0: no limit) or lower --eval-size")
+        s = {"steps_done": done, "stopped_by": stopped, "skipped_updates": skipped, "wall_s": time.time() - self.t_start,
+             "first_eval": first_eval, "final_eval": last_eval, "checkpoint": last_ckpt, "args": vars(self.args)}
+        if first_eval and last_eval:
+            s["greedy_gain"] = last_eval["greedy"] - first_eval["greedy"]
+            why = {"steps": f"--steps {self.args.steps}", "time budget": f"--time-budget {self.args.time_budget:g}s",
+                   "stop-at": f"--stop-at {self.args.stop_at}"}.get(stopped, stopped)  # or the signal's name
+            print(f"summary | steps {done} | stopped by {why} | greedy {first_eval['greedy']:.3f} -> "
+                  f"{last_eval['greedy']:.3f} ({100 * s['greedy_gain']:+.1f} points) | wall {s['wall_s']:.0f}s | "
+                  f"out {self.args.out}")
+        if self.rank == 0 and self.steps_logged:
+            common.write_json(os.path.join(self.args.out, "summary.json"), clean(s))
+        return s
+
+def clean(obj):
+    """NaN/inf -> None, so the files are strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: clean(v) for k, v in obj.items()}
+    return [clean(v) for v in obj] if isinstance(obj, (list, tuple)) else obj
+
+
+def fmt(x):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
+
+
+class StopAtStepEnd:
+    """Ctrl-C, SIGTERM or SIGHUP during a run: the step in flight finishes, a checkpoint is written, the run
+    stops. A second signal stops at once, unless it comes within repeat_s of the first: under torchrun
+    (repeat_s REPEAT_S) that is the same request arriving twice (a terminal or Slurm signals torchrun and
+    the ranks, and torchrun passes it on); a single process takes a quick second Ctrl-C as meant. Only the
+    main thread can take signals; elsewhere this is a no-op."""
+    REPEAT_S = 1.0
+
+    def __init__(self, repeat_s=0.0):
+        self.repeat_s = repeat_s
+
+    def __enter__(self):
+        self.signum, self.at, self.previous = 0, 0.0, {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._ask) for s in common.STOP_SIGNALS}
+        return self
+
+    def _ask(self, signum, frame):
+        if self.signum:
+            if time.monotonic() - self.at >= self.repeat_s:
+                raise common.Interrupted(signum=signum)
+            return
+        self.signum, self.at = signum, time.monotonic()
+        again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"interrupt | stopping after this step with a checkpoint ({again} again: stop now)", flush=True)
+
+    def requested(self):
+        """The number of the stop signal any rank got (0: none)."""
+        return int(global_sum([self.signum], "max")[0])
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        return False
+
+
+def halt_reason(signum):
+    """The name a stop signal gives a run's end ("interrupt" for Ctrl-C, else SIGTERM or SIGHUP); None for 0."""
+    if not signum:
+        return None
+    return "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+RUN_FILES = ("args.json", "metrics.jsonl", "summary.json")
+
+
+def is_run_file(name):
+    """Whether `name` in a run folder is one of the files a run writes."""
+    return name in RUN_FILES or bool(re.fullmatch(r"checkpoint-\d+", name))
+
+
+def check_run_folder(args, ckpt=None):
+    """--out: a folder without a run in it (other files are left alone, e.g. a launcher's log), or the
+    folder of the run that `ckpt` (--resume) continues. Never a file, the model or a data file, or a
+    folder holding them."""
+    inputs = [x for x in (args.model, args.data, args.eval_data) if x]
+    common.check_out_path(args.out, inputs)
+    if os.path.isdir(args.out) and rank_and_world()[0] == 0:
+        with common.OutputLock(args.out):  # a live run on this folder is named here, before any work
+            common.remove_stale_temps(args.out, is_run_file)  # what a killed run left: half-written checkpoints
+    held = sorted(os.listdir(args.out)) if os.path.isdir(args.out) else []
+    run = [n for n in held if is_run_file(n)]  # what a run would overwrite
+    own = ckpt is not None and os.path.realpath(os.path.dirname(os.path.abspath(ckpt))) == os.path.realpath(args.out)
+    if run and not own:
+        raise ValueError(f"--out {args.out} already holds a run ({', '.join(run[:3])}): continue it with --resume "
+                         f"{args.out} (without --out), or choose a new --out")
+
+
+class StepClock:
+    """Wall and CPU seconds of a step and of its phases (lap), for its record: benchmarks read the record,
+    so they need no hooks into 05."""
+
+    def __init__(self):
+        self.t0, self.cpu0, self.last, self.laps, self.cpu_laps = time.time(), time.process_time(), 0.0, {}, {}
+
+    def lap(self, name):
+        """The phase `name` ends now: its seconds since the previous lap (wall, and CPU since the start)."""
+        now = time.time() - self.t0
+        self.laps[name], self.cpu_laps[name], self.last = now - self.last, time.process_time() - self.cpu0, now
+
+
+def step_record(step, samples, mask, truncated, rewards, correct, report, clock, **extra):
+    """A step's line of metrics.jsonl, every number global (summed, or maximised, over ranks): the rewards and
+    samples (stage 03's Rollout, its completion mask (N, T), the truncated rows (N,)), the update's report
+    (every statistic of the loss by name; its bookkeeping counts stay out), the clock's phases, and `extra`."""
+    total_reward, total_correct, total_entropy, total_tokens, total_truncated = global_sum([
+        float(rewards.sum()), correct, float((samples.entropy.float() * mask).sum()), float(mask.sum()),
+        float(truncated.sum())])
+    t_sample = global_sum([clock.laps["sample"]], op="max")[0]
+    rows = report["rows_all"]
+    stats = {k: v for k, v in report.items() if k not in UPDATE_BOOKKEEPING}
+    return {"step": step, "reward": total_reward / rows, "acc": total_correct / rows,
+            "entropy": total_entropy / max(total_tokens, 1), "len": total_tokens / rows, **extra, **stats,
+            "frac_zero_std": report["flat_all"] / rows, "truncated": total_truncated / rows,
+            "tok/s": total_tokens / max(t_sample, 1e-9), "s/step": time.time() - clock.t0, "t_sample": t_sample,
+            "t_score": clock.laps["score"], "cpu_s": time.process_time() - clock.cpu0,
+            "cpu_sample": clock.cpu_laps["sample"], "peak_rss_mb": common.peak_rss_bytes() / 2 ** 20}
+
+
+UPDATE_BOOKKEEPING = ("skipped", "kept_rows", "kept_rows_all", "rows_all", "flat_all")  # policy_update's, not stats
