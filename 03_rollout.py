@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import common  # the project's plumbing
+import memory
 import engine  # the fast equivalents of Part 1's plain computations (compiled step, chunked log-probs)
 import hf_files  # a model folder's files: config.json's checks, safetensors reads, the tokenizer, ChatML
 quantize = importlib.import_module("01_quantize")
@@ -403,7 +404,7 @@ def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temper
     # equals token_logprobs(model.lm_head, h_sel, ids_sel, temperature, entropy), chunked (engine.py): a few
     # tokens' logits at a time, recomputed in backward, never the whole batch's (a 7B batch's are ~80 GB)
     picked = engine.chunked_token_logprobs(token_logprobs, model.lm_head, h_sel, ids_sel, temperature,
-                                           model.config.vocab_size, entropy, LOGITS_CHUNK_BYTES)
+                                           model.config.vocab_size, entropy)
     zero = h.sum(-1).float().reshape(-1) * 0  # (B*T,) zeros that keep the graph even with no token selected
     lp, ent = (zero.index_put((sel,), x) for x in picked) if picked else (zero, zero)  # (B*T,) each
     return lp.view(B, T) * m, ent.view(B, T) * m if entropy else None  # (B, T) each
@@ -531,33 +532,7 @@ def random_model(tok, seed=0, device="cpu"):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Names that live in the engine modules now, reachable here too for the callers that use them (04, 05, bench/,
-# tests/). LOGITS_CHUNK_BYTES is the live setting: sequence_logprobs passes this module's value.
-
-Tokenizer, load_tokenizer, byte_tokenizer = hf_files.Tokenizer, hf_files.load_tokenizer, hf_files.byte_tokenizer
-chat_prompt, template_default_system = hf_files.chat_prompt, hf_files.template_default_system
-SUPPORTED_MODEL_TYPES = hf_files.SUPPORTED_MODEL_TYPES
-LOGITS_CHUNK_BYTES = engine.LOGITS_CHUNK_BYTES
-MIN_TEMPERATURE = engine.MIN_TEMPERATURE
-
-
-# ---------------------------------------------------------------------------------------------------
-# generate()'s memory (to refuse up front what cannot fit) and the command line
-
-def generate_memory(cfg, rows, prompt_len, max_new_tokens, dtype_bytes):
-    """About the bytes generate() allocates, beyond the weights, for `rows` rows (prompts x samples) of
-    prompts up to prompt_len tokens: the KV cache, the prefill's largest activations (one layer at a
-    time), the sampler's fp32 logits and the outputs. For refusing up front what cannot fit."""
-    slots = -(-(prompt_len + max_new_tokens) // 64) * 64  # generate rounds the cache up to 64 slots
-    kv_cache = 2 * cfg.num_hidden_layers * rows * cfg.num_key_value_heads * slots * cfg.head_dim * dtype_bytes
-    # SwiGLU's three (rows, P, I) tensors, and attention's scores and mask (rows, H, P, slots) if the
-    # kernel materialises them
-    prefill = rows * prompt_len * (3 * cfg.intermediate_size * dtype_bytes
-                                   + cfg.num_attention_heads * slots * (dtype_bytes + 1))
-    sampler = 4 * rows * cfg.vocab_size * 4  # logits, tempered, log-probs and probabilities, (rows, V) fp32
-    outputs = rows * max_new_tokens * (8 + 3 * 4)  # ids, mask, log-probs and entropies
-    return kv_cache + prefill + sampler + outputs
-
+# The command line
 
 def build_parser():
     number = common.number
@@ -593,9 +568,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.quant_method != "rtn" and args.quant != "nvfp4":
         ap.error(f"--quant-method {args.quant_method} is a rounding of NVFP4 weights: it needs --quant nvfp4")
-    if 0 < args.temperature < MIN_TEMPERATURE:
+    if 0 < args.temperature < engine.MIN_TEMPERATURE:
         ap.error(f"argument --temperature: {args.temperature:g} is too small to sample with: need 0 (greedy) or "
-                 f">= {MIN_TEMPERATURE:g}")
+                 f">= {engine.MIN_TEMPERATURE:g}")
     device = common.pick_device(args.device)  # before loading: no GPU is one line, not a late traceback
     t0 = time.perf_counter()
     hidden = common.find_weight_files(args.model)[0].get("hidden_size") if args.dtype == "auto" else None
@@ -611,7 +586,7 @@ def main(argv=None):
         system = tok.default_system  # what the model's own chat template writes
     prompt = tok.encode(hf_files.chat_prompt(args.prompt, system))
     dtype_bytes = model.model.embed_tokens.weight.element_size()
-    common.check_memory_fits(generate_memory(cfg, args.num_samples, len(prompt), args.max_new_tokens, dtype_bytes),
+    common.check_memory_fits(memory.generate_memory(cfg, args.num_samples, len(prompt), args.max_new_tokens, dtype_bytes),
                              device, f"--num-samples {args.num_samples} with --max-new-tokens {args.max_new_tokens}")
     gen = torch.Generator(device=device).manual_seed(args.seed)
     r = generate(model, [prompt], num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,

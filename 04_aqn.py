@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import common  # the project's plumbing (imports no stage)
+import hf_files
 
 quantize = importlib.import_module("01_quantize")
 rollout = importlib.import_module("03_rollout")
@@ -294,7 +295,7 @@ def demo_models(model_dir, dtype, seed, num_prompts, method="rtn"):
     for _ in range(num_prompts):
         a, b, c = (int(torch.randint(0, 1000, (1,), generator=gen)) for _ in range(3))
         o1, o2 = ("+-"[int(torch.randint(0, 2, (1,), generator=gen))] for _ in range(2))
-        prompts.append(tok.encode(rollout.chat_prompt(f"{a}{o1}{b}{o2}{c}=?")))
+        prompts.append(tok.encode(hf_files.chat_prompt(f"{a}{o1}{b}{o2}{c}=?")))
     return tok, {"base": base, "NF4": nf4, "NVFP4": nvfp4}, prompts
 
 

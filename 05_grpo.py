@@ -35,6 +35,8 @@ import torch
 
 import checkpoints
 import common
+import hf_files
+import engine
 import distributed
 import memory
 import runs
@@ -317,9 +319,11 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewar
              "seq-mean-token-sum-norm": total_rows * max_new_tokens}[loss_options.loss_agg]
     out = {"loss": 0.0, "grad_norm": 0.0, "skipped": "", "kept_rows": len(kept_rows), "kept_rows_all": total_kept_rows,
            "rows_all": total_rows, "flat_all": total_flat_rows}
+    empty = torch.zeros(0, 0)  # (0, 0): no tokens, so each statistic takes its "nothing measured" value
+    unmeasured = grpo_loss(empty, empty, torch.zeros(0), empty, loss_options, max_new_tokens=1)[1] \
+        if total_kept_rows == 0 or not kept_rows else None  # no loss of this process names the statistics
     if total_kept_rows == 0:  # no process has a group with signal: nobody updates (a global decision)
-        empty = torch.zeros(0, 0)  # (0, 0): no tokens, so each statistic takes its "nothing measured" value
-        return {**out, **grpo_loss(empty, empty, torch.zeros(0), empty, loss_options, max_new_tokens=1)[1]}
+        return {**out, **unmeasured}
     # rows per forward/backward: one slice's activations live at a time (--micro-batch; auto: memory.py)
     slice_rows = memory.micro_batch_rows(update_options.micro_batch, max(len(kept_rows), 1), model,
                                          max(map(len, kept_prompts), default=0) + t_max)
@@ -328,7 +332,8 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewar
         if reading.needs_before and mu > 1 else None  # (n, t_max): the policy before the first step
     for _ in range(mu):
         opt.zero_grad(set_to_none=True)
-        loss_sum, sums, maxes = 0.0, {}, dict(MAX_STATS)
+        # every process sums the same statistics in the same order, one without rows too (zeros)
+        loss_sum, sums, maxes = 0.0, {k: 0.0 for k in unmeasured or () if k not in MAX_STATS}, dict(MAX_STATS)
         for part in slices:
             t = int(kept_mask[part].sum(1).max())  # this slice's longest completion
             loss, stats = micro_batch_loss(model, kept_prompts[part], kept_ids[part, :t], kept_mask[part, :t],
@@ -397,8 +402,8 @@ def train(args, task=None):
     summary (also written to <out>/summary.json)."""
     t_start = time.time()
     rank, world, device = distributed.init(str(common.pick_device(args.device)))  # torchrun: this process's share
-    ckpt, state = checkpoints.resume_args(args, parser_defaults())  # --resume: the checkpoint's hyper-parameters
-    task, dtype_why = check_run(args, task, world, device, ckpt)  # every check before any work (Part 2)
+    # --resume: the checkpoint and its hyper-parameters; then every check before any work (Part 2)
+    ckpt, state, task, dtype_why = check_run(args, task, world, device)
     model, tok, params, opt = build_policy(args, device)
     feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
         else None
@@ -483,15 +488,18 @@ def train(args, task=None):
 # ======== Part 2: plumbing (the checks before any work, the command line) ========
 
 
-def check_run(args, task, world, device, ckpt):
-    """Every check before the model loads -> (the task, why --dtype auto chose its dtype): the flags, the run
-    folder, the task and its data, every prompt within the context, --batch within the task, the memory."""
+def check_run(args, task, world, device):
+    """Before the model loads -> (--resume's checkpoint folder and trainer state or None, None; the task; why
+    --dtype auto chose its dtype). --resume takes the run's hyper-parameters from its checkpoint; then every
+    check: the flags, the run folder, the task and its data, every prompt within the context, --batch within
+    the task, the memory."""
+    ckpt, state = checkpoints.resume_args(args, parser_defaults())
     args.out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     check_args(args, world, ckpt)
     if args.gpu_path:
         use_gpu_path(device)
     task = task or tasks.make_task(args, parser_defaults())  # bad data fails here, before the model loads
-    return task, check_sizes(args, task, world, device)
+    return ckpt, state, task, check_sizes(args, task, world, device)
 
 
 def check_prompts_fit(task, tok, context, max_new_tokens, problems=()):
@@ -523,7 +531,7 @@ def check_sizes(args, task, world, device):
     """Before the model loads: every prompt within the context (check_prompts_fit), what memory.run_memory
     estimates within the memory free on the device, and --batch within what the task gives a step."""
     raw = common.find_weight_files(args.model)[0]
-    cfg, tok = rollout.ModelConfig.from_dict(raw), rollout.load_tokenizer(args.model, raw)
+    cfg, tok = rollout.ModelConfig.from_dict(raw), hf_files.load_tokenizer(args.model, raw)
     P = check_prompts_fit(task, tok, cfg.max_position_embeddings, args.max_new_tokens,
                           task.problems(args.seed, 0, min(args.batch, 64)))  # the longest prompt, in tokens
     dtype, why = policy_dtype(args, device, cfg)
@@ -571,9 +579,9 @@ def check_args(args, world, ckpt=None):
                              f"drop {flag}")
     if args.aqn and args.aqn_kind != "feedback":  # the schedule's stages and range, before any work
         aqn.check_schedule(args.steps, args.num_stages, args.sigma_start, args.sigma_end, args.aqn_kind)
-    if args.temperature < rollout.MIN_TEMPERATURE:
+    if args.temperature < engine.MIN_TEMPERATURE:
         raise ValueError(f"--temperature {args.temperature:g} is too small to sample with: need >= "
-                         f"{rollout.MIN_TEMPERATURE:g}")
+                         f"{engine.MIN_TEMPERATURE:g}")
     if args.train_norms and args.beta > 0:
         raise ValueError("--train-norms with --beta > 0 is not supported: the KL reference (the base under "
                          "lora_disabled) would keep the trained gains; drop one of the two")

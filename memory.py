@@ -7,10 +7,10 @@ any object with a model config's fields (hidden_size, intermediate_size, num_hid
 import torch
 
 import common
+import engine
 
 CONFIG_WIDTHS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "vocab_size")  # what the estimates read of a config
-LOGITS_CHUNK_BYTES = 2 ** 26  # 64 MiB of fp32 logits per chunk of the update's log-probs: 110 tokens at V = 151,936
 
 
 def generate_memory(cfg, rows, prompt_len, max_new_tokens, dtype_bytes):
@@ -63,7 +63,7 @@ def micro_batch_rows(micro_batch, rows, model, T):
 def run_memory(args, cfg, P, world, b, device="cpu"):
     """About the bytes a run allocates beyond the model's weights (prompts up to P tokens, b bytes per
     activation) -> (the adapters', {phase: its peak}); the adapters and one phase live at once. Sampling a
-    step or an evaluation chunk is stage 03's generate_memory; the update keeps each layer's activations of
+    step or an evaluation chunk is generate_memory; the update keeps each layer's activations of
     its rows for backward; the adapters are fp32 with their gradients and AdamW's two moments."""
     C, I, L, N = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, args.max_new_tokens
     rows = -(-args.batch // world) * args.group  # this rank's rows of a step
@@ -73,7 +73,7 @@ def run_memory(args, cfg, P, world, b, device="cpu"):
     per_row = update_bytes_per_row(cfg, T, b, args.grad_checkpoint)
     update_rows = auto_micro_batch(cfg, rows, T, b, args.grad_checkpoint, device) if args.micro_batch == "auto" \
         else min(args.micro_batch or rows, rows)  # auto as the update decides it, at full length
-    logits = 4 * min(LOGITS_CHUNK_BYTES, update_rows * T * cfg.vocab_size * 4)  # a chunk and its gradients
+    logits = 4 * min(engine.LOGITS_CHUNK_BYTES, update_rows * T * cfg.vocab_size * 4)  # a chunk and its gradients
     q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     adapter_numbers = args.lora_r * L * (2 * (C + q_out) + 2 * (C + kv_out) + 3 * (C + I))  # A, B of 7 projections
     return 16 * adapter_numbers, {

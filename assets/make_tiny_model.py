@@ -47,6 +47,7 @@ if ROOT not in sys.path:
 rollout = importlib.import_module("03_rollout")
 grpo = importlib.import_module("05_grpo")  # the evaluation
 tasks = importlib.import_module("tasks")  # the task: problems, prompts, reward
+hf_files = importlib.import_module("hf_files")  # the tokenizer wrapper
 TASK = tasks.ArithmeticTask(eval_size=0)  # its prompt (bare, no system message) and its `correct`
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -169,7 +170,7 @@ def main(args):
     torch.manual_seed(args.seed)
     tok_raw = build_tokenizer(args.digits, args.nops)
     im_end = tok_raw.token_to_id("<|im_end|>")
-    tok = rollout.Tokenizer(tok_raw, [im_end, tok_raw.token_to_id("<|endoftext|>")],
+    tok = hf_files.Tokenizer(tok_raw, [im_end, tok_raw.token_to_id("<|endoftext|>")],
                             tok_raw.token_to_id("<|endoftext|>"))
     cfg = rollout.ModelConfig(model_type="qwen2", vocab_size=tok_raw.get_vocab_size(), hidden_size=128,
                               intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,

@@ -40,6 +40,7 @@ import torch.utils.checkpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+engine = importlib.import_module("engine")
 tasks = importlib.import_module("tasks")
 quantize = importlib.import_module("01_quantize")
 lora = importlib.import_module("02_lora")
@@ -84,7 +85,7 @@ def run_one(rows, T, micro_batch, chunked, checkpointed=False):
     """One policy update; prints a RESULT line with the peak RSS growth in bytes."""
     torch.set_num_threads(1)
     if not chunked:
-        rollout.LOGITS_CHUNK_BYTES = 2 ** 62  # one chunk: the full (rows, T, V) logits, as before
+        engine.LOGITS_CHUNK_BYTES = 2 ** 62  # one chunk: the full (rows, T, V) logits, as before
     model = random_policy(QWEN_VOCAB)
     model.grad_checkpoint = checkpointed
     params = lora.lora_parameters(model)

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-ro = importlib.import_module("03_rollout")  # only for byte_tokenizer and chat_prompt
+hf_files = importlib.import_module("hf_files")  # byte_tokenizer and chat_prompt
 
 V = 272  # >= the 259 ids of the byte tokenizer, like real models whose embedding is padded past the tokenizer
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -78,9 +78,9 @@ def classic_rope_fields(path):
 
 
 def main():
-    tok = ro.byte_tokenizer()
+    tok = hf_files.byte_tokenizer()
     im_end, eot = tok.tok.token_to_id("<|im_end|>"), tok.tok.token_to_id("<|endoftext|>")
-    texts = [ro.chat_prompt("2+3?"), "hello world", "<|im_start|>user\nhi<|im_end|>\n"]
+    texts = [hf_files.chat_prompt("2+3?"), "hello world", "<|im_start|>user\nhi<|im_end|>\n"]
     prompts = [tok.encode(t) for t in texts]
     L = max(map(len, prompts))
     for seed, (family, hf_cfg) in enumerate(family_configs(im_end, eot).items()):

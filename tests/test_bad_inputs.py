@@ -28,6 +28,9 @@ TINY = os.path.join(ROOT, "assets", "tiny-qwen")
 if ROOT not in sys.path:  # run as a script: `python tests/test_bad_inputs.py` prints the table
     sys.path.insert(0, ROOT)
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+hf_files = importlib.import_module("hf_files")
+engine = importlib.import_module("engine")
+memory = importlib.import_module("memory")
 tasks = importlib.import_module("tasks")
 runs = importlib.import_module("runs")
 checkpoints = importlib.import_module("checkpoints")
@@ -318,9 +321,9 @@ def test_generate_and_chat_prompt_refuse_bad_arguments(tiny):
         with pytest.raises(ValueError, match=message):
             rollout.generate(model, prompts, max_new_tokens=2, **kw)
     with pytest.raises(ValueError, match="chat_prompt: the user message .* must be strings, got NoneType"):
-        rollout.chat_prompt(None)
+        hf_files.chat_prompt(None)
     with pytest.raises(ValueError, match="got str and int"):
-        rollout.chat_prompt("hi", system=3)
+        hf_files.chat_prompt("hi", system=3)
 
 
 @pytest.fixture
@@ -623,7 +626,7 @@ def test_resume_takes_a_moved_model_given_again(tmp_path):
     ckpt = _state(str(tmp_path))
     os.rename(tmp_path / "model", tmp_path / "moved")
     with pytest.raises(ValueError, match=r"model is not there: pass --model"):
-        grpo.resume_args(grpo.build_parser().parse_args(["--resume", ckpt]))
+        checkpoints.resume_args(grpo.build_parser().parse_args(["--resume", ckpt]), grpo.parser_defaults())
     args = grpo.build_parser().parse_args(["--resume", ckpt, "--model", str(tmp_path / "moved")])
     assert checkpoints.resume_args(args, grpo.parser_defaults())[0] == ckpt and args.model == str(tmp_path / "moved")
 
@@ -912,7 +915,7 @@ def test_memory_estimates_pass_the_documented_runs_and_refuse_the_rest(tmp_path,
     grpo.check_sizes(args, tasks.make_task(args, grpo.parser_defaults()), 1, "cuda")
     assert asked[-1][0] > 1000 * 2 ** 30 and "mostly the update" in asked[-1][1], asked
     cfg = rollout.ModelConfig.from_dict(SMOLLM2)
-    assert 23 * 2 ** 30 < rollout.generate_memory(cfg, 64, 40, 8000, 4) < 26 * 2 ** 30
+    assert 23 * 2 ** 30 < memory.generate_memory(cfg, 64, 40, 8000, 4) < 26 * 2 ** 30
 
 
 def test_memory_refusal_names_both_figures(monkeypatch):
@@ -927,7 +930,7 @@ def test_memory_refusal_names_both_figures(monkeypatch):
 def test_sampling_at_the_smallest_temperature_is_finite(tiny):
     """MIN_TEMPERATURE samples (no NaN probabilities reach sample_from); below it generate refuses."""
     model, tok = tiny
-    r = rollout.generate(model, [[1, 2, 3]], num_samples=4, max_new_tokens=4, temperature=rollout.MIN_TEMPERATURE,
+    r = rollout.generate(model, [[1, 2, 3]], num_samples=4, max_new_tokens=4, temperature=engine.MIN_TEMPERATURE,
                          generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(r.logprobs).all() and (r.completion_ids < 288).all()
     with pytest.raises(ValueError, match=r"need temperature 0 or >= 0.0001"):

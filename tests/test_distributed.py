@@ -21,6 +21,7 @@ if ROOT not in sys.path:  # when torchrun runs this file as the worker
 
 grpo = importlib.import_module("05_grpo")
 import distributed  # noqa: E402  (the engine module beneath 05)
+import hf_files  # noqa: E402
 rollout = importlib.import_module("03_rollout")
 lora = importlib.import_module("02_lora")
 
@@ -39,7 +40,7 @@ CASES = [
 
 def micro_model(lora_seed=0):
     """A random 2-layer model with a trained-looking adapter (B != 0, so A gets gradients too)."""
-    tok = rollout.byte_tokenizer()
+    tok = hf_files.byte_tokenizer()
     model = rollout.random_model(tok, seed=0)
     lora.add_lora(model, r=4, alpha=8, generator=torch.Generator().manual_seed(lora_seed))
     gen = torch.Generator().manual_seed(lora_seed + 1)

@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 import checkpoints  # the engine modules beneath 05 (conftest puts the repository on sys.path)
+import engine
+import hf_files
 import memory
 import runs
 import tasks
@@ -502,7 +504,7 @@ def update_batch(vocab, group=4, T=9):
 @pytest.mark.parametrize("beta", [0.0, 0.05])
 def test_micro_batches_give_the_same_update(lora_policy, agg, beta, monkeypatch):
     model, params, start = lora_policy
-    monkeypatch.setattr(rollout, "LOGITS_CHUNK_BYTES", 4 * model.config.vocab_size * 6)  # 6 tokens per chunk
+    monkeypatch.setattr(engine, "LOGITS_CHUNK_BYTES", 4 * model.config.vocab_size * 6)  # 6 tokens per chunk
     batch = update_batch(model.config.vocab_size)
     results = []
     monkeypatch.setattr(memory, "UPDATE_MEMORY_CPU", 1)  # --micro-batch auto with no room: one row at a time
@@ -798,7 +800,7 @@ class SumTask:
                 ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(n))]
 
     def prompt(self, problem):
-        return rollout.chat_prompt(problem["question"])
+        return hf_files.chat_prompt(problem["question"])
 
     def correct(self, problem, completion):
         return tasks.extract_answer(completion) == sum(problem["operands"])

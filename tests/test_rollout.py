@@ -352,24 +352,15 @@ def test_top_k_top_p_masks():
     tok, lp, _ = ro.sample_next(big[:3], 0.0, 0, 1.0, None)  # greedy: argmax, raw log-softmax
     assert tok.tolist() == [0, 0, 0] and torch.allclose(lp, torch.tensor(0.5).log())
 
-
 # ---------------------------------------------------------------------------------------------------
 # Tokenizer, chat template, CLI
 
-def test_names_moved_to_hf_files_and_engine_stay_reachable_from_03():
-    """04, 05, bench/ and tests/ still call these through 03: each is the engine module's own object."""
-    for name in ("Tokenizer", "load_tokenizer", "byte_tokenizer", "chat_prompt", "template_default_system",
-                 "SUPPORTED_MODEL_TYPES"):
-        assert getattr(ro, name) is getattr(hf_files, name), name
-    assert ro.LOGITS_CHUNK_BYTES == engine.LOGITS_CHUNK_BYTES and ro.MIN_TEMPERATURE == engine.MIN_TEMPERATURE
-
-
 def test_chat_prompt_and_tokenizer():
-    assert ro.chat_prompt("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert ro.chat_prompt("hi", system="Be brief.") == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+    assert hf_files.chat_prompt("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert hf_files.chat_prompt("hi", system="Be brief.") == ("<|im_start|>system\nBe brief.<|im_end|>\n"
                                                        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     _, tok = ro.load_model(DATA / "qwen2", device="cpu")
-    ids = tok.encode(ro.chat_prompt("2+3?"))
+    ids = tok.encode(hf_files.chat_prompt("2+3?"))
     assert ids[0] == tok.tok.token_to_id("<|im_start|>") == 257 and ids.count(258) == 1  # specials are single ids
     assert tok.decode(ids) == "user\n2+3?\nassistant\n" and tok.decode(tok.encode("héllo")) == "héllo"
     assert tok.eos_token_ids == [258, 256] and tok.pad_token_id == 256
@@ -403,13 +394,13 @@ def test_default_system_message_comes_from_the_chat_template(tmp_path, template,
         shutil.copy(ROOT / "assets" / "tiny-qwen" / "tokenizer_config.json", folder / "tokenizer_config.json")
     else:
         (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    tok = ro.load_tokenizer(folder)
+    tok = hf_files.load_tokenizer(folder)
     assert tok.default_system == want
     if want:
-        assert ro.chat_prompt("hi", tok.default_system).startswith(f"<|im_start|>system\n{want}<|im_end|>\n")
+        assert hf_files.chat_prompt("hi", tok.default_system).startswith(f"<|im_start|>system\n{want}<|im_end|>\n")
     (folder / "tokenizer_config.json").write_text("[1, 2")
     with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON"):
-        ro.load_tokenizer(folder)
+        hf_files.load_tokenizer(folder)
 
 
 def test_cli_runs_on_a_model_folder(monkeypatch, capsys):
@@ -420,7 +411,7 @@ def test_cli_runs_on_a_model_folder(monkeypatch, capsys):
         runpy.run_path(str(ROOT / "03_rollout.py"), run_name="__main__")
     assert exit.value.code == 0
     out = capsys.readouterr().out
-    n_prompt = len(ro.byte_tokenizer().encode(ro.chat_prompt("hi")))  # the same byte tokenizer as the folder's
+    n_prompt = len(hf_files.byte_tokenizer().encode(hf_files.chat_prompt("hi")))  # the same byte tokenizer as the folder's
     assert "--- sample 1 | tokens" in out and f"prefill | tokens {2 * n_prompt} |" in out and "decode | tokens" in out
 
 
@@ -569,7 +560,7 @@ def test_chunked_logprobs_equal_full_logits_values_and_gradients(model, monkeypa
     r = ro.generate(model, PROMPTS, num_samples=3, max_new_tokens=12, temperature=0.9,
                     eos_token_ids=[3, 7], generator=torch.Generator().manual_seed(2))
     assert (r.completion_mask.sum(-1) < 12).any()  # some rows end early: padded positions are skipped
-    monkeypatch.setattr(ro, "LOGITS_CHUNK_BYTES", 4 * model.config.vocab_size * 5)  # 5 tokens per chunk
+    monkeypatch.setattr(engine, "LOGITS_CHUNK_BYTES", 4 * model.config.vocab_size * 5)  # 5 tokens per chunk
     grads = []
     for fn in (full_logits_reference, lambda m, r, t: ro.sequence_logprobs(m, r.prompt_ids, r.completion_ids,
                                                                          r.completion_mask, temperature=t)):
@@ -592,7 +583,7 @@ def test_chunked_logprobs_never_hold_a_vocabulary_sized_tensor(model, monkeypatc
     """Structural check of the memory claim: the forward saves nothing vocabulary-sized for backward,
     and lm_head only ever sees one chunk, once in the forward and once again (recomputed) in backward."""
     V, chunk = model.config.vocab_size, 4
-    monkeypatch.setattr(ro, "LOGITS_CHUNK_BYTES", 4 * V * chunk)
+    monkeypatch.setattr(engine, "LOGITS_CHUNK_BYTES", 4 * V * chunk)
     r = ro.generate(model, PROMPTS, num_samples=2, max_new_tokens=9, temperature=1.0,
                     generator=torch.Generator().manual_seed(3))
     n_tok = int(r.completion_mask.sum())
@@ -662,7 +653,7 @@ def test_logprob_only_backward_by_hand_equals_autograd(model, monkeypatch):
     hand, (onehot - softmax) / T @ W; its gradients must be autograd's through one full log-softmax."""
     r = ro.generate(model, PROMPTS, num_samples=3, max_new_tokens=12, temperature=0.9,
                     eos_token_ids=[3, 7], generator=torch.Generator().manual_seed(2))
-    monkeypatch.setattr(ro, "LOGITS_CHUNK_BYTES", 4 * model.config.vocab_size * 5)  # 5 tokens per chunk
+    monkeypatch.setattr(engine, "LOGITS_CHUNK_BYTES", 4 * model.config.vocab_size * 5)  # 5 tokens per chunk
     model.lm_head.weight.requires_grad_(False)
     trained = [p for p in model.parameters() if p.requires_grad]
     try:

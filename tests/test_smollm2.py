@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 gguf = pytest.importorskip("gguf", reason="the `gguf` package is not installed (pip install gguf)")
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+hf_files = importlib.import_module("hf_files")
 ro = importlib.import_module("03_rollout")
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = Path(__file__).resolve().parent / "data" / "smollm2" / "reference.safetensors"
@@ -210,7 +211,7 @@ def test_config_and_tokenizer_files(tiny):
 
 def test_tokenizer_round_trip(tiny):
     _, _, out = tiny
-    tok = ro.load_tokenizer(out, json.loads((out / "config.json").read_text()))
+    tok = hf_files.load_tokenizer(out, json.loads((out / "config.json").read_text()))
     tokens, _ = vocabulary()
     ids = tok.encode("hello world")
     assert [tokens[i] for i in ids] == ["hello", "Ġworld"]  # the merges, in order, and no BOS
@@ -323,7 +324,7 @@ def test_real_token_ids_match_transformers(real):
     # Spaces before a digit: transformers' GGUF loader splits with GPT-2's regex alone, the smollm rule does not.
     assert ref["ids_4"].tolist() != ref["ids_smollm_4"].tolist()
     system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    assert ro.chat_prompt("What is the capital of France?", system=system) == texts[3]
+    assert hf_files.chat_prompt("What is the capital of France?", system=system) == texts[3]
     assert tok.encode(texts[3])[:2] == [1, tok.tok.token_to_id("system")]  # <|im_start|> whole, no BOS
 
 
