@@ -318,8 +318,9 @@ def load_adapter(model, folder):
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"adapter folder {folder!r} does not exist (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
     for f in (CONFIG_NAME, WEIGHTS_NAME):
-        if not os.path.isfile(os.path.join(folder, f)):
+        if not os.path.exists(os.path.join(folder, f)):
             raise FileNotFoundError(f"adapter folder {folder!r} has no {f}: is it a PEFT LoRA adapter folder?")
+        common.check_regular(os.path.join(folder, f))  # a pipe would block the reader: one line instead
     cfg = common.read_json(os.path.join(folder, CONFIG_NAME))
     if (cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("bias", "none") != "none"
             or cfg.get("rank_pattern") or cfg.get("alpha_pattern")):

@@ -263,7 +263,9 @@ def sample_from(p, generator):
     dev = generator.device if generator is not None else p.device  # a CPU generator may drive CUDA
     u = torch.rand(p.shape[0], 1, generator=generator, device=dev).to(p.device) * total  # (B, 1)
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1)  # (B,) the first cdf > u
+    # (B,) the first cdf > u; a row whose logits overflowed (NaN) would find none: its last index, and its NaN
+    # log-prob tells the caller (05 stops the run on it)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=p.shape[-1] - 1)
 
 
 def sample_next(logits, temperature, top_k, top_p, generator):

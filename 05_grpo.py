@@ -371,7 +371,7 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewar
 @torch.inference_mode()
 def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512, compiled=False):
     """Greedy pass@1; with k > 0 also pass@1 (mean over the k samples) and pass@k (any of k correct) at
-    `temperature`. Returns counts and rates."""
+    `temperature`. Returns counts and rates; under torchrun the counts of every rank's problems, summed."""
     prompts, n, device = [tok.encode(task.prompt(p)) for p in problems], len(problems), common.model_device(model)
 
     def solved(num_samples, temperature, gen):  # generate() over chunks of rows (memory)
@@ -384,11 +384,12 @@ def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, s
 
     with merged_sampling_weights(model, merge_for_sampling(device)):
         greedy = sum(h[0] for h in solved(1, 0.0, None))
-        res = {"n": n, "greedy_correct": greedy, "greedy": greedy / max(n, 1)}
-        if k > 0:
-            hits = solved(k, temperature, torch.Generator(device=device).manual_seed(seed))
-            res.update({"k": k, "sample_correct": sum(map(sum, hits)), "pass_k_correct": sum(map(any, hits)),
-                        "pass@1": sum(map(sum, hits)) / max(k * n, 1), f"pass@{k}": sum(map(any, hits)) / max(n, 1)})
+        hits = solved(k, temperature, torch.Generator(device=device).manual_seed(seed)) if k > 0 else []
+    n, greedy, sampled, passed = map(int, distributed.global_sum([n, greedy, sum(map(sum, hits)), sum(map(any, hits))]))
+    res = {"n": n, "greedy_correct": greedy, "greedy": greedy / max(n, 1)}
+    if k > 0:
+        res.update({"k": k, "sample_correct": sampled, "pass_k_correct": passed, "pass@1": sampled / max(k * n, 1),
+                    f"pass@{k}": passed / max(n, 1)})
     return res
 
 # -----------------------------------------------------------------------------
@@ -401,7 +402,7 @@ def train(args, task=None):
     """The GRPO run. `task`, any object with tasks.Task's interface, replaces the one --task names. Returns the
     summary (also written to <out>/summary.json)."""
     t_start = time.time()
-    rank, world, device = distributed.init(str(common.pick_device(args.device)))  # torchrun: this process's share
+    rank, world, device = distributed.init(str(common.pick_device(args.device)), 60 * args.dist_timeout)  # torchrun
     # --resume: the checkpoint and its hyper-parameters; then every check before any work (Part 2)
     ckpt, state, task, dtype_why = check_run(args, task, world, device)
     model, tok, params, opt = build_policy(args, device)
@@ -413,13 +414,13 @@ def train(args, task=None):
 
     with runs.RunLog(args, rank, start, t_start, model, world, dtype_why) as log, \
             runs.StopAtStepEnd(runs.StopAtStepEnd.REPEAT_S if world > 1 else 0.0) as stop:
-        def held_out(step, k):  # rank 0 evaluates (greedy; pass@k too for k > 0) and logs it
-            if rank > 0 or not args.eval_size:
+        def held_out(step, k):  # greedy, and pass@k for k > 0; torchrun: each rank its share, the counts summed
+            if not args.eval_size:
                 return None
             common.release_freed_memory()  # the steps' freed activations go back first: the peaks do not add up
             t0 = time.time()
-            res = evaluate(model, tok, task, task.held, args.max_new_tokens, k, args.temperature, tasks.EVAL_SEED,
-                           args.eval_chunk, args.compile)
+            res = evaluate(model, tok, task, distributed.shard(task.held, rank, world), args.max_new_tokens, k,
+                           args.temperature, tasks.EVAL_SEED, args.eval_chunk, args.compile)
             return log.eval(res, step, k, time.time() - t0)
 
         def save(step):  # rank 0 writes checkpoint-<step>: the adapter (PEFT's files) and trainer_state.pt
@@ -430,7 +431,7 @@ def train(args, task=None):
                                                feedback, {"first_eval": first_eval}) or last_ckpt
 
         first_eval = (state or {}).get("first_eval") or held_out(start, args.eval_k)
-        last_eval, last_ckpt, done, stopped, skipped, signum = first_eval, None, start, "steps", 0, 0
+        last_eval, last_ckpt, done, stopped, signum = first_eval, None, start, "steps", 0
         for step in range(start, args.steps):
             if log.out_of_time(first_eval):
                 stopped = "time budget"
@@ -456,14 +457,13 @@ def train(args, task=None):
                                    samples.logprobs.float().clone(), rewards, group=args.group,
                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                    loss_options=loss_options, update_options=update_options)
-            if report["skipped"]:
-                print(f"step {step + 1} | {report['skipped']} | skipping this update (no weights changed)")
-                skipped += 1
+            # kl_after: how far the update moved the policy from the sampler; "diverged" when something is not finite
+            checked = check_step(step + 1, model, params, samples, loss_mask, report, args.temperature)  # Part 2
             rec = runs.step_record(step + 1, samples, mask, truncated, rewards, correct, report, clock,
-                                   sigma=sigma, sigma_applied=sigma_applied)
+                                   sigma=sigma, sigma_applied=sigma_applied, **checked)
             if feedback is not None:
                 feedback.update(rec["entropy"])  # the same global entropy on every rank: sigma stays in step
-            log.step(rec, lr=lr)
+            log.step(rec, lr=lr)  # the log line; a step that diverged ends the run here (the last checkpoint stays)
             done = step + 1
             if args.eval_every and done % args.eval_every == 0 and done < args.steps:
                 last_eval = held_out(done, 0) or last_eval
@@ -474,12 +474,12 @@ def train(args, task=None):
             if halt:
                 stopped = halt
                 break
-        if stopped in ("steps", "time budget") and rank == 0:  # the end: a last checkpoint, the full evaluation
-            if done > start and (last_ckpt is None or not last_ckpt.endswith(f"{done:06d}")):
+        if stopped in ("steps", "time budget"):  # the end: a last checkpoint, the full evaluation
+            if rank == 0 and done > start and (last_ckpt is None or not last_ckpt.endswith(f"{done:06d}")):
                 last_ckpt = save(done)
             if last_eval is None or last_eval["step"] != done or "k" not in last_eval:
                 last_eval = held_out(done, args.eval_k) or last_eval
-        summary = log.summary(done, stopped, skipped, first_eval, last_eval, last_ckpt)
+        summary = log.summary(done, stopped, first_eval, last_eval, last_ckpt)
         if stopped not in ("steps", "time budget", "stop-at"):  # a signal: the log's line says how to resume
             raise common.Interrupted(signum=signum)
         return summary
@@ -494,27 +494,18 @@ def check_run(args, task, world, device):
     check: the flags, the run folder, the task and its data, every prompt within the context, --batch within
     the task, the memory."""
     ckpt, state = checkpoints.resume_args(args, parser_defaults())
+    if ckpt:
+        check_resumed_args(args)
+        if getattr(args, "world_size", world) != world:  # args.json records it (a run before that: unknown)
+            print(f"note | resuming a run of {args.world_size} rank(s) on {world}: each rank's share of the groups "
+                  f"and its sampling stream change, so the run goes on validly but not as the uninterrupted one")
+    args.world_size = world
     args.out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     check_args(args, world, ckpt)
     if args.gpu_path:
         use_gpu_path(device)
     task = task or tasks.make_task(args, parser_defaults())  # bad data fails here, before the model loads
     return ckpt, state, task, check_sizes(args, task, world, device)
-
-
-def check_prompts_fit(task, tok, context, max_new_tokens, problems=()):
-    """Every held-out and file problem's prompt (and those of `problems`) plus --max-new-tokens fits the
-    model's context, checked at the start with the problem's file line (not found steps later as 'prompt
-    1'). Returns the longest prompt's length in tokens."""
-    longest = 0
-    for p in [*task.held, *getattr(task, "train", []), *problems]:
-        n = len(tok.encode(task.prompt(p)))
-        if n + max_new_tokens > context:
-            where = p.get("where", f"question {p['question'][:40]!r}")
-            raise ValueError(f"{where}: the prompt has {n} tokens; with --max-new-tokens {max_new_tokens} that exceeds "
-                             f"the model's context of {context} (shorten or drop it, or lower --max-new-tokens)")
-        longest = max(longest, n)
-    return longest
 
 
 def policy_dtype(args, device, cfg=None):
@@ -528,12 +519,12 @@ def policy_dtype(args, device, cfg=None):
 
 
 def check_sizes(args, task, world, device):
-    """Before the model loads: every prompt within the context (check_prompts_fit), what memory.run_memory
+    """Before the model loads: every prompt within the context (tasks.check_prompts_fit), what memory.run_memory
     estimates within the memory free on the device, and --batch within what the task gives a step."""
     raw = common.find_weight_files(args.model)[0]
     cfg, tok = rollout.ModelConfig.from_dict(raw), hf_files.load_tokenizer(args.model, raw)
-    P = check_prompts_fit(task, tok, cfg.max_position_embeddings, args.max_new_tokens,
-                          task.problems(args.seed, 0, min(args.batch, 64)))  # the longest prompt, in tokens
+    P = tasks.check_prompts_fit(task, tok, cfg.max_position_embeddings, args.max_new_tokens,
+                                  task.problems(args.seed, 0, min(args.batch, 64)))  # the longest prompt, in tokens
     dtype, why = policy_dtype(args, device, cfg)
     args.dtype = str(dtype).replace("torch.", "")  # the choice goes into args.json: a resume computes alike
     adapters, phases = memory.run_memory(args, cfg, P, world, dtype.itemsize, device)
@@ -545,6 +536,28 @@ def check_sizes(args, task, world, device):
         raise ValueError(f"--batch {args.batch} is more than --task {args.task} gives a step ({given} problems): "
                          f"lower --batch to {given} or less")
     return why
+
+
+@torch.no_grad()
+def check_step(step, model, params, samples, mask, report, temperature, rows=16):
+    """After a step's update -> {"kl_after": how far the update moved the policy from the one that sampled,
+    the k3 estimate of KL(sampler || updated policy) per token over the first `rows` rows of each rank}, and
+    "diverged": why, when the sampler's log-probs, the loss, the gradient or an adapter weight is not finite.
+    runs.RunLog.step ends the run on "diverged" and names a kl_after beyond runs.DIVERGED_KL."""
+    m = mask[:rows].to(samples.logprobs.device)  # (r, T)
+    bad_samples = not bool(torch.isfinite(samples.logprobs[mask.to(samples.logprobs.device) > 0]).all())
+    kl_sum = 0.0
+    if m.sum() > 0 and not bad_samples and not report["skipped"]:
+        logp, _ = rollout.sequence_logprobs(model, samples.prompt_ids[:rows], samples.completion_ids[:rows], m,
+                                            temperature=temperature, entropy=False)  # (r, T)
+        d = logp.float() - samples.logprobs[:rows].float()  # (r, T) log of pi_updated / pi_sampler
+        kl_sum = float(((torch.exp(d) - 1 - d) * m).sum())
+    kl_sum, tokens, bad_samples = distributed.global_sum([kl_sum, float(m.sum()), bad_samples])
+    why = ("the sampler's log-probs are not finite (its logits overflowed: is --sigma-start far too large?)"
+           if bad_samples else f"the {report['skipped']}" if report["skipped"] else
+           "an adapter weight is not finite" if not all(bool(torch.isfinite(p).all()) for p in params) else None)
+    kl_after = kl_sum / tokens if tokens and not why else float("nan")
+    return {"kl_after": kl_after, **({"diverged": why} if why else {})}
 
 
 MAX_EVAL_SIZE = 100_000  # every evaluation samples each held-out problem (greedy, then --eval-k times)
@@ -593,6 +606,24 @@ def check_args(args, world, ckpt=None):
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--model {args.model!r} is not a model folder ({e})") from None
     runs.check_run_folder(args, ckpt)
+
+
+def check_resumed_args(args):
+    """--resume: every argument the checkpoint gave, within its flag's own range and choices (an edited or
+    damaged trainer_state.pt could hold --grad-clip -1, which would flip the clipped gradient's sign)."""
+    for action in build_parser()._actions:
+        value = getattr(args, action.dest, None)
+        if value is None or isinstance(value, bool) or not action.option_strings:
+            continue
+        try:
+            if action.choices is not None and value not in action.choices:
+                raise ValueError(f"not one of {', '.join(map(str, action.choices))}")
+            if action.type is not None:
+                action.type(str(value))
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            raise ValueError(f"--resume: the checkpoint's {action.option_strings[0]} {value!r} is not a value of that "
+                             f"flag ({e}): its trainer_state.pt is damaged or edited; resume from another "
+                             f"checkpoint") from None
 
 
 def use_gpu_path(device):
@@ -684,6 +715,8 @@ def build_parser():
                    f"{memory.UPDATE_MEMORY_CPU // 2 ** 20} MiB on a CPU, half the free memory on a GPU)")
     m.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per decoder layer "
                    "in the update (less memory, one more forward)")
+    m.add_argument("--dist-timeout", type=N(above=0), default=10.0, help="torchrun: minutes a rank waits for the "
+                   "others at a collective before the job ends with a line naming the missing rank")
     m.add_argument("--gpu-path", action="store_true", help="on the CPU, run what CUDA runs: NVFP4Linear through "
                    "the Triton kernel (interpreted), no merged sampling weights, bfloat16 by default")
     o = p.add_argument_group("evaluation and the run folder")

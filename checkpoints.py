@@ -18,9 +18,27 @@ import torch
 import common
 
 RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_every", "device", "quiet",
-                "micro_batch", "grad_checkpoint", "gpu_path", "compile")  # how to compute, not what: a resume may change them
+                "micro_batch", "grad_checkpoint", "gpu_path", "compile", "dist_timeout")  # how to compute, not what: a resume may change them
 INHERITED_RUNTIME_ARGS = ("time_budget", "eval_every", "save_every", "quiet", "micro_batch", "grad_checkpoint",
                           "compile")  # a resume keeps these unless given again
+
+
+RUN_FILES = ("args.json", "metrics.jsonl", "summary.json")  # what a run writes in its folder, beside its checkpoints
+CHECKPOINT_FILES = ("trainer_state.pt", "adapter_config.json", "adapter_model.safetensors")  # what a checkpoint holds
+
+
+def is_run_file(name):
+    """Whether `name` in a run folder is one of the files a run writes."""
+    return name in RUN_FILES or bool(re.fullmatch(r"checkpoint-\d+", name))
+
+
+def check_run_links(folder):
+    """Refuse a run folder whose own files (the run files, its checkpoints, the lock) are symbolic links: a run
+    writes them, and a planted link would send metrics.jsonl's lines, a checkpoint or the lock's PID into
+    its target (a dangling one would make it)."""
+    if os.path.isdir(folder):
+        common.refuse_links(folder, sorted(n for n in os.listdir(folder) if is_run_file(n) or n == common.LOCK_FILE),
+                            "05_grpo.py")
 
 
 def save_checkpoint(out, step, opt, params, args, write_adapter, lora_targets, feedback=None, extra=None):
@@ -52,7 +70,7 @@ def model_fingerprint(model_dir):
     _, weight_map, _ = common.find_weight_files(model_dir)
     h = hashlib.sha256()
     for name in ["config.json", *sorted(set(weight_map.values()))]:
-        with open(os.path.join(model_dir, name), "rb") as f:
+        with common.open_regular(os.path.join(model_dir, name)) as f:
             h.update(f.read() if name == "config.json" else f.read(8 + int.from_bytes(f.read(8), "little")))
     return h.hexdigest()
 
@@ -104,13 +122,18 @@ def resume_args(args, defaults):
     if not args.resume:
         return None, None
     ckpt = args.resume
-    if not os.path.isfile(os.path.join(ckpt, "trainer_state.pt")):  # a run folder: its latest checkpoint
+    if not os.path.lexists(os.path.join(ckpt, "trainer_state.pt")):  # a run folder: its latest checkpoint
         found = latest_checkpoint(ckpt)
         if not found:
             raise FileNotFoundError(f"--resume {ckpt!r}: no checkpoint there (expected a checkpoint-NNNNNN folder "
                                     f"with trainer_state.pt, or a run folder containing one)")
         ckpt = found
+    # The run folder (its args.json is read below, its checkpoint was found by name) and the checkpoint's files:
+    # a run made them all, so a link among them was planted, and would lead the reads outside
+    check_run_links(os.path.dirname(os.path.abspath(ckpt)))
+    common.refuse_links(ckpt, CHECKPOINT_FILES, "05_grpo.py")
     file = os.path.join(ckpt, "trainer_state.pt")
+    common.check_regular(file)  # not a pipe: torch.load would wait on it
     state = read_trainer_state(file, defaults)
     saved = dict(state["args"], **check_run_record(args, ckpt, state, defaults))
     for k, v in saved.items():
@@ -136,7 +159,7 @@ def check_run_record(args, ckpt, state, defaults):
         print(f"note | {ckpt} has no record of its model (an older checkpoint): not checked")
         return {}
     args_json = os.path.join(os.path.dirname(os.path.abspath(ckpt)), "args.json")
-    folder = common.read_json(args_json) if os.path.isfile(args_json) else {}
+    folder = common.read_json(args_json) if os.path.lexists(args_json) else {}
     keys = [k for k in ("quant", "quant_method", "lora_r", "lora_alpha") if k in folder and k in run]
     ours, theirs = (", ".join(f"{k} {a[k]}" for k in keys) for a in (run, folder))
     if ours != theirs:
@@ -173,5 +196,23 @@ def restore(ckpt, state, load_adapter, opt, feedback):
         raise ValueError(f"--resume: {os.path.join(ckpt, 'trainer_state.pt')} does not fit this run's optimizer or "
                          f"generators ({type(e).__name__}): the checkpoint is damaged; resume from another "
                          f"checkpoint") from None
+    check_finite_state(ckpt, opt)
     print(f"resume | {ckpt} | step {state['step']} | hyper-parameters from the checkpoint")
     return state["step"]
+
+
+def check_finite_state(ckpt, opt):
+    """--resume: what a run would continue from is sound: every trained tensor and AdamW moment finite, and
+    every second moment >= 0 (its square root divides the step). One line naming the first bad tensor."""
+    names = {id(p): f"parameter {i}" for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            bad = None if bool(torch.isfinite(p).all()) else "the adapter (or a trained norm) holds a non-finite value"
+            for key, t in opt.state.get(p, {}).items():
+                if bad is None and torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    bad = f"AdamW's {key} holds a non-finite value"
+                if bad is None and key == "exp_avg_sq" and bool((t < 0).any()):
+                    bad = "AdamW's exp_avg_sq (a second moment) holds a negative value"
+            if bad:
+                raise ValueError(f"--resume: {ckpt}: {bad} ({names[id(p)]}): the checkpoint is damaged; resume from "
+                                 f"another checkpoint")

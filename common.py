@@ -17,6 +17,7 @@ import re
 import resource
 import shutil
 import signal
+import stat
 import sys
 import threading
 
@@ -174,27 +175,50 @@ def atomic_write(path, write):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
     old = tmp + ".old"
+    for leftover in (tmp, old):  # no live process writes our names: a killed one with our PID left it, or a link
+        refuse_link(leftover, f"the temporary of {path}")
+        _remove(leftover)
     try:
         write(tmp)
-        if os.path.isdir(path):  # os.replace cannot overwrite a folder: move the old one aside first
+        if os.path.isdir(path) and not os.path.islink(path):  # os.replace cannot overwrite a folder: move it aside
             os.replace(path, old)
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # a link at `path` is replaced, never written through
     except (OSError, SafetensorError) as e:  # a full disk, say: name what was being written, not the temporary
         raise _named_for(e, tmp, path) from None
     finally:
         for leftover in (tmp, old):
-            if os.path.isdir(leftover):
-                shutil.rmtree(leftover, ignore_errors=True)
-            elif os.path.exists(leftover):
-                os.remove(leftover)
+            if not os.path.islink(leftover):  # a link planted meanwhile is not ours to remove
+                _remove(leftover)
     return path
 
 
+def _remove(path):
+    """Remove a file or folder tree if it is there (a link: only the link)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
 def write_text(path, text):
-    def write(tmp):
-        with open(tmp, "w") as f:
+    def write(tmp):  # O_EXCL | O_NOFOLLOW: a file or link that appears at the temporary's name is never written into
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666),
+                       "w") as f:
             f.write(text)
     return atomic_write(path, write)
+
+
+def append_line(path, line):
+    """Append `line` to the file at `path` (made if missing), never through a symbolic link: a log a planted link
+    could send outside its folder is one error naming it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            refuse_link(path, "a log")
+        raise
+    with os.fdopen(fd, "a") as f:
+        f.write(line)
 
 
 def write_json(path, obj):
@@ -221,13 +245,13 @@ def remove_stale_temps(folder, ours):
         return removed
     for name in sorted(os.listdir(folder)):
         m = re.fullmatch(r"\.(.+)\.tmp(\d+)(\.old)?", name)
-        if not m or not ours(m.group(1)) or _pid_alive(int(m.group(2))):
-            continue
-        path, target = os.path.join(folder, name), os.path.join(folder, m.group(1))
-        if m.group(3) and not os.path.exists(target):
+        path, target = os.path.join(folder, name), os.path.join(folder, m.group(1)) if m else None
+        if not m or not ours(m.group(1)) or _pid_alive(int(m.group(2))) or os.path.islink(path):
+            continue  # a link is never a temporary: atomic_write makes none, so it is not ours to move or remove
+        if m.group(3) and not os.path.lexists(target):
             os.replace(path, target)
             continue
-        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        _remove(path)
         removed.append(name)
     return removed
 
@@ -253,8 +277,8 @@ class OutputLock:
         self.made_folder = not os.path.isdir(self.folder)
         os.makedirs(self.folder, exist_ok=True)
         while True:
-            self.made_file = not os.path.exists(self.path)
-            self.file = open(self.path, "a+")
+            self.made_file = not os.path.lexists(self.path)
+            self.file = self._open()
             try:
                 fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -270,10 +294,34 @@ class OutputLock:
             except FileNotFoundError:
                 pass
             self.file.close()
+        self.file.seek(0)
+        if not re.fullmatch(r"\d*\n?", self.file.read(64)):  # what a killed holder left: its PID, or nothing
+            self.file.close()
+            raise ValueError(f"{self.path} holds something other than a process id: it is not a lock file of this "
+                             f"project, so it is not overwritten; move it away, or choose another --out")
         self.file.truncate(0)
         self.file.write(f"{os.getpid()}\n")
         self.file.flush()
         return self
+
+    def _open(self):
+        """The lock file, opened without following a link (a planted link would have the PID written into its
+        target), and only as a regular file of its own (not a pipe, nor another name of a user's file)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         0o644)  # O_APPEND: "a+" as open() makes it, so the PID is written at 0 after the truncate
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                refuse_link(self.path, "the lock file")
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            os.close(fd)
+            what = "has other names (hard links)" if stat.S_ISREG(st.st_mode) else f"is {_kind(st.st_mode)}"
+            raise ValueError(f"{self.path} {what}, not a lock file of this project: move it away, or choose "
+                             f"another --out")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "a+")
 
     def __exit__(self, *exc):
         with contextlib.suppress(OSError):
@@ -289,6 +337,8 @@ class OutputLock:
 def output_files(folder, command):
     """The files an earlier run of `command` wrote in `folder` (its manifest's list), or None when the folder
     has no manifest of that command. Only plain names count: a manifest cannot point outside its folder."""
+    if os.path.islink(os.path.join(folder, MANIFEST)):  # another folder's manifest would claim this one
+        return None
     try:
         manifest = read_json(os.path.join(folder, MANIFEST))
     except ValueError:
@@ -310,6 +360,7 @@ def write_output(out, write, command):
         remove_stale_temps(os.path.dirname(out), lambda name: name == os.path.basename(out))  # a killed run's
         remove_stale_temps(out, lambda name: name == MANIFEST)
         old = set(output_files(out, command) or ())
+        refuse_links(out, [MANIFEST, *sorted(old)], command)
         try:
             write(tmp)  # which makes tmp, as for atomic_write
             new = set(os.listdir(tmp))
@@ -343,7 +394,11 @@ ST_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "
 def read_json(path):
     """A JSON object from `path` (every Hugging Face folder file is one); one error naming the file otherwise."""
     try:
-        with open(path) as f:
+        f = open_regular(path, "r")  # a pipe or a device is refused here, in its own words
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        with f:
             obj = json.load(f)
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
@@ -357,8 +412,12 @@ def read_json(path):
 def read_safetensors_header(path):
     """-> ({name: {dtype, shape, data_offsets}}, byte where the data starts)."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        f = open_regular(path)  # a pipe or a device: check_regular's line
+    except OSError as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+    try:
+        with f:
+            size = os.fstat(f.fileno()).st_size
             n = int.from_bytes(f.read(8), "little")
             if not 2 <= n <= size - 8:  # random bytes: a "header length" of exabytes
                 raise ValueError(f"header length {n} does not fit a {size}-byte file")
@@ -396,22 +455,83 @@ def find_weight_files(model_dir):
     """-> (config, {tensor name: shard file name}, has_index); one clear error for a bad folder."""
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model folder not found: {model_dir}")
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    if not os.path.lexists(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"{model_dir} has no config.json (expected a Hugging Face model folder)")
-    config = read_json(os.path.join(model_dir, "config.json"))
+    config = read_json(os.path.join(model_dir, "config.json"))  # a pipe or a device: refused, not read
     index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
+    has_index = os.path.lexists(index)
+    if has_index:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map")
-    elif os.path.isfile(os.path.join(model_dir, "model.safetensors")):
+        for tensor, shard in weight_map.items():  # a name from a file: it must not lead out of the folder
+            if not is_plain_name(shard):
+                raise ValueError(f"{index}: weight_map entry {tensor!r} names {shard!r}, which is not a file name "
+                                 f"beside the index (a path outside the model folder, or into a subfolder): "
+                                 f"every shard must be a file in {model_dir}; fix the index")
+    elif os.path.lexists(os.path.join(model_dir, "model.safetensors")):
         weight_map = {k: "model.safetensors" for k in read_safetensors_header(os.path.join(model_dir, "model.safetensors"))[0]}
     else:
         raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
-    for shard in set(weight_map.values()):
-        if not os.path.isfile(os.path.join(model_dir, shard)):
+    for shard in sorted(set(weight_map.values())):
+        if not os.path.lexists(os.path.join(model_dir, shard)):
             raise FileNotFoundError(f"shard {shard} listed in the index is missing from {model_dir}")
-    return config, weight_map, os.path.isfile(index)
+        check_regular(os.path.join(model_dir, shard))
+    return config, weight_map, has_index
+
+
+def is_plain_name(name):
+    """Whether `name` (read from a file: an index entry, a manifest line) names a file right inside its
+    folder: a string without a folder separator, not '', '.' or '..', no NUL. A plain name can still be a
+    link the folder's owner made (the Hugging Face cache links each file of a snapshot to its blob)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
+            and "\0" not in name)
+
+
+def _kind(mode):
+    """What a non-regular file is, in words."""
+    kinds = [(stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")]
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
+
+
+def check_regular(path):
+    """Refuse a path that is not a regular file (after links): reading a pipe blocks until a writer comes, a
+    device (/dev/zero) never ends. One line naming it; a missing file is the FileNotFoundError of os.stat."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path} is {_kind(mode)}, not a regular file: put the file itself there")
+
+
+def open_regular(path, mode="rb"):
+    """open(path, mode) for reading, refused (check_regular's line) unless it is a regular file. Opened
+    non-blocking, so that a pipe swapped in after the check does not block either."""
+    check_regular(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is {_kind(st.st_mode)}, not a regular file: put the file itself there")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def refuse_link(path, what):
+    """One line if `path` is a symbolic link: a command writes (or reads by a name it trusts) only files it
+    makes itself, and a planted link would send that write or read elsewhere."""
+    if os.path.islink(path):
+        raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}), and {what} is never one: a link there "
+                         f"would send what this command writes (or reads) elsewhere; remove it, or choose another "
+                         f"folder")
+
+
+def refuse_links(folder, names, what="this command"):
+    """refuse_link for each of `names` in `folder`: the folder's own files, which `what` writes or reads."""
+    for name in names:
+        refuse_link(os.path.join(folder, name), f"a file {what} writes")
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -475,6 +595,7 @@ def check_out_dir(out, inputs=(), *, force=False, ours=None, command="this comma
     check_out_path(out, inputs)
     if not os.path.isdir(out):
         return
+    refuse_links(out, [LOCK_FILE, MANIFEST], command)
     with OutputLock(out):  # a live writer is named here, before any work
         held = [n for n in os.listdir(out) if n != LOCK_FILE]
     if held:

@@ -1,7 +1,11 @@
 """Data parallel under torchrun, and nothing else: `torchrun --nproc_per_node N 05_grpo.py ...` starts N copies
-of 05, each with the same adapter (built from --seed) and a contiguous share of the step's prompt groups. NCCL
-joins GPUs, gloo joins CPU processes; process 0 alone prints, evaluates and writes files. Every function here is
-a no-op in a plain single-process run, so 05's loop reads the same either way. Imports no stage.
+of 05, each with the same adapter (built from --seed) and a contiguous share of the step's prompt groups and of
+the held-out problems. NCCL joins GPUs, gloo joins CPU processes; process 0 alone prints and writes files.
+Every function here is a no-op in a plain single-process run, so 05's loop reads the same either way.
+
+No rank waits long for another (each evaluates its share), so every collective has a short timeout
+(--dist-timeout): a rank that hangs or dies ends the job in minutes with one line naming it (PeerError), not
+after gloo's default of hours or with its traceback. Imports no stage.
 """
 import datetime
 import os
@@ -11,17 +15,66 @@ import torch
 import torch.distributed as dist
 
 
-def init(device):
-    """(rank, world_size, device). Joins the process group when torchrun started us (WORLD_SIZE > 1);
-    on CUDA each rank takes the GPU of its LOCAL_RANK."""
+class PeerError(ValueError):
+    """A collective failed: another rank did not answer within the timeout, or died. One line, naming it."""
+
+
+TIMEOUT_S = [600.0]  # the collectives' timeout (05's --dist-timeout), set by init
+
+
+def init(device, timeout_s=600.0):
+    """(rank, world_size, device). Joins the process group when torchrun started us (WORLD_SIZE > 1), every
+    collective then timing out after timeout_s; on CUDA each rank takes the GPU of its LOCAL_RANK."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return 0, 1, device
     if device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
-    if not dist.is_initialized():  # rank 0 evaluates while the others wait: allow a long evaluation
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=datetime.timedelta(hours=2))
+    TIMEOUT_S[0] = timeout_s
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _store():
+    """The process group's key-value store (torchrun's rendezvous), or None where this torch hides it."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError):
+        return None
+
+
+SEEN = [0]  # collectives this process has entered: each one is posted to the store as qerl_seen_<rank>
+
+
+def _failed(e):
+    """The PeerError for a failed collective `e`: which ranks are missing (those whose count of collectives
+    entered, in the store, is behind this one's), and whether it timed out or a connection closed (a death)."""
+    rank, store, missing = dist.get_rank(), _store(), []
+    for r in range(dist.get_world_size()) if store is not None else ():
+        try:
+            seen = int(store.get(f"qerl_seen_{r}")) if store.check([f"qerl_seen_{r}"]) else 0
+        except (RuntimeError, ValueError):
+            continue
+        if seen < SEEN[0]:
+            missing.append(r)
+    who = f"rank {', '.join(map(str, missing))}" if missing else "another rank"
+    text = str(e).lower()
+    how = (f"did not answer within --dist-timeout ({TIMEOUT_S[0] / 60:g} min): stuck?" if "timed out" in text or
+           "timeout" in text else "closed its connection: it died (killed, or out of memory?)")
+    return PeerError(f"rank {rank}: {who} {how}; the job ends here (resume from the last checkpoint)")
+
+
+def _collective(fn, *a, **kw):
+    SEEN[0] += 1
+    store = _store()
+    if store is not None:
+        store.set(f"qerl_seen_{dist.get_rank()}", str(SEEN[0]))
+    try:
+        return fn(*a, **kw)
+    except RuntimeError as e:  # DistBackendError: a timeout, or a peer gone
+        raise _failed(e) from None
 
 
 def leave(code=0):
@@ -29,8 +82,14 @@ def leave(code=0):
     still works aborts), and every rank skips the interpreter's teardown, where gloo's worker threads can
     still free tensors after Python is gone and abort the process."""
     if code == 0:
-        dist.barrier()
-    dist.destroy_process_group()
+        try:
+            _collective(dist.barrier)
+        except PeerError as e:
+            print(f"error: {e}", file=sys.stderr)
+            code = 1
+    if code == 0:  # after a failed collective the teardown can hang: os._exit ends the process instead
+        dist.destroy_process_group()
+
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -56,7 +115,7 @@ def global_sum(values, op="sum"):
         return values
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor(values, dtype=torch.float64, device=dev)  # (n,)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    _collective(dist.all_reduce, t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t.tolist()
 
 
@@ -66,6 +125,6 @@ def sum_grads(params):
     if rank_and_world()[1] == 1:
         return
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])  # (P,)
-    dist.all_reduce(flat)
+    _collective(dist.all_reduce, flat)
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad = g.view_as(p)

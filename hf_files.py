@@ -172,8 +172,13 @@ def load_tokenizer(path, config=None):
         raise FileNotFoundError(f"{path / 'tokenizer.json'} not found: the model folder needs a tokenizer.json "
                                 "(the `tokenizers` format Hugging Face saves)")
     gen_file = path / "generation_config.json"  # its ids win over config.json's
+    try:  # read here, as a regular file only (a pipe would block the Rust reader for good), then parsed
+        with common.open_regular(path / "tokenizer.json", "rb") as f:
+            text = f.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / 'tokenizer.json'} cannot be read ({e}); write or download it again") from None
     try:
-        tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        tok = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises its own Exception subclass on a corrupt file
         raise ValueError(f"{path / 'tokenizer.json'} is not a readable tokenizer ({str(e)[:120]}); write or "
                          "download it again") from None

@@ -5,7 +5,6 @@ prints, and metrics.jsonl, args.json and summary.json that rank 0 writes), the t
 import json
 import math
 import os
-import re
 import shlex
 import signal
 import threading
@@ -13,7 +12,8 @@ import time
 
 import checkpoints
 import common
-from distributed import global_sum, rank_and_world
+from checkpoints import RUN_FILES, check_run_links, is_run_file  # the run folder's own files
+from distributed import PeerError, global_sum, rank_and_world
 
 def read_metrics(path, upto):
     """metrics.jsonl's rows up to step `upto`. A cut-off last line (a kill mid-write) is dropped with a note;
@@ -45,9 +45,10 @@ class RunLog:
     NO_SIGNAL_STEPS = 20  # steps in a row without signal before the warning
 
     def __init__(self, args, rank, start, t_start, model, world, dtype_why=""):
-        self.args, self.rank, self.t_start, self.flat_steps = args, rank, t_start, 0
+        self.args, self.rank, self.t_start, self.flat_steps, self.start = args, rank, t_start, 0, start
         self.metrics = os.path.join(args.out, "metrics.jsonl")
         self.opened, self.steps_logged, self.made, self.recent = False, 0, [], []  # recent: s/step of each step
+        self.far_steps = []  # the steps whose update moved the policy beyond DIVERGED_KL
         self.lock = common.OutputLock(args.out) if rank == 0 else None  # held from __enter__ to __exit__
         self.kept_rows = read_metrics(self.metrics, start) if rank == 0 and os.path.exists(self.metrics) else []
         dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
@@ -79,15 +80,14 @@ class RunLog:
         if self.rank == 0:
             if not self.opened:
                 self._open()
-            with open(self.metrics, "a") as f:
-                f.write(json.dumps(clean(rec)) + "\n")
+            common.append_line(self.metrics, json.dumps(clean(rec)) + "\n")  # never through a planted link
 
     def __enter__(self):
         """The run folder is this run's alone until it ends: a second run on it, or a --resume of it, fails
         at once with one line naming this process."""
         if self.lock:
             self.lock.__enter__()
-            self.made = [n for n in RUN_FILES if not os.path.exists(os.path.join(self.args.out, n))]
+            self.made = [n for n in RUN_FILES if not os.path.lexists(os.path.join(self.args.out, n))]
         return self
 
     def __exit__(self, kind, exc, tb):
@@ -97,11 +97,13 @@ class RunLog:
         if self.lock:
             if self.steps_logged == 0:
                 for name in self.made:
-                    if os.path.exists(os.path.join(self.args.out, name)):
+                    if os.path.isfile(os.path.join(self.args.out, name)):  # what it wrote (a link is not)
                         os.remove(os.path.join(self.args.out, name))
             self.lock.__exit__(kind, exc, tb)
         if kind is None:
             return False
+        if issubclass(kind, PeerError):  # torchrun: say at which step the other rank went missing
+            raise PeerError(f"step {self.start + self.steps_logged + 1}: {exc}") from None
         if issubclass(kind, KeyboardInterrupt) and not str(exc) and self.rank == 0:  # rank 0 saves, and says so
             found = checkpoints.latest_checkpoint(self.args.out)
             hint = (f"{os.path.basename(found)} saved: continue with  python 05_grpo.py --resume "
@@ -129,27 +131,38 @@ class RunLog:
                   f"sigma {rec['sigma']:.2e} | sigma_applied {rec['sigma_applied']:.2e} | tok/s {rec['tok/s']:.0f} | "
                   f"s/step {rec['s/step']:.2f}" + (" | no signal (all rewards equal in every group)"
                                                     if self.flat_steps else ""), flush=True)
+        if rec.get("diverged"):  # the last good checkpoint stays; this run's state is not saved
+            found = checkpoints.latest_checkpoint(self.args.out)
+            hint = f"its last good checkpoint, {os.path.basename(found)}, stays" if found else "it saved no checkpoint"
+            raise ValueError(f"step {rec['step']}: {rec['diverged']}: the run diverged and stops; {hint}; run again "
+                             f"with a lower --lr (or --sigma-start)")
+        if rec["kl_after"] > DIVERGED_KL:
+            self.far_steps.append(rec["step"])
+            print(f"warning | step {rec['step']} | kl_after {rec['kl_after']:.3g} > {DIVERGED_KL:g}: the update moved "
+                  f"the policy far from the one that sampled (likely divergence: lower --lr)", flush=True)
         if self.flat_steps == self.NO_SIGNAL_STEPS:
             never = rec["acc"] < 0.5
             print(f"warning | {self.flat_steps} steps in a row without signal: the base {'never' if never else 'always'}"
                   f" solves this task (acc {rec['acc']:.2f}), so GRPO learns nothing; try an "
                   f"{'easier' if never else 'harder'} task or another base", flush=True)
 
-    def summary(self, done, stopped, skipped, first_eval, last_eval, last_ckpt):
+    def summary(self, done, stopped, first_eval, last_eval, last_ckpt):
         if stopped == "time budget" and not self.steps_logged:  # then the run folder's files go (__exit__)
             took = (f" (the first evaluation took {first_eval['seconds']:.0f} s, and 1.5x that is kept for the last "
                     f"one)") if first_eval else ""
             raise ValueError(f"--time-budget {self.args.time_budget:g} s ran out before the first step{took}: nothing "
                              f"to save; raise --time-budget (0: no limit) or lower --eval-size")
-        s = {"steps_done": done, "stopped_by": stopped, "skipped_updates": skipped, "wall_s": time.time() - self.t_start,
+        s = {"steps_done": done, "stopped_by": stopped, "likely_divergence_steps": self.far_steps, "wall_s": time.time() - self.t_start,
              "first_eval": first_eval, "final_eval": last_eval, "checkpoint": last_ckpt, "args": vars(self.args)}
         if first_eval and last_eval:
             s["greedy_gain"] = last_eval["greedy"] - first_eval["greedy"]
             why = {"steps": f"--steps {self.args.steps}", "time budget": f"--time-budget {self.args.time_budget:g}s",
                    "stop-at": f"--stop-at {self.args.stop_at}"}.get(stopped, stopped)  # or the signal's name
+            far = self.far_steps
             print(f"summary | steps {done} | stopped by {why} | greedy {first_eval['greedy']:.3f} -> "
                   f"{last_eval['greedy']:.3f} ({100 * s['greedy_gain']:+.1f} points) | wall {s['wall_s']:.0f}s | "
-                  f"out {self.args.out}")
+                  f"out {self.args.out}" + (f" | LIKELY DIVERGED: {len(far)} step(s) moved the policy beyond "
+                                           f"kl_after {DIVERGED_KL:g} (first: step {far[0]})" if far else ""))
         if self.rank == 0 and self.steps_logged:
             common.write_json(os.path.join(self.args.out, "summary.json"), clean(s))
         return s
@@ -203,19 +216,17 @@ class StopAtStepEnd:
         return False
 
 
+# A step whose update moves the policy more than this from the one that sampled (kl_after, nats per token) is
+# named a likely divergence. The bundled model's default run stays below 0.05 and SmolLM2's documented run below
+# 0.3 (measured); --lr 1e3 reaches several nats in its first step.
+DIVERGED_KL = 1.0
+
+
 def halt_reason(signum):
     """The name a stop signal gives a run's end ("interrupt" for Ctrl-C, else SIGTERM or SIGHUP); None for 0."""
     if not signum:
         return None
     return "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
-
-
-RUN_FILES = ("args.json", "metrics.jsonl", "summary.json")
-
-
-def is_run_file(name):
-    """Whether `name` in a run folder is one of the files a run writes."""
-    return name in RUN_FILES or bool(re.fullmatch(r"checkpoint-\d+", name))
 
 
 def check_run_folder(args, ckpt=None):
@@ -224,6 +235,7 @@ def check_run_folder(args, ckpt=None):
     folder holding them."""
     inputs = [x for x in (args.model, args.data, args.eval_data) if x]
     common.check_out_path(args.out, inputs)
+    check_run_links(args.out)
     if os.path.isdir(args.out) and rank_and_world()[0] == 0:
         with common.OutputLock(args.out):  # a live run on this folder is named here, before any work
             common.remove_stale_temps(args.out, is_run_file)  # what a killed run left: half-written checkpoints

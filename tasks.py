@@ -407,3 +407,18 @@ def make_task(args, defaults):
     system = args.system == "paper" or (args.system == "auto" and
                                         common.find_weight_files(args.model)[0].get("qerl_prompt") != "bare")
     return cls.from_args(args, system)
+
+
+def check_prompts_fit(task, tok, context, max_new_tokens, problems=()):
+    """Every held-out and file problem's prompt (and those of `problems`) plus --max-new-tokens fits the
+    model's context, checked at the start with the problem's file line (not found steps later as 'prompt
+    1'). Returns the longest prompt's length in tokens."""
+    longest = 0
+    for p in [*task.held, *getattr(task, "train", []), *problems]:
+        n = len(tok.encode(task.prompt(p)))
+        if n + max_new_tokens > context:
+            where = p.get("where", f"question {p['question'][:40]!r}")
+            raise ValueError(f"{where}: the prompt has {n} tokens; with --max-new-tokens {max_new_tokens} that exceeds "
+                             f"the model's context of {context} (shorten or drop it, or lower --max-new-tokens)")
+        longest = max(longest, n)
+    return longest

@@ -81,6 +81,7 @@ difference), of pass@8 and of first-fifth entropy. --max-wall SECONDS starts no 
 the finished ones. Study runs keep a compact metrics.jsonl (what the table and the curves read).
 """
 import contextlib
+import fcntl
 import hashlib
 import importlib
 import io
@@ -104,6 +105,7 @@ if ROOT not in sys.path:
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 quantize = importlib.import_module("01_quantize")  # the command-line pieces
 aqn = importlib.import_module("04_aqn")  # its schedule kinds are the scheduler study's methods
+run_folder = importlib.import_module("runs")  # which files a 05 run writes in its folder
 GRPO = os.path.join(ROOT, "05_grpo.py")
 DEFAULT_OUT = os.path.join(ROOT, "bench", "results")
 
@@ -261,6 +263,8 @@ STUDIES = {
 
 # what a run imports: the stages and the engine modules beneath them (every .py at the top), and the kernels
 CODE_FILES = (*sorted(f for f in os.listdir(ROOT) if f.endswith(".py")), "kernels")
+SNAPSHOT = ".code"              # <runs>/.code: the copy of the stage files every run of the study executes
+SNAPSHOT_RECORD = ".made.json"  # in it: {"md5": tree_hash, "owner": [pid, start]} of the copy that made it
 
 
 def code_hash(root, names=CODE_FILES, suffix=".py"):
@@ -279,36 +283,164 @@ def code_hash(root, names=CODE_FILES, suffix=".py"):
     return h.hexdigest()
 
 
-def snapshot_code(runs_root):
-    """Copy the stage files into <runs>/.code and run them from there, so that every run of the
-    comparison executes the same code even if someone edits 05_grpo.py while it trains (15 runs take
-    most of an hour). A second copy of this script started while the first runs reuses the snapshot."""
-    snap = os.path.join(runs_root, ".code")
-    if os.path.isdir(snap) and live_claims(runs_root):
-        return snap
-    tmp = snap + f".tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name in CODE_FILES:
-        src = os.path.join(ROOT, name)
-        if os.path.isdir(src):
-            shutil.copytree(src, os.path.join(tmp, name), ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, tmp)
-    shutil.rmtree(snap, ignore_errors=True)
-    os.replace(tmp, snap)
-    return snap
+def tree_hash(folder):
+    """md5 over everything under `folder` but its record: each entry's path, kind and bytes (a link: its
+    target). Unlike code_hash it misses nothing a run could import: a file added to the snapshot (a
+    torch.py, a __pycache__/*.pyc) changes it too."""
+    h = hashlib.md5()
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(dirs + files):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if rel == SNAPSHOT_RECORD:
+                continue
+            if os.path.islink(path):
+                h.update(f"link {rel} {os.readlink(path)}\n".encode())
+            elif os.path.isdir(path):
+                h.update(f"dir {rel}\n".encode())
+            else:
+                h.update(f"file {rel} {os.path.getsize(path)}\n".encode())
+                with open(path, "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()
+
+
+def process_identity(pid):
+    """[pid, start time] of a live process (Linux: /proc/<pid>/stat's 22nd field, so that a PID reused by
+    another process is not taken for it), [pid, None] where there is no /proc, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return [pid, f.read().rsplit(")", 1)[1].split()[19]]
+    except (OSError, IndexError):
+        pass
+    if os.path.isdir("/proc/self"):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except OSError:
+        pass
+    return [pid, None]
+
+
+def is_live_copy(owner):
+    """Whether `owner` ([pid, start] as process_identity gives it) is this process or a running copy of
+    this script: that same process still alive, with compare_methods.py on its command line. A claim or
+    a record naming PID 1 (always alive) or any other program's process is not one."""
+    if not (isinstance(owner, list) and len(owner) == 2 and isinstance(owner[0], int) and owner[0] > 0):
+        return False
+    if owner[0] == os.getpid():
+        return True
+    if process_identity(owner[0]) != owner:
+        return False
+    try:
+        with open(f"/proc/{owner[0]}/cmdline", "rb") as f:
+            words = f.read().split(b"\0")
+    except OSError:
+        return owner[1] is None  # no /proc: liveness is all there is to go by
+    return any(os.path.basename(w) == b"compare_methods.py" for w in words)
+
+
+def read_owner(text):
+    """[pid, start] from a claim's text ("PID START"; a bare "PID" of an older claim: start None)."""
+    parts = text.split()
+    if not 1 <= len(parts) <= 2 or not parts[0].isdigit():
+        return None
+    return [int(parts[0]), parts[1] if len(parts) == 2 else None]
+
+
+def owner_text():
+    pid, start = process_identity(os.getpid())
+    return f"{pid} {start}" if start else str(pid)
+
+
+def prepare_code(runs_root):
+    """The code snapshot every run of this invocation executes: (folder, its tree_hash, made here).
+    Copying the stage files into <runs>/.code means every run executes the same code even if someone edits
+    05_grpo.py while the study trains (15 runs take most of an hour). A second copy of this script started
+    while the first runs reuses the first's snapshot, but only after checking that its record names a
+    live copy of this script (is_live_copy) and that its files still have the hash that copy recorded.
+    Any other .code (planted, edited, or left by a version of this script without records) is refused:
+    this script never runs code it cannot vouch for. An untouched snapshot of a copy that has exited is
+    removed and made again."""
+    snap = os.path.join(runs_root, SNAPSHOT)
+    for _ in range(2):
+        record = read_record(snap)
+        if record and is_live_copy(record["owner"]):
+            got = tree_hash(snap)
+            if got != record["md5"]:
+                raise ValueError(f"{short(snap)} changed since process {record['owner'][0]} made it (md5 "
+                                 f"{record['md5']}, now {got}): not running it; wait for that process to end "
+                                 f"(or stop it), delete {short(snap)}, then rerun")
+            return snap, got, False
+        if os.path.lexists(snap):
+            if record and tree_hash(snap) == record["md5"]:
+                shutil.rmtree(snap)  # what an earlier copy of this script made and left (it was killed): untouched
+            else:
+                why = ("it is a link" if os.path.islink(snap) else "its record is missing or unreadable"
+                       if not record else "its files differ from its record")
+                raise ValueError(f"{short(snap)} was not made by a running copy of this script ({why}): this "
+                                 f"script runs only a code snapshot it made itself, or one a live copy made and "
+                                 f"recorded; delete {short(snap)} and rerun")
+        tmp = snap + f".tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)  # a temporary of this PID: a killed earlier process's
+        os.makedirs(tmp)
+        for name in CODE_FILES:
+            src = os.path.join(ROOT, name)
+            if os.path.isdir(src):
+                shutil.copytree(src, os.path.join(tmp, name), ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(src, tmp)
+        md5 = tree_hash(tmp)
+        write_text(os.path.join(tmp, SNAPSHOT_RECORD), json.dumps({"md5": md5, "owner": process_identity(os.getpid())}))
+        try:
+            os.rename(tmp, snap)  # the snapshot and its record appear at once; fails if a second copy was quicker
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            continue
+        return snap, md5, True
+    raise ValueError(f"{short(snap)} keeps changing while this script starts (another copy starting?): rerun")
+
+
+def read_record(snap):
+    """The snapshot's record {"md5": str, "owner": [pid, start]} (None if missing, unreadable or malformed)."""
+    path = os.path.join(snap, SNAPSHOT_RECORD)
+    try:
+        if os.path.islink(snap) or os.path.islink(path):
+            return None
+        with open(path) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(rec, dict) and isinstance(rec.get("md5"), str) and isinstance(rec.get("owner"), list)):
+        return None
+    return rec
+
+
+def release_code(runs_root, snap, md5):
+    """The last worker out removes the snapshot: when no live copy of this script holds a claim, and its
+    maker is this process or gone (a copy that reused it leaves it to a maker still running), and only
+    while it is what was recorded."""
+    record = read_record(snap)
+    if (record is None or record["md5"] != md5 or live_claims(runs_root)
+            or (record["owner"][0] != os.getpid() and is_live_copy(record["owner"]))):
+        return
+    if tree_hash(snap) == md5:
+        shutil.rmtree(snap, ignore_errors=True)
 
 
 def live_claims(runs_root):
+    """The claim files in runs_root whose owner is a running copy of this script."""
     found = []
     for f in os.listdir(runs_root):
         if f.endswith(".claim"):
             try:
                 with open(os.path.join(runs_root, f)) as fh:
-                    os.kill(int(fh.read().strip() or 0), 0)
-                found.append(f)
-            except (OSError, ValueError):
+                    if is_live_copy(read_owner(fh.read())):
+                        found.append(f)
+            except OSError:
                 pass
     return found
 
@@ -340,6 +472,21 @@ def short(path):
     return os.path.relpath(full, ROOT) if full.startswith(ROOT + os.sep) else path
 
 
+def recorded_argv(args, method, seed, run_dir):
+    """A run's 05 arguments as versions.txt records them: its command line after the script, paths inside
+    the repository relative (the same study in another clone records the same)."""
+    return [short(a) for a in run_command(args, method, seed, run_dir)[2:]]
+
+
+def shared_flags(argv, method, table):
+    """{flag: value} of a recorded argv without what differs between the runs of one study by design: --out,
+    --seed and the method's own flags."""
+    flags = flag_values(argv)
+    for key in ("out", "seed", *flag_values(table[method][1])):
+        flags.pop(key, None)
+    return flags
+
+
 def is_done(files, steps):
     """A finished run of the same budget is reused instead of trained again (unless --force). files:
     {file name: text} of the run (run_files, or one run of stored_runs), None if it never started."""
@@ -347,36 +494,98 @@ def is_done(files, steps):
         s = json.loads((files or {})["summary.json"])
     except (KeyError, ValueError):
         return False
-    return s.get("steps_done") == steps and s.get("args", {}).get("steps") == steps
+    return isinstance(s, dict) and isinstance(s.get("args"), dict) and s.get("steps_done") == steps \
+        and s["args"].get("steps") == steps
 
 
 def claim(runs_root, name):
     """Take a run for this process, so that a second copy of this script (started later, e.g. when
-    the machine frees up) trains other runs instead of the same one. A claim whose owner has exited
-    is stale and taken over."""
+    the machine frees up) trains other runs instead of the same one. A claim whose owner is not a
+    running copy of this script (it exited, or the file names another process) is stale and taken over."""
     path = os.path.join(runs_root, f".{name}.claim")
     for _ in range(2):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW)
         except FileExistsError:
             try:
                 with open(path) as f:
                     text = f.read().strip()
                 if not text and time.time() - os.path.getmtime(path) < 60:
                     return False  # just created: its owner is writing its PID
-                owner = int(text or 0)
-                if owner <= 0:  # empty for a minute, or not a PID: its owner died while claiming
-                    raise ValueError(text)
-                os.kill(owner, 0)  # signal 0 only asks whether the owner still exists
-                return False
+                if is_live_copy(read_owner(text)):
+                    return False
+                raise ValueError(text)  # empty for a minute, not a PID, or not a copy of this script: stale
             except (OSError, ValueError):
                 with contextlib.suppress(FileNotFoundError):  # a second copy may have cleared it first
                     os.remove(path)
                 continue
         with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
+            f.write(owner_text())
         return True
     return False
+
+
+RUN_LOG = ("versions.txt", "train.log")  # what this script writes in a run folder; 05 writes the rest
+
+
+def foreign_files(run_dir):
+    """The entries of a run folder that neither this script nor 05 writes (a user's notes, say), or the
+    folder itself when it is a link or a file: a run folder holding any of them is never emptied."""
+    if os.path.islink(run_dir) or not os.path.isdir(run_dir):
+        return [run_dir] if os.path.lexists(run_dir) else []
+
+    def ours(name):
+        m = re.fullmatch(r"\.(.+)\.tmp\d+(\.old)?", name)  # a killed writer's temporary of one of these names
+        name = m.group(1) if m else name
+        return name in RUN_LOG or name == common.LOCK_FILE or run_folder.is_run_file(name)
+    return sorted(n for n in os.listdir(run_dir) if not ours(n))
+
+
+def clear_run(run_dir):
+    """Empty an unfinished run folder for a fresh start (05 appends to metrics.jsonl): only the files
+    foreign_files lets through, which the caller has checked."""
+    for name in os.listdir(run_dir):
+        path = os.path.join(run_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+
+
+def refuse_foreign(run_dir):
+    found = foreign_files(run_dir)
+    if found:
+        what = f"is a {'link' if os.path.islink(run_dir) else 'file'}" if found == [run_dir] else \
+            f"holds {', '.join(found[:3])}{' ...' if len(found) > 3 else ''}, which neither this script nor 05 wrote"
+        raise ValueError(f"{short(run_dir)} {what}: this script empties an unfinished run folder before "
+                         f"training it again, so move that away (or pass --methods/--seeds without this run)")
+
+
+def check_settings(args, reused, stored):
+    """Refuse, before any training, to add runs to finished ones trained with other 05 settings (a study
+    resumed with `-- --lr 5e-3` or another --eval-size would average old and new runs into one row). A run's
+    versions.txt records its 05 arguments; a run from before that is checked on the flags this command gives."""
+    for m, s in reused:
+        name, files = f"{m}-s{s}", stored[f"{m}-s{s}"]
+        planned = shared_flags(recorded_argv(args, m, s, "-"), m, args.table)
+        argv = versions_argv(files.get("versions.txt", ""))
+        if argv is not None:
+            had = shared_flags(argv, m, args.table)
+            for key in sorted(set(planned) | set(had)):
+                if key not in had or key not in planned or not same_value(had[key], planned[key]):
+                    raise ValueError(settings_line(name, key, had.get(key), planned.get(key)))
+            continue
+        a = json.loads(files["summary.json"])["args"]  # is_done checked it is an object
+        for key, value in planned.items():
+            if key != "model" and key in a and not same_value(a[key], value):  # a legacy run records an absolute path
+                raise ValueError(settings_line(name, key, a[key], value))
+
+
+def settings_line(name, key, had, want):
+    flag = "--" + key.replace("_", "-")
+
+    def value(v):
+        return "without " + flag if v is None else "with " + flag if v is True else \
+            f"with --no-{flag[2:]}" if v is False else f"with {flag} {v}"
+    return (f"runs/{name} was trained {value(had)}, this command runs {value(want)}: a study does not mix 05 "
+            f"settings; give the finished runs' settings again, or --force to retrain these runs, or another --out")
 
 
 def run_all(args, methods=None):
@@ -386,15 +595,23 @@ def run_all(args, methods=None):
     # seed-major order: if the runs are stopped early, every method has the same number of seeds
     jobs = [(m, s) for s in args.seeds for m in (methods or args.methods)]
     _, stored = stored_runs(args.out)  # the pack only in a --dry-run without runs/ (else main unpacked it)
-    todo = []
+    todo, reused = [], []
     for m, s in jobs:
         run_dir = os.path.join(runs_root, f"{m}-s{s}")
         if not args.force and is_done(stored.get(f"{m}-s{s}"), args.steps):
             print(f"skip | {m}-s{s} | already done with {args.steps} steps (--force to retrain)")
+            reused.append((m, s))
         else:
             todo.append((m, s, run_dir))
+    # what would stop the runs later is refused now: a reused run's bad file, other settings, a user's file
+    bad = [p for m, s in reused for p in run_problems(stored[f"{m}-s{s}"], f"runs/{m}-s{s}")]
+    if bad:
+        refuse_bad(bad)
+    check_settings(args, reused, stored)
+    for _, _, run_dir in todo:
+        refuse_foreign(run_dir)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")  # no __pycache__ in the snapshot: its hash holds
     print(f"plan | {len(todo)} run(s) to train, {len(jobs) - len(todo)} reused | {args.steps} steps each | "
           f"parallel {args.parallel} x {args.threads} thread(s) | out {runs_root}")
     if todo:
@@ -405,10 +622,11 @@ def run_all(args, methods=None):
             print(shlex.join(short(c) for c in run_command(args, m, s, d)))
         return jobs
 
-    os.makedirs(runs_root, exist_ok=True)
-    code_dir = snapshot_code(runs_root)
+    code_dir, md5 = args.code_dir, args.code_md5
     code = code_hash(code_dir)
-    print(f"code | running the stage files copied to {short(code_dir)} | md5 {code}")
+    print(f"code | running the stage files copied to {short(code_dir)} | md5 {code} (snapshot {md5}"
+          + (f", made by process {read_record(code_dir)['owner'][0]}, another copy of this script)" if not
+             args.code_made else ")"))
     if todo:
         m, s, d = todo[0]
         print("command | " + shlex.join(short(c) for c in run_command(args, m, s, d, code_dir)))
@@ -428,14 +646,27 @@ def run_all(args, methods=None):
                 if (not args.force and is_done(run_files(run_dir), args.steps)) or not claim(runs_root, f"{m}-s{s}"):
                     print(f"skip | {m}-s{s} | done or being trained by another copy of this script")
                     continue
-                shutil.rmtree(run_dir, ignore_errors=True)  # 05 appends to metrics.jsonl: start clean
-                os.makedirs(run_dir)
-                # which code and which weights this run used (the report refuses to hide a mix)
+                if foreign_files(run_dir):  # appeared since the check above: leave the folder as it is
+                    os.remove(os.path.join(runs_root, f".{m}-s{s}.claim"))
+                    print(f"skip | {m}-s{s} | {short(run_dir)} now holds {', '.join(foreign_files(run_dir)[:3])}, "
+                          f"which neither this script nor 05 wrote")
+                    continue
+                got = tree_hash(code_dir)
+                if got != md5:  # edited or replaced since it was made and checked: never run it
+                    os.remove(os.path.join(runs_root, f".{m}-s{s}.claim"))
+                    raise ValueError(f"{short(code_dir)} changed since this invocation checked it (md5 {md5}, now "
+                                     f"{got}): not running it; the runs started before keep their results")
+                if os.path.isdir(run_dir):
+                    clear_run(run_dir)  # 05 appends to metrics.jsonl: start clean
+                os.makedirs(run_dir, exist_ok=True)
+                # which code, which weights and which 05 arguments this run used (the report refuses to hide a mix)
                 model_md5 = code_hash(model_dir(args), names=("",), suffix="")
-                write_text(os.path.join(run_dir, "versions.txt"), f"code {code}\nmodel {model_md5}\n")
+                write_text(os.path.join(run_dir, "versions.txt"), f"code {code}\nmodel {model_md5}\nsnapshot {md5}\n"
+                           f"argv {json.dumps(recorded_argv(args, m, s, run_dir))}\n")
                 log = open(os.path.join(run_dir, "train.log"), "w")
                 proc = subprocess.Popen(run_command(args, m, s, run_dir, code_dir), cwd=ROOT, env=env, stdout=log,
                                         stderr=subprocess.STDOUT)
+                args.trained = True
                 running.append((proc, m, s, run_dir, log, time.time()))
             time.sleep(1.0)
             for item in [r for r in running if r[0].poll() is not None]:
@@ -453,15 +684,17 @@ def run_all(args, methods=None):
                     compact_metrics(run_dir)
                 print(finish_line(finished, len(todo), m, s, run_dir, proc.returncode, args, time.time() - t0),
                       flush=True)
-    except KeyboardInterrupt:
+    except BaseException as e:  # Ctrl-C, kill, or a snapshot that changed: stop what this script started
         for proc, *_ in running:  # only the processes this script started
             proc.terminate()
-        for proc, m, s, *_ in running:
+        for proc, m, s, run_dir, log, _ in running:
             proc.wait()
+            log.close()
             os.remove(os.path.join(runs_root, f".{m}-s{s}.claim"))
-        raise SystemExit("interrupted: finished runs are kept; rerun the same command to train the rest")
-    if not live_claims(runs_root):  # the last worker out removes the code snapshot
-        shutil.rmtree(code_dir, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt):  # run_cli: one line, exit 130 (143 for kill)
+            raise common.Interrupted("finished runs are kept; rerun the same command to train the rest",
+                                     getattr(e, "signum", signal.SIGINT)) from None
+        raise
     return jobs
 
 
@@ -524,8 +757,12 @@ def run_files(run_dir):
         return None
     files = {}
     for name in PACKED_FILES:
-        if os.path.isfile(os.path.join(run_dir, name)):
-            with open(os.path.join(run_dir, name)) as f:
+        path = os.path.join(run_dir, name)
+        if os.path.islink(path):  # a link would read (and pack) a file from elsewhere as this run's
+            raise ValueError(f"{short(path)} is a symbolic link: a run's files are its own; replace it with the "
+                             f"file, or delete the run's folder")
+        if os.path.isfile(path):
+            with open(path) as f:
                 files[name] = f.read()
     return files
 
@@ -533,12 +770,16 @@ def run_files(run_dir):
 def read_pack(path):
     """{run name: {file name: text}} from a runs.tar.xz (members runs/<method>-s<seed>/<file>)."""
     runs = {}
-    with tarfile.open(path, "r:xz") as tar:
-        for member in tar:
-            parts = member.name.split("/")
-            if (member.isfile() and len(parts) == 3 and parts[0] == "runs" and RUN_DIR.match(parts[1])
-                    and parts[2] in PACKED_FILES):
-                runs.setdefault(parts[1], {})[parts[2]] = tar.extractfile(member).read().decode()
+    try:
+        with tarfile.open(path, "r:xz") as tar:
+            for member in tar:
+                parts = member.name.split("/")
+                if (member.isfile() and len(parts) == 3 and parts[0] == "runs" and RUN_DIR.match(parts[1])
+                        and parts[2] in PACKED_FILES):
+                    runs.setdefault(parts[1], {})[parts[2]] = tar.extractfile(member).read().decode()
+    except (tarfile.TarError, lzma.LZMAError, EOFError, UnicodeDecodeError) as e:
+        raise ValueError(f"{short(path)} is not a readable pack of runs ({e}): restore it from git, or delete "
+                         f"it") from None
     return runs
 
 
@@ -570,17 +811,23 @@ def pack_runs(out):
     names = [d for d in run_names(runs_root) if os.path.isfile(os.path.join(runs_root, d, "summary.json"))]
     if not names:  # never replace a pack with an empty one
         raise FileNotFoundError(f"--pack: no finished run in {runs_root} to pack")
+    runs = {name: run_files(os.path.join(runs_root, name)) for name in names}  # refuses a link
     tmp = path + f".tmp{os.getpid()}"
-    with tarfile.open(tmp, "w:xz", format=tarfile.USTAR_FORMAT, preset=9 | lzma.PRESET_EXTREME) as tar:
-        for name in names:
-            for file in PACKED_FILES:
-                if os.path.isfile(os.path.join(runs_root, name, file)):
-                    with open(os.path.join(runs_root, name, file), "rb") as f:
-                        data = f.read()
-                    info = tarfile.TarInfo(f"runs/{name}/{file}")  # mtime 0, owner 0, mode 0o644
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-    os.replace(tmp, path)
+    try:
+        with tarfile.open(tmp, "w:xz", format=tarfile.USTAR_FORMAT, preset=9 | lzma.PRESET_EXTREME) as tar:
+            for name in names:
+                for file in PACKED_FILES:
+                    if file in runs[name]:
+                        with open(os.path.join(runs_root, name, file), "rb") as f:  # the bytes as they are
+                            data = f.read()
+                        info = tarfile.TarInfo(f"runs/{name}/{file}")  # mtime 0, owner 0, mode 0o644
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+        with owned_outputs(out, [PACK]):
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
     print(f"pack | {len(names)} finished run(s) of {short(runs_root)} -> {short(path)} "
           f"({os.path.getsize(path) / 1024:.0f} KB)")
 
@@ -649,16 +896,149 @@ def same_value(got, want):
         return str(got) == want
 
 
-def load_run(files, run_dir, method, seed, threshold, table=METHODS):
+class BadRun(ValueError):
+    """A run's files hold a field of the wrong type or range: one line per bad field (problems)."""
+
+    def __init__(self, problems):
+        super().__init__(problems[0])
+        self.problems = problems
+
+
+def refuse_bad(problems):
+    """Each bad field on its own line, then one error line naming the first (run_cli prints it)."""
+    if len(problems) > 1:
+        for p in problems:
+            print(f"bad | {p}")
+    more = f" (and {len(problems) - 1} more bad field(s), listed above)" if len(problems) > 1 else ""
+    raise ValueError(f"{problems[0]}{more}: fix the file, or move the run away (its folder, then --pack)")
+
+
+def json_kind(value):
+    return {str: "a string", bool: "a boolean", list: "a list", dict: "an object", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def is_number(value, low=-math.inf, high=math.inf):
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and low <= value <= high)
+
+
+def is_count(value, low=0):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+MISSING = object()
+
+
+def field_problem(where, field, value, want):
+    got = "is missing" if value is MISSING else f"is {json.dumps(value)[:40]} ({json_kind(value)})"
+    return f"{where}: {field} {got}, not {want}"
+
+
+def parse_object(text, where, problems):
+    """A JSON object from text, or None with the problem added."""
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        problems.append(f"{where} is not JSON ({e})")
+        return None
+    if not isinstance(obj, dict):
+        problems.append(f"{where} holds {json_kind(obj)}, not a JSON object")
+        return None
+    return obj
+
+
+def check_fields(obj, where, fields, problems, prefix=""):
+    """fields: {name: (test, what it should be, required)}: one problem per field that fails. Returns the
+    names of those fields."""
+    failed = []
+    for name, (test, want, required) in fields.items():
+        value = obj.get(name, MISSING)
+        if (value is MISSING and required) or (value is not MISSING and not test(value)):
+            problems.append(field_problem(where, prefix + name, value, want))
+            failed.append(prefix + name)
+    return failed
+
+
+def optional(test):
+    return lambda v: v is None or test(v)
+
+
+PROBABILITY = (lambda v: is_number(v, 0, 1), "a number in [0, 1]")
+EVAL_FIELDS = {"greedy": (*PROBABILITY, True), "step": (is_count, "a step number", True),
+               "n": (lambda v: is_count(v, 1), "a number of problems", True),
+               "k": (optional(is_count), "an integer k or null", False)}
+SUMMARY_FIELDS = {"args": (lambda v: isinstance(v, dict), "an object of 05's arguments", True),
+                  "steps_done": (is_count, "a number of steps", True),
+                  "wall_s": (lambda v: is_number(v, 0), "a number of seconds", True),
+                  "stopped_by": (optional(lambda v: isinstance(v, str)), "a string or null", False),
+                  "skipped_updates": (is_count, "a number of steps", False),
+                  "first_eval": (optional(lambda v: isinstance(v, dict)), "an evaluation object", False),
+                  "final_eval": (optional(lambda v: isinstance(v, dict)), "an evaluation object", False)}
+STEP_FIELDS = {"step": (is_count, "a step number", True), "reward": (is_number, "a number", True),
+               "entropy": (is_number, "a number", True), "s/step": (lambda v: is_number(v, 0), "a number of seconds", True)}
+
+
+def run_problems(files, label):
+    """The bad fields of a run's files (the ones the report reads), each as one line naming the file, the
+    field, what it holds and what it should hold: a string accuracy is refused here, not a traceback later."""
+    problems = []
+    summary = parse_object(files["summary.json"], f"{label}/summary.json", problems)
+    if summary is not None:
+        check_fields(summary, f"{label}/summary.json", SUMMARY_FIELDS, problems)
+        for part in ("first_eval", "final_eval"):
+            ev = summary.get(part)
+            if isinstance(ev, dict):
+                check_fields(ev, f"{label}/summary.json", EVAL_FIELDS, problems, prefix=part + ".")
+                k = ev.get("k")
+                for key in {"pass@1", f"pass@{k}"} if is_count(k) else ():
+                    check_fields(ev, f"{label}/summary.json", {key: (optional(PROBABILITY[0]), PROBABILITY[1] +
+                                                                     " or null", False)}, problems, part + ".")
+    if "args.json" in files:
+        parse_object(files["args.json"], f"{label}/args.json", problems)
+    seen = {}  # field -> [its first problem, how many lines have it]: a bad field on every line is one line
+    for n, line in enumerate(files.get("metrics.jsonl", "").splitlines(), 1):
+        if not line.strip():
+            continue
+        where, found = f"{label}/metrics.jsonl line {n}", []
+        rec = parse_object(line, where, found)
+        names = ["(not a JSON object)"] if rec is None else []
+        if rec is not None and "eval" in rec:
+            if isinstance(rec["eval"], dict):
+                names = check_fields(rec["eval"], where, {k: EVAL_FIELDS[k] for k in ("greedy", "step")}, found, "eval.")
+            else:
+                found.append(field_problem(where, "eval", rec["eval"], "an object"))
+                names = ["eval"]
+        elif rec is not None:
+            names = check_fields(rec, where, STEP_FIELDS, found)
+        for name, p in zip(names, found):
+            seen.setdefault(name, [p, 0])[1] += 1
+    problems += [p + (f" (and {c - 1} more line(s) like it)" if c > 1 else "") for p, c in seen.values()]
+    argv = next((line[5:] for line in files.get("versions.txt", "").splitlines() if line.startswith("argv ")), None)
+    if argv is not None:
+        try:
+            argv = json.loads(argv)
+        except ValueError:
+            pass
+        if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
+            problems.append(f"{label}/versions.txt: its argv line is not a JSON list of strings")
+    return problems
+
+
+def load_run(files, run_dir, method, seed, threshold, table=METHODS, label=None):
     """One run's record for results.json, from its files ({file name: text}, None if never started;
-    run_dir: the folder they are or were unpacked in). Raises ValueError for an unfinished or foreign run."""
+    run_dir: the folder they are or were unpacked in; label: how messages name it). Raises ValueError for
+    an unfinished or foreign run, BadRun for files whose fields have the wrong type (run_problems)."""
     if not files or "summary.json" not in files:
         raise ValueError(f"no summary.json in {run_dir} (the run did not finish)" if files is not None else
                          "not trained yet")
     if "metrics.jsonl" not in files:
         raise ValueError(f"no metrics.jsonl in {run_dir}")
+    problems = run_problems(files, label or short(run_dir))
+    if problems:
+        raise BadRun(problems)
     summary = json.loads(files["summary.json"])
-    a = summary.get("args", {})
+    a = summary["args"]
     wrong = [k for k, v in flag_values(table[method][1]).items() if not same_value(a.get(k), v)]
     if wrong:
         raise ValueError(f"{run_dir} was trained with " + ", ".join(f"{k} {a.get(k)}" for k in wrong) +
@@ -707,6 +1087,12 @@ def read_versions(text):
     return out
 
 
+def versions_argv(text):
+    """The 05 arguments a versions.txt records (its argv line; run_problems checked it), None before it had one."""
+    line = next((line for line in text.splitlines() if line.startswith("argv ")), None)
+    return json.loads(line[5:]) if line else None
+
+
 def collect(args, jobs=None):
     """Records of the finished runs: the requested (method, seed) pairs, or with jobs=None every
     <method>-s<seed> run under <out>/runs, or in <out>/runs.tar.xz (stored_runs; the --from-results mode)."""
@@ -724,14 +1110,21 @@ def collect(args, jobs=None):
         jobs.sort(key=lambda j: (list(args.table).index(j[0]), j[1]))  # the table's order, not the alphabet's
         if not jobs:
             raise FileNotFoundError(f"--from-results: no <method>-s<seed> runs in {where}")
-    records = []
+    records, bad, loaded = [], [], []
     for method, seed in jobs:
         name = f"{method}-s{seed}"
+        label = f"{short(where)} runs/{name}" if where and where.endswith(PACK) else None
         try:
             records.append(load_run(runs.get(name), os.path.join(runs_root, name), method, seed, args.threshold,
-                                    args.table))
+                                    args.table, label))
+            loaded.append((label or short(os.path.join(runs_root, name)), method,
+                           json.loads(runs[name]["summary.json"])["args"]))
+        except BadRun as e:
+            bad += e.problems
         except (OSError, ValueError) as e:
             print(f"missing | {method}-s{seed} | {e}")
+    if bad:  # a damaged run is not quietly left out of the table
+        refuse_bad(bad)
     for key, what in (("code_md5", "stage files"), ("model_md5", "model weights")):
         seen = sorted({str(r[key]) for r in records})
         if len(seen) > 1:
@@ -741,7 +1134,31 @@ def collect(args, jobs=None):
     if len(budgets) > 1:
         raise ValueError(f"runs in {where} have different step counts {budgets}: an unequal budget is not a "
                          f"fair comparison (move the odd ones away or retrain them with --force)")
+    check_same_settings(args, loaded)
     return records
+
+
+SETTING_FREE = ("out", "seed", "resume", "model")  # differ by design (the model: by its md5 in versions.txt)
+
+
+def check_same_settings(args, loaded):
+    """Refuse to put runs of other 05 settings in one table: every argument a run records (summary.json's
+    args) must be the same in all runs, but --out, --seed and --resume, the model's path (its weights are
+    compared by md5 above), and what the methods set, which must be the same within each method. A
+    setting only some runs record (a flag 05 gained later) is not compared. loaded: [(label, method, args)]."""
+    varied = {k for m in args.table for k in flag_values(args.table[m][1])}
+    first = {}
+    for label, method, a in loaded:
+        for key, value in a.items():
+            if key in SETTING_FREE:
+                continue
+            scope = (method if key in varied else None, key)
+            other = first.setdefault(scope, (label, value))
+            if other[1] != value:
+                flag = "--" + key.replace("_", "-")
+                raise ValueError(f"{label} was trained with {flag} {json.dumps(value)} and {other[0]} with "
+                                 f"{json.dumps(other[1])}: one table does not average runs of other 05 settings; "
+                                 f"retrain the odd runs with the same settings (--force), or move them away")
 
 # ---------------------------------------------------------------------------------------------------
 # Summaries: per-method mean +- std over seeds, and the paper's ordering
@@ -975,9 +1392,102 @@ def render_plot(records, summary, runs, path, table=METHODS):
 
 def write_text(path, text):
     tmp = path + f".tmp{os.getpid()}"  # copies of this script run at once: each its own temporary
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+# What this script writes in --out, and its record of them: it replaces only files it wrote there (a
+# user's table.md or results.json in --out stops the command, before any training). Results folders from
+# before the record existed (bench/results/**) are recognised by their content: looks_ours.
+REPORT = ("results.json", "table.md", "curves.png")
+OUTPUTS = (*REPORT, PACK, "invocations.jsonl")
+OUT_MANIFEST = "compare_methods.json"  # {"command": "bench/compare_methods.py", "files": [...]}
+COMMAND = "bench/compare_methods.py"
+
+
+def manifest_files(out):
+    """The files this script's manifest in `out` lists (None when there is no manifest)."""
+    path = os.path.join(out, OUT_MANIFEST)
+    if not os.path.lexists(path):
+        return None
+    try:
+        if os.path.islink(path):
+            raise ValueError("a link")
+        with open(path) as f:
+            obj = json.load(f)
+        if obj.get("command") != COMMAND or not all(isinstance(n, str) for n in obj["files"]):
+            raise ValueError("another command's")
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        raise ValueError(f"{path} is not this script's record of what it wrote in {out}: move it away, or choose "
+                         f"another --out") from None
+    return {n for n in obj["files"] if n in OUTPUTS}
+
+
+def looks_ours(out, name):
+    """Whether `name` in a results folder without a manifest is what this script writes there: a table.md
+    with its title, a results.json with its keys, an invocations.jsonl of its commands, a pack of runs/ only,
+    a PNG beside such a table or results.json."""
+    path = os.path.join(out, name)
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    try:
+        if name == "table.md":
+            with open(path) as f:
+                return f.readline().startswith(("# Method comparison: ", "# Study '"))
+        if name == "results.json":
+            with open(path) as f:
+                obj = json.load(f)
+            return isinstance(obj, dict) and {"threshold_points", "methods", "runs"} <= set(obj)
+        if name == "invocations.jsonl":
+            with open(path) as f:
+                recs = [json.loads(line) for line in f if line.strip()]
+            return all(isinstance(r, dict) and str(r.get("command")).startswith("python bench/compare_methods.py")
+                       for r in recs)
+        if name == PACK:
+            with tarfile.open(path, "r:xz") as tar:
+                return all(n.startswith("runs/") for n in tar.getnames())
+        if name == "curves.png":
+            with open(path, "rb") as f:
+                png = f.read(8) == b"\x89PNG\r\n\x1a\n"
+            return png and (looks_ours(out, "table.md") or looks_ours(out, "results.json"))
+    except (OSError, ValueError, tarfile.TarError, lzma.LZMAError, EOFError):
+        return False
+    return False
+
+
+def check_outputs(out, names):
+    """Refuse, in one line, when one of `names` in `out` is a file this script did not write."""
+    listed = manifest_files(out)
+    for name in names:
+        path = os.path.join(out, name)
+        if os.path.lexists(path) and not (name in listed if listed is not None else looks_ours(out, name)):
+            raise ValueError(f"{path} was not written by this script, which replaces only what it wrote: move it "
+                             f"away, or choose another --out")
+
+
+@contextlib.contextmanager
+def owned_outputs(out, names):
+    """`with owned_outputs(out, names):` write those files of `out`: checked as ours (check_outputs) and
+    listed in the manifest first. Copies of this script on one --out take turns here (an flock on it)."""
+    os.makedirs(out, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        check_outputs(out, names)
+        listed = manifest_files(out)
+        if listed is None:  # a folder from before the manifest: what it holds of ours is listed too
+            listed = {n for n in OUTPUTS if looks_ours(out, n)}
+        if not set(names) <= listed or not os.path.exists(os.path.join(out, OUT_MANIFEST)):
+            write_text(os.path.join(out, OUT_MANIFEST), json.dumps({"command": COMMAND, "files": sorted(listed | set(names))},
+                                                                   indent=1) + "\n")
+        yield
+    finally:
+        os.close(fd)
 
 
 def json_lines(obj, expand=2, indent=""):
@@ -1028,11 +1538,11 @@ def report(args, records):
         table = render_study_table(summary, records, args, answers, best) + invocation_lines(args.out)
     else:
         table = render_table(summary, records, args, checks)
-    os.makedirs(args.out, exist_ok=True)
-    write_text(os.path.join(args.out, "results.json"), json_lines(clean(results)) + "\n")
-    write_text(os.path.join(args.out, "table.md"), table)
-    print(table)
-    plot = render_plot(records, summary, runs, os.path.join(args.out, "curves.png"), args.table)
+    with owned_outputs(args.out, REPORT):
+        write_text(os.path.join(args.out, "results.json"), json_lines(clean(results)) + "\n")
+        write_text(os.path.join(args.out, "table.md"), table)
+        print(table)
+        plot = render_plot(records, summary, runs, os.path.join(args.out, "curves.png"), args.table)
     print(f"wrote | {os.path.join(args.out, 'results.json')} | {os.path.join(args.out, 'table.md')}"
           + (f" | {plot}" if plot else ""))
 
@@ -1082,18 +1592,35 @@ def study_best(args, summary=None):
     if args.noise_level is not None or not study["after_best"]:
         return args.noise_level
     if study["best_from"] == "noise":
-        path = os.path.join(os.path.dirname(args.out), "noise", "results.json")
-        try:
-            with open(path) as f:
-                return json.load(f).get("best_noise_level")
-        except (OSError, ValueError):
-            return None
+        return noise_results_best(os.path.join(os.path.dirname(args.out), "noise", "results.json"))
     _, runs = stored_runs(args.out)
     if not all(is_done(runs.get(f"{m}-s{s}"), args.steps) for m in study["first"] for s in args.seeds):
         return None
     if summary is None:
         summary = summarize(collect(args, [(m, s) for s in args.seeds for m in study["first"]]), study["first"])
     return best_noise_level(summary)
+
+
+def noise_results_best(path):
+    """The noise study's best level from its results.json (None while there is none): a number > 0, or
+    null; anything else is one line naming the file and the field."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({e}): rerun the noise study's --from-results, or pass "
+                         f"--noise-level") from None
+    problems = []
+    if not isinstance(obj, dict):
+        problems.append(f"{path} holds {json_kind(obj)}, not a JSON object")
+    else:
+        check_fields(obj, path, {"best_noise_level": (optional(lambda v: is_number(v) and v > 0), "a noise level "
+                                                      "(a number > 0) or null", False)}, problems)
+    if problems:
+        raise ValueError(problems[0] + ": rerun the noise study's --from-results, or pass --noise-level")
+    return obj.get("best_noise_level")
 
 
 def run_study(args):
@@ -1119,20 +1646,51 @@ def run_study(args):
 def log_invocation(args, n_jobs):
     """One line per invocation in <out>/invocations.jsonl: the command and its wall time (a study is
     often run in pieces: --max-wall, then the same command again)."""
-    os.makedirs(args.out, exist_ok=True)
     rec = {"command": shlex.join(["python", short(os.path.abspath(sys.argv[0]))] + sys.argv[1:]),
            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(args.started)),
            "wall_s": round(time.time() - args.started), "runs": n_jobs or "interrupted"}
-    with open(os.path.join(args.out, "invocations.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    with owned_outputs(args.out, ["invocations.jsonl"]):
+        fd = os.open(os.path.join(args.out, "invocations.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                     0o644)
+        with os.fdopen(fd, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def started_time(value):
+    try:
+        time.strptime(value, "%Y-%m-%d %H:%M:%S")
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+INVOCATION_FIELDS = {"command": (lambda v: isinstance(v, str), "a string", True),
+                     "started": (started_time, "a time as YYYY-MM-DD HH:MM:SS", True),
+                     "wall_s": (lambda v: is_number(v, 0), "a number of seconds", True),
+                     "runs": (lambda v: is_count(v) or v == "interrupted", "a number of runs or \"interrupted\"",
+                              False)}
 
 
 def read_invocations(out):
+    """The records of <out>/invocations.jsonl ([] without one); a bad line or field is refused, one line
+    per bad field (refuse_bad)."""
+    path = os.path.join(out, "invocations.jsonl")
     try:
-        with open(os.path.join(out, "invocations.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (OSError, ValueError):
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
         return []
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({e}): fix or delete it") from None
+    records, problems = [], []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            rec = parse_object(line, f"{short(path)} line {n}", problems)
+            if rec is not None and not check_fields(rec, f"{short(path)} line {n}", INVOCATION_FIELDS, problems):
+                records.append(rec)
+    if problems:
+        refuse_bad(problems)
+    return records
 
 
 def wall_union(inv):
@@ -1199,7 +1757,8 @@ def parse_args(argv):
         i = argv.index("--")
         argv, train_args = argv[:i], argv[i + 1:]
     args = build_parser().parse_args(argv)
-    args.started, args.stopped = time.time(), False
+    args.started, args.stopped, args.trained = time.time(), False, False
+    args.code_dir, args.code_md5, args.code_made = None, None, False  # the code snapshot (prepare_code)
     study = STUDIES.get(args.study)
     args.table = study["methods"] if study else METHODS
     args.methods = args.methods or list(args.table)
@@ -1229,15 +1788,15 @@ def parse_args(argv):
     return args
 
 
-def interrupted(signum, frame):
-    raise KeyboardInterrupt  # `kill PID` stops the runs this script started, as Ctrl-C does
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    signal.signal(signal.SIGTERM, interrupted)
     args = parse_args(argv)
+    runs_root = os.path.join(args.out, "runs")
+    if os.path.islink(runs_root):  # its runs would be trained, emptied and read elsewhere
+        raise ValueError(f"{runs_root} is a symbolic link: this script keeps its runs in a folder of --out; replace "
+                         f"the link with a folder, or choose another --out")
     if args.from_results or args.pack:
+        check_outputs(args.out, (REPORT if args.from_results else ()) + ((PACK,) if args.pack else ()))
         if args.from_results:
             report(args, collect(args))
         if args.pack:
@@ -1248,24 +1807,29 @@ def main(argv=None):
     if not os.path.isfile(os.path.join(model_dir(args), "config.json")):
         hint = BUILD_HINTS.get(model_dir(args))
         raise FileNotFoundError(f"no model folder {short(model_dir(args))}" + (f": build it with `{hint}" if hint else ""))
-    if not args.dry_run:
-        unpack_runs(args.out)
-    if not args.study:
-        jobs = run_all(args)
-        if not args.dry_run:
-            report(args, collect(args, jobs))
-            pack_runs(args.out)
-        return
-    study = STUDIES[args.study]
-    n_runs = len(args.seeds) * (len(study["first"]) + len(study["after_best"]))
-    print(f"study | {args.study} | {study['title']} | out {short(args.out)} | {n_runs} runs in all "
-          f"({len(study['after_best']) * len(args.seeds)} after the noise level is known) | all of them would take "
-          f"about {estimate_wall(args, n_runs) / 60:.0f} min on this 2-core CPU at --parallel {min(args.parallel, 2)}")
+    # what would stop the command after an hour of training is refused before it: a user's file where an
+    # output goes, a damaged invocation log, a damaged noise study for the hard study's second phase
+    check_outputs(args.out, OUTPUTS)
+    study = STUDIES.get(args.study)
+    if study:
+        read_invocations(args.out)
+        if study["best_from"] == "noise" and args.noise_level is None:
+            noise_results_best(os.path.join(os.path.dirname(args.out), "noise", "results.json"))
+        n_runs = len(args.seeds) * (len(study["first"]) + len(study["after_best"]))
+        print(f"study | {args.study} | {study['title']} | out {short(args.out)} | {n_runs} runs in all "
+              f"({len(study['after_best']) * len(args.seeds)} after the noise level is known) | all of them would take "
+              f"about {estimate_wall(args, n_runs) / 60:.0f} min on this 2-core CPU at --parallel {min(args.parallel, 2)}")
     jobs = []
     try:
-        jobs = run_study(args)
-    finally:  # an interrupted invocation's wall time counts too
         if not args.dry_run:
+            os.makedirs(runs_root, exist_ok=True)
+            args.code_dir, args.code_md5, args.code_made = prepare_code(runs_root)
+            unpack_runs(args.out)
+        jobs = run_study(args) if study else run_all(args)
+    finally:
+        if args.code_dir:
+            release_code(runs_root, args.code_dir, args.code_md5)
+        if study and not args.dry_run and (jobs or args.trained):  # an interrupted invocation's wall time counts too
             log_invocation(args, len(jobs))
     if not args.dry_run:
         report(args, collect(args, jobs))

@@ -16,6 +16,7 @@ import pickle
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -48,18 +49,30 @@ class Case:
     message: str                       # a substring of the one stderr line
     code: int = 1
     setup: object = None               # fn(tmp: str) -> None
+    process: bool = False              # run the real `python NN_stage.py` with a timeout (a case that could hang)
 
 
 def snapshot(folder):
-    """{relative path: sha1 of the bytes (folders: 'dir')} of everything under folder."""
+    """{relative path: sha1 of the bytes; 'dir'; '-> target' for a symbolic link; the kind of a pipe or
+    device} of everything under folder. Links and pipes are recorded as they are, never followed or opened."""
     out = {}
     for root, dirs, files in os.walk(folder):
-        for d in dirs:
-            out[os.path.relpath(os.path.join(root, d), folder)] = "dir"
-        for f in files:
-            with open(os.path.join(root, f), "rb") as fh:
-                out[os.path.relpath(os.path.join(root, f), folder)] = hashlib.sha1(fh.read()).hexdigest()
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                out[os.path.relpath(path, folder)] = "-> " + os.readlink(path)
+            elif stat.S_ISDIR(mode):
+                out[os.path.relpath(path, folder)] = "dir"
+            elif stat.S_ISREG(mode):
+                with open(path, "rb") as fh:
+                    out[os.path.relpath(path, folder)] = hashlib.sha1(fh.read()).hexdigest()
+            else:
+                out[os.path.relpath(path, folder)] = f"special {stat.S_IFMT(mode):o}"
     return out
+
+
+PROCESS_TIMEOUT_S = 90  # a process case loads at most the tiny model: ~10 s on 2 busy cores
 
 
 def model_copy(tmp):
@@ -87,11 +100,19 @@ def run_case(case, tmp, capsys):
     argv = [a.format(tmp=tmp, model=os.path.join(tmp, "model")) for a in case.argv]
     before = snapshot(tmp)
     capsys.readouterr()
-    try:
-        code = common.run_cli(STAGES[case.stage].main, argv)
-    except SystemExit as e:  # argparse
-        code = e.code
-    err = capsys.readouterr().err
+    if case.process:  # a real process, killed at the timeout: a case that once blocked forever fails, not hangs
+        try:
+            r = subprocess.run([sys.executable, os.path.join(ROOT, f"{case.stage}.py"), *argv], capture_output=True,
+                               text=True, timeout=PROCESS_TIMEOUT_S, cwd=tmp, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{case.stage}.py {' '.join(argv)} still ran after {PROCESS_TIMEOUT_S} s: it hangs")
+        code, err = r.returncode, r.stderr
+    else:
+        try:
+            code = common.run_cli(STAGES[case.stage].main, argv)
+        except SystemExit as e:  # argparse
+            code = e.code
+        err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == case.code, f"exit {code}, stderr:\n{err}"
     assert len(lines) == 1 and "Traceback" not in err, f"want one line, got:\n{err}"
@@ -938,10 +959,251 @@ def test_sampling_at_the_smallest_temperature_is_finite(tiny):
 
 
 # -----------------------------------------------------------------------------
+# Containment: a path read from a file (an index's weight_map, a checkpoint found by name) stays inside its
+# folder; a run's or an output's own files that are links are refused, never written or read through; a
+# pipe or a device where a file should be is refused, never read (it would block, or never end). Every case
+# watches a file outside the folders it names ({tmp}/notes.txt, a shard moved beside the model, a link's
+# target): the snapshot records links as links, so one replaced or written through shows.
+
+def _index_to(place, entry):
+    """setup: model.safetensors moved to {tmp}/place, and an index whose every entry is `entry` ({tmp} filled)."""
+    def setup(tmp):
+        names = common.read_safetensors_header(f"{tmp}/model/model.safetensors")[0]
+        os.makedirs(os.path.dirname(f"{tmp}/{place}"), exist_ok=True)
+        os.replace(f"{tmp}/model/model.safetensors", f"{tmp}/{place}")
+        value = entry.format(tmp=tmp) if isinstance(entry, str) else entry
+        write(f"{tmp}/model/model.safetensors.index.json", json.dumps({"weight_map": dict.fromkeys(names, value)}))
+    return setup
+
+
+def _linked_subfolder(tmp):  # model/sub -> ../elsewhere, and the index names sub/model.safetensors
+    _index_to("elsewhere/model.safetensors", "sub/model.safetensors")(tmp)
+    os.symlink("../elsewhere", f"{tmp}/model/sub")
+
+
+STOPPED_RUN = {}  # a real run of 4 steps stopped at step 2 (its checkpoint), made once: --resume trains on
+
+
+def _stopped_run(tmp):
+    if not STOPPED_RUN:
+        import atexit
+        import contextlib
+        import io
+        import tempfile
+        folder = tempfile.mkdtemp(prefix="qerl-stopped-run-")
+        atexit.register(shutil.rmtree, folder, True)
+        STOPPED_RUN["out"] = os.path.join(folder, "run")
+        with contextlib.redirect_stdout(io.StringIO()):
+            STAGES["05_grpo"].train(STAGES["05_grpo"].build_parser().parse_args(
+                [*TINY_RUN, "--steps", "4", "--stop-at", "2", "--out", STOPPED_RUN["out"], "--quiet"]))
+    shutil.copytree(STOPPED_RUN["out"], os.path.join(tmp, "run"))
+    write(os.path.join(tmp, "notes.txt"), "my notes")
+
+
+def _planted(name, target, move=False):
+    """setup: the stopped run, with {tmp}/run/name a symbolic link to {tmp}/target; move=True moves the run's
+    own file there first (the link then leads to a good copy: only the link can make the case fail)."""
+    def setup(tmp):
+        _stopped_run(tmp)
+        path, target_path = os.path.join(tmp, "run", name), os.path.join(tmp, target)
+        if move:
+            os.makedirs(os.path.dirname(target_path), exist_ok=True)
+            os.replace(path, target_path)
+        elif os.path.lexists(path):
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        os.symlink(target_path, path)
+    return setup
+
+
+def _output_with_link(name, target):  # an earlier output of 01 in {tmp}/q whose `name` is a link to {tmp}/target
+    def setup(tmp):
+        _own_output(tmp)
+        write(f"{tmp}/notes.txt", "my notes")
+        if os.path.lexists(f"{tmp}/q/{name}"):
+            os.remove(f"{tmp}/q/{name}")
+        os.symlink(f"{tmp}/{target}", f"{tmp}/q/{name}")
+    return setup
+
+
+def _lock_only(folder):  # {tmp}/folder holds only a dangling .qerl.lock link to {tmp}/made.txt
+    def setup(tmp):
+        os.makedirs(f"{tmp}/{folder}")
+        os.symlink(f"{tmp}/made.txt", f"{tmp}/{folder}/{common.LOCK_FILE}")
+    return setup
+
+
+def _manifest_link(tmp):  # {tmp}/q: a user's notes and a link to the manifest of a real output of 01 at q0
+    quantize.quantize_checkpoint(os.path.join(tmp, "model"), os.path.join(tmp, "q0"), log=lambda s: None)
+    write(f"{tmp}/q/notes.txt", "mine")
+    os.symlink(f"{tmp}/q0/{common.MANIFEST}", f"{tmp}/q/{common.MANIFEST}")
+
+
+def _fifo(name):  # setup: the model's `name` replaced by a named pipe nobody writes
+    def setup(tmp):
+        path = f"{tmp}/model/{name}"
+        if os.path.lexists(path):
+            os.remove(path)
+        os.mkfifo(path)
+    return setup
+
+
+def _device(name, device="/dev/null"):  # setup: the model's `name` a link to a device
+    def setup(tmp):
+        os.remove(f"{tmp}/model/{name}")
+        os.symlink(device, f"{tmp}/model/{name}")
+    return setup
+
+
+NOT_BESIDE = "which is not a file name beside the index (a path outside the model folder, or into a subfolder)"
+ENTRY = "model.safetensors.index.json: weight_map entry 'model.embed_tokens.weight' names "
+Q = ["--model", "{model}", "--out", "{tmp}/q"]
+RESUME_RUN = ["--resume", "{tmp}/run", "--quiet"]
+PIPE = "is a named pipe (FIFO), not a regular file: put the file itself there"
+CASES_CONTAINMENT = [
+    Case("contain-03-index-absolute", "03_rollout", M, ENTRY + "'", setup=_index_to(
+        "elsewhere/model.safetensors", "{tmp}/elsewhere/model.safetensors")),
+    Case("contain-03-index-dotdot", "03_rollout", M, ENTRY + "'../shard.safetensors', " + NOT_BESIDE,
+         setup=_index_to("shard.safetensors", "../shard.safetensors")),
+    Case("contain-03-index-linked-subfolder", "03_rollout", M, ENTRY + "'sub/model.safetensors', " + NOT_BESIDE,
+         setup=_linked_subfolder),
+    Case("contain-03-index-entry-number", "03_rollout", M, ENTRY + "7, " + NOT_BESIDE,
+         setup=_index_to("shard.safetensors", 7)),
+    # The issue's case: 01 wrote its quantized shard over {tmp}/shard.safetensors, the model's own weights
+    Case("contain-01-index-dotdot-out-beside", "01_quantize", Q, ENTRY + "'../shard.safetensors'",
+         setup=_index_to("shard.safetensors", "../shard.safetensors")),
+    Case("contain-01-index-absolute", "01_quantize", Q, ENTRY + "'", setup=_index_to(
+        "victim/model.safetensors", "{tmp}/victim/model.safetensors")),
+    Case("contain-05-index-dotdot", "05_grpo", ["--model", "{model}", *NO_STEP], ENTRY + "'../shard.safetensors'",
+         setup=_index_to("shard.safetensors", "../shard.safetensors")),
+    Case("link-05-resume-metrics-dangling", "05_grpo", RESUME_RUN, "run/metrics.jsonl is a symbolic link (to ",
+         setup=_planted("metrics.jsonl", "made.jsonl")),
+    Case("link-05-resume-args-json", "05_grpo", RESUME_RUN, "run/args.json is a symbolic link",
+         setup=_planted("args.json", "elsewhere/args.json", move=True)),
+    Case("link-05-resume-summary", "05_grpo", RESUME_RUN, "run/summary.json is a symbolic link",
+         setup=_planted("summary.json", "notes.txt")),
+    Case("link-05-resume-lock", "05_grpo", RESUME_RUN, "run/.qerl.lock is a symbolic link",
+         setup=_planted(common.LOCK_FILE, "notes.txt")),
+    Case("link-05-lock-dangling", "05_grpo", NO_STEP, "run/.qerl.lock is a symbolic link", setup=_lock_only("run")),
+    Case("link-05-resume-checkpoint", "05_grpo", RESUME_RUN, "run/checkpoint-000002 is a symbolic link",
+         setup=_planted("checkpoint-000002", "elsewhere/checkpoint-000002", move=True)),
+    Case("link-05-resume-trainer-state", "05_grpo", ["--resume", "{tmp}/run/checkpoint-000002", "--quiet"],
+         "checkpoint-000002/trainer_state.pt is a symbolic link",
+         setup=_planted("checkpoint-000002/trainer_state.pt", "elsewhere/trainer_state.pt", move=True)),
+    Case("link-05-resume-adapter", "05_grpo", RESUME_RUN, "checkpoint-000002/adapter_model.safetensors is a symbolic "
+         "link", setup=_planted("checkpoint-000002/adapter_model.safetensors", "elsewhere/a.safetensors", move=True)),
+    Case("link-01-force-lock", "01_quantize", [*Q, "--force"], "q/.qerl.lock is a symbolic link",
+         setup=_output_with_link(common.LOCK_FILE, "notes.txt")),
+    Case("link-01-lock-dangling", "01_quantize", Q, "q/.qerl.lock is a symbolic link", setup=_lock_only("q")),
+    Case("link-01-force-manifest", "01_quantize", [*Q, "--force"], "q/qerl_manifest.json is a symbolic link",
+         setup=_manifest_link),
+    Case("link-01-force-lock-hard-link", "01_quantize", [*Q, "--force"], "q/.qerl.lock has other names (hard links)",
+         setup=lambda t: (_own_output(t), write(f"{t}/notes.txt", "my notes"),
+                          os.link(f"{t}/notes.txt", f"{t}/q/{common.LOCK_FILE}"))),
+    Case("link-01-force-lock-users-file", "01_quantize", [*Q, "--force"], "q/.qerl.lock holds something other than "
+         "a process id", setup=lambda t: (_own_output(t), write(f"{t}/q/{common.LOCK_FILE}", "my notes"))),
+    Case("fifo-03-config", "03_rollout", M, "model/config.json " + PIPE, setup=_fifo("config.json"), process=True),
+    Case("fifo-03-tokenizer", "03_rollout", M, "model/tokenizer.json " + PIPE, setup=_fifo("tokenizer.json"),
+         process=True),
+    Case("fifo-03-tokenizer-config", "03_rollout", M, "model/tokenizer_config.json " + PIPE,
+         setup=_fifo("tokenizer_config.json"), process=True),
+    Case("fifo-03-generation-config", "03_rollout", M, "model/generation_config.json " + PIPE,
+         setup=_fifo("generation_config.json"), process=True),
+    Case("fifo-03-index", "03_rollout", M, "model/model.safetensors.index.json " + PIPE,
+         setup=_fifo("model.safetensors.index.json"), process=True),
+    Case("fifo-01-weights", "01_quantize", Q, "model/model.safetensors " + PIPE, setup=_fifo("model.safetensors"),
+         process=True),
+    Case("fifo-05-generation-config", "05_grpo", ["--model", "{model}", *RUN], "model/generation_config.json " + PIPE,
+         setup=_fifo("generation_config.json"), process=True),
+    Case("device-03-generation-config", "03_rollout", M, "model/generation_config.json is a character device, not a "
+         "regular file", setup=_device("generation_config.json"), process=True),
+]
+
+
+def test_a_shard_beside_the_index_loads_through_a_link(tmp_path):
+    """What stays allowed: an index whose entries are plain names, one of them a link the folder's owner
+    made (as the Hugging Face cache links each file of a snapshot to its blob), loads as before."""
+    model_copy(str(tmp_path))
+    _index_to("blobs/abc123", "model.safetensors")(str(tmp_path))
+    os.symlink("../blobs/abc123", tmp_path / "model" / "model.safetensors")
+    config, weight_map, has_index = common.find_weight_files(str(tmp_path / "model"))
+    assert has_index and set(weight_map.values()) == {"model.safetensors"} and len(weight_map) == 50
+    model, _ = rollout.load_model(tmp_path / "model", device="cpu")
+    torch.testing.assert_close(model.model.embed_tokens.weight, tiny_weights()["model.embed_tokens.weight"],
+                               rtol=0, atol=0)
+
+
+def tiny_weights():
+    from safetensors.torch import load_file
+    return load_file(os.path.join(TINY, "model.safetensors"))
+
+
+def test_atomic_write_never_writes_through_a_planted_temporary(tmp_path):
+    """A link planted at atomic_write's temporary name (this process's PID: predictable) is refused, not
+    written into; its target, and the link, stay as they were. A dangling one creates nothing."""
+    victim, run = tmp_path / "notes.txt", tmp_path / "run"
+    write(str(victim), "my notes")
+    run.mkdir()
+    planted = run / f".args.json.tmp{os.getpid()}"
+    os.symlink(victim, planted)
+    with pytest.raises(ValueError, match=rf"\.args\.json\.tmp{os.getpid()} is a symbolic link \(to {victim}\)"):
+        common.write_json(str(run / "args.json"), {"lr": 1})
+    assert victim.read_text() == "my notes" and os.readlink(planted) == str(victim) and not (run / "args.json").exists()
+    os.remove(planted)
+    os.symlink(tmp_path / "made.txt", planted)  # dangling
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        common.write_json(str(run / "args.json"), {"lr": 1})
+    assert not (tmp_path / "made.txt").exists()
+    os.remove(planted)  # and without a link, the write goes as before
+    common.write_json(str(run / "args.json"), {"lr": 1})
+    assert common.read_json(str(run / "args.json")) == {"lr": 1} and os.listdir(run) == ["args.json"]
+
+
+def test_a_leftover_temporary_of_our_pid_is_replaced(tmp_path):
+    """A real file or folder at the temporary's name (a killed process that had this PID, as in a container
+    where PIDs repeat) is atomic_write's own kind of leftover: removed, and the write goes through."""
+    write(str(tmp_path / f".a.json.tmp{os.getpid()}"), "half")
+    os.makedirs(tmp_path / f".ckpt.tmp{os.getpid()}" / "x")
+    common.write_json(str(tmp_path / "a.json"), {"a": 1})
+    common.atomic_write(str(tmp_path / "ckpt"), os.makedirs)
+    assert sorted(os.listdir(tmp_path)) == ["a.json", "ckpt"]
+
+
+def test_the_sweep_leaves_planted_links_alone(tmp_path):
+    """remove_stale_temps never moves or removes a link with a temporary's name: atomic_write makes none. A
+    planted `.checkpoint-NNNNNN.tmpPID.old` link used to be renamed into place as the run's checkpoint."""
+    dead = dead_pid()
+    (tmp_path / "users").mkdir()
+    os.symlink(tmp_path / "users", tmp_path / f".checkpoint-000005.tmp{dead}.old")
+    os.symlink(tmp_path / "users", tmp_path / f".metrics.jsonl.tmp{dead}")
+    before = snapshot(str(tmp_path))
+    assert common.remove_stale_temps(str(tmp_path), lambda name: True) == []
+    assert snapshot(str(tmp_path)) == before
+
+
+def test_a_stale_lock_is_taken_over_with_just_our_pid(tmp_path):
+    """A killed holder's .qerl.lock (its PID) is locked and rewritten to exactly this process's PID: the lock is
+    opened as open(..., "a+") opened it (O_APPEND), so no hole of NULs is left before the new PID."""
+    write(str(tmp_path / common.LOCK_FILE), "17258\n")
+    with common.OutputLock(str(tmp_path)):
+        assert (tmp_path / common.LOCK_FILE).read_bytes() == f"{os.getpid()}\n".encode()
+    with common.OutputLock(str(tmp_path)):  # and again, over our own
+        assert (tmp_path / common.LOCK_FILE).read_bytes() == f"{os.getpid()}\n".encode()
+
+
+def test_load_adapter_refuses_a_pipe(adapter):
+    """An adapter file that is a named pipe: one line naming it (the reader would block on it)."""
+    folder, model = adapter
+    os.remove(os.path.join(folder, "adapter_model.safetensors"))
+    os.mkfifo(os.path.join(folder, "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors is a named pipe \(FIFO\), not a regular file"):
+        lora.load_adapter(model, folder)
+
+
+# -----------------------------------------------------------------------------
 # The table
 
 CASES = (CASES_01 + CASES_02 + CASES_03 + CASES_04 + CASES_05 + CASES_OWNERSHIP + CASES_CHECKPOINTS
-         + CASES_LIMITS)
+         + CASES_LIMITS + CASES_CONTAINMENT)
 if torch.cuda.is_available():  # the GPU cases are a CPU machine's
     CASES = [c for c in CASES if "gpu" not in c.id]
 
@@ -1267,3 +1529,156 @@ if __name__ == "__main__":  # the table in docs/reliability.md: every case, run,
             line = line.replace(os.path.join(work, "model"), "M").replace(work + "/", "").replace(work, ".")
         argv = " ".join(a.replace("{tmp}/", "").replace("{model}", "M") for a in case.argv)
         print(f"| {case.id} | `{case.stage}.py {argv}` | {case.code} | {line.replace('|', '/')} |")
+
+
+# -----------------------------------------------------------------------------
+# Studies with integrity (bench/compare_methods.py): a results folder holding a careless or hostile file.
+# Each case leaves every file as it was: a user's notes and tables stay, planted code never runs.
+
+STUDY = STAGES["bench/compare_methods"]
+STUDY_PACK = os.path.join(ROOT, "bench", "results", STUDY.PACK)
+
+
+def _study_runs(folder, names=("lora-s0", "lora-s1"), change=None):
+    """setup: finished runs of the committed pack as run folders in {tmp}/folder/runs; change(name, files)
+    edits a run's {file: text} first."""
+    def setup(tmp):
+        runs = STUDY.read_pack(STUDY_PACK)
+        for name in names:
+            files = dict(runs[name])
+            if change:
+                change(name, files)
+            for file, text in files.items():
+                write(os.path.join(tmp, folder, "runs", name, file), text)
+    return setup
+
+
+def _summary_of(run, edit):  # change: summary.json of one run edited
+    def change(name, files):
+        if name == run:
+            files["summary.json"] = json.dumps(edit(json.loads(files["summary.json"])))
+    return change
+
+
+def _first_step_entropy(value):  # change: the first step record of lora-s1's metrics.jsonl
+    def change(name, files):
+        if name == "lora-s1":
+            lines = files["metrics.jsonl"].splitlines()
+            i = next(i for i, line in enumerate(lines) if '"eval"' not in line)
+            lines[i] = json.dumps({**json.loads(lines[i]), "entropy": value})
+            files["metrics.jsonl"] = "\n".join(lines) + "\n"
+    return change
+
+
+def _and(*setups):
+    return lambda tmp: [s(tmp) for s in setups]
+
+
+def _planted_snapshot(record=False):
+    """runs/.code/05_grpo.py that would leave a file if it ran, a claim naming PID 1 (always alive), and
+    with record=True a record in the snapshot with its true hash, naming PID 1 as its maker."""
+    def setup(tmp):
+        code = os.path.join(tmp, "cmp", "runs", ".code")
+        os.makedirs(code)
+        for name in STUDY.CODE_FILES:  # a whole snapshot, as the script makes one, but for its 05
+            copy = shutil.copytree if os.path.isdir(os.path.join(ROOT, name)) else shutil.copy
+            copy(os.path.join(ROOT, name), os.path.join(code, name))
+        write(os.path.join(code, "05_grpo.py"), "open(__file__ + '.ran', 'w')\n")
+        write(os.path.join(tmp, "cmp", "runs", ".lora-s0.claim"), "1")
+        if record:
+            write(os.path.join(code, STUDY.SNAPSHOT_RECORD), json.dumps(
+                {"md5": STUDY.tree_hash(code), "owner": STUDY.process_identity(1)}))
+            write(os.path.join(code, "05_grpo.py"), "open(__file__ + '.ran', 'w')  # edited after\n")
+    return setup
+
+
+def _link(path, target):
+    def setup(tmp):
+        write(os.path.join(tmp, target), "a user's file\n")
+        os.makedirs(os.path.dirname(os.path.join(tmp, path)), exist_ok=True)
+        os.symlink(os.path.join(tmp, target), os.path.join(tmp, path))
+    return setup
+
+
+CMP = "bench/compare_methods"
+FROM = ["--from-results", "--out", "{tmp}/cmp"]
+TRAIN = ["--methods", "lora", "--seeds", "0", "--steps", "1", "--eval-size", "2", "--out", "{tmp}/cmp"]
+RESUME = ["--methods", "lora", "--seeds", "0", "1", "--out", "{tmp}/cmp", "--dry-run"]
+CASES_STUDIES = [
+    Case("study-string-accuracy", CMP, FROM, 'lora-s1/summary.json: final_eval.greedy is "0.41" (a string), not a '
+         "number in [0, 1]", setup=_study_runs("cmp", change=_summary_of(
+             "lora-s1", lambda s: {**s, "final_eval": {**s["final_eval"], "greedy": "0.41"}}))),
+    Case("study-entropy-not-a-number", CMP, FROM, 'entropy is "n/a" (a string), not a number',
+         setup=_study_runs("cmp", change=_first_step_entropy("n/a"))),
+    Case("study-invocation-without-wall-s", CMP, ["--study", "pi-old", "--from-results", "--out", "{tmp}/pi"],
+         "invocations.jsonl line 1: wall_s is missing, not a number of seconds", setup=_and(
+             _study_runs("pi", ["lora-s0"]), lambda t: write(f"{t}/pi/invocations.jsonl", json.dumps(
+                 {"command": "python bench/compare_methods.py --study pi-old", "started": "2026-12-01 10:00:00"})))),
+    Case("study-best-level-a-list", CMP, ["--study", "hard", "--from-results", "--out", "{tmp}/hard"],
+         "noise/results.json: best_noise_level is [0.01] (a list), not a noise level (a number > 0) or null",
+         setup=_and(_study_runs("hard", ["lora-s0"]),
+                    lambda t: write(f"{t}/noise/results.json", json.dumps({"best_noise_level": [0.01]})))),
+    Case("study-users-table", CMP, FROM, "cmp/table.md was not written by this script",
+         setup=_and(_study_runs("cmp"), lambda t: write(f"{t}/cmp/table.md", "# my notes\n"))),
+    Case("study-users-results-json", CMP, [*FROM, "--study", "pi-old"], "cmp/results.json was not written by this "
+         "script", setup=_and(_study_runs("cmp"), lambda t: write(f"{t}/cmp/results.json", '{"mine": 1}'))),
+    Case("study-users-file-as-manifest", CMP, FROM, "compare_methods.json is not this script's record",
+         setup=_and(_study_runs("cmp"), lambda t: write(f"{t}/cmp/compare_methods.json", '{"mine": 1}'))),
+    Case("study-notes-in-unfinished-run", CMP, TRAIN, "cmp/runs/lora-s0 holds notes.txt, which neither this script "
+         "nor 05 wrote", setup=lambda t: [write(f"{t}/cmp/runs/lora-s0/notes.txt", "mine"),
+                                          write(f"{t}/cmp/runs/lora-s0/args.json", "{}")]),
+    Case("study-run-folder-a-link", CMP, TRAIN, "cmp/runs/lora-s0 is a link", setup=_link("cmp/runs/lora-s0", "mine")),
+    Case("study-runs-a-link", CMP, TRAIN, "cmp/runs is a symbolic link", setup=_link("cmp/runs", "mine")),
+    Case("study-run-file-a-link", CMP, FROM, "lora-s1/metrics.jsonl is a symbolic link", setup=_and(
+        _study_runs("cmp"), lambda t: os.remove(f"{t}/cmp/runs/lora-s1/metrics.jsonl"),
+        _link("cmp/runs/lora-s1/metrics.jsonl", "secret.txt"))),
+    Case("study-planted-snapshot", CMP, TRAIN, "runs/.code was not made by a running copy of this script (its record "
+         "is missing or unreadable)", setup=_planted_snapshot()),
+    Case("study-planted-snapshot-with-record", CMP, TRAIN, "(its files differ from its record)",
+         setup=_planted_snapshot(record=True)),
+    Case("study-resumed-with-other-lr", CMP, [*RESUME, "--", "--lr", "5e-3"], "runs/lora-s0 was trained with --lr "
+         "0.001, this command runs with --lr 5e-3", setup=_study_runs("cmp", ["lora-s0"])),
+    Case("study-resumed-with-other-eval-size", CMP, [*RESUME, "--eval-size", "20"], "was trained with --eval-size "
+         "500, this command runs with --eval-size 20", setup=_study_runs("cmp", ["lora-s0"])),
+    Case("study-mixed-settings", CMP, FROM, "lora-s1 was trained with --lr 0.005 and", setup=_study_runs(
+        "cmp", change=_summary_of("lora-s1", lambda s: {**s, "args": {**s["args"], "lr": 0.005}}))),
+]
+
+
+@pytest.mark.parametrize("case", CASES_STUDIES, ids=[c.id for c in CASES_STUDIES])
+def test_bad_study_input(case, tmp_path, capsys):
+    run_case(case, str(tmp_path / "work"), capsys)
+
+
+def test_every_bad_field_of_a_study_is_its_own_line(tmp_path, capsys):
+    """Two bad fields in two runs: each on its own stdout line, then one error line naming the first."""
+    both = _summary_of("lora-s1", lambda s: {**s, "wall_s": None, "final_eval": {**s["final_eval"], "n": "500"}})
+    _study_runs("cmp", change=both)(str(tmp_path))
+    capsys.readouterr()
+    assert common.run_cli(STUDY.main, ["--from-results", "--out", str(tmp_path / "cmp")]) == 1
+    out, err = capsys.readouterr()
+    bad = [line for line in out.splitlines() if line.startswith("bad | ")]
+    assert len(bad) == 2 and "wall_s is null (null), not a number of seconds" in bad[0], out
+    assert 'final_eval.n is "500" (a string), not a number of problems' in bad[1], out
+    assert err.count("\n") == 1 and "(and 1 more bad field(s), listed above)" in err, err
+    assert not (tmp_path / "cmp" / "table.md").exists()
+
+
+def test_a_study_interrupted_by_ctrl_c_exits_130(tmp_path):
+    """The real command line: Ctrl-C while a run trains stops the run it started and exits 130."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "compare_methods.py"), "--methods", "lora",
+                             "--seeds", "0", "--steps", "200", "--eval-size", "2", "--out", str(tmp_path / "cmp")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    wait_for_line(proc, "command | ")
+    log = tmp_path / "cmp" / "runs" / "lora-s0" / "train.log"
+    for _ in range(600):  # until its run has started (the log is opened just before)
+        if log.exists():
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip().splitlines() == [
+        "interrupted | finished runs are kept; rerun the same command to train the rest"], err
+    assert sorted(os.listdir(tmp_path / "cmp" / "runs")) == ["lora-s0"]  # no claim, no snapshot left

@@ -5,7 +5,10 @@ import importlib
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -43,6 +46,16 @@ def test_two_runs_train_report_and_rebuild_from_the_pack(tmp_path, capsys):
     cmp.main(argv[:-2] + ["--out", str(out)])  # training again unpacks the pack and reuses both runs
     assert "2 reused" in capsys.readouterr().out
     assert (out / "runs.tar.xz").read_bytes() == pack
+
+    # each run's versions.txt records its whole 05 command line and the snapshot's hash; a resume giving
+    # a flag the finished runs did not have (or another value) is refused before it trains anything
+    versions = (out / "runs" / "qerl-s0" / "versions.txt").read_text().splitlines()
+    recorded = json.loads(next(v for v in versions if v.startswith("argv "))[5:])
+    assert recorded[recorded.index("--eval-size") + 1] == "8" and recorded[recorded.index("--quant") + 1] == "nvfp4"
+    assert recorded[recorded.index("--out") + 1] == str(out / "runs" / "qerl-s0") and "--aqn" in recorded
+    assert any(v.startswith("snapshot ") and len(v) == len("snapshot ") + 32 for v in versions)
+    with pytest.raises(ValueError, match="qerl-s0 was trained without --pi-old, this command runs with --pi-old "):
+        cmp.main(["--methods", "qerl"] + argv[3:] + ["--seeds", "0", "1", "--dry-run", "--", "--pi-old", "sampler"])
 
 
 @pytest.mark.parametrize("study", [None, *cmp.STUDIES])
@@ -90,3 +103,125 @@ def test_overlapping_invocations_count_their_wall_time_once():
     inv = [{"started": "2026-12-02 02:00:00", "wall_s": 600}, {"started": "2026-12-02 02:05:00", "wall_s": 600},
            {"started": "2026-12-02 03:00:00", "wall_s": 60}]
     assert cmp.wall_union(inv) == 600 + 300 + 60
+
+
+# ---------------------------------------------------------------------------------------------------
+# Integrity: it runs only code it can vouch for, writes only what it made, and never mixes settings
+
+def committed_runs(out, names, pack=os.path.join(ROOT, "bench", "results", cmp.PACK)):
+    """Finished runs of the committed pack written as run folders under out/runs (a study in progress)."""
+    runs = cmp.read_pack(pack)
+    for name in names:
+        os.makedirs(out / "runs" / name)
+        for file, text in runs[name].items():
+            (out / "runs" / name / file).write_text(text)
+
+
+def test_the_committed_tables_rebuild_in_their_own_folder(tmp_path):
+    """A results folder from before the manifest (bench/results/**) is recognised as this script's: the
+    report rebuilds its table.md byte for byte, and from then on the manifest lists what it wrote."""
+    src = os.path.join(ROOT, "bench", "results", "smollm2-table1")
+    out = tmp_path / "smollm2-table1"
+    shutil.copytree(src, out)
+    assert cmp.common.run_cli(cmp.main, ["--study", "smollm2-table1", "--from-results", "--out", str(out)]) == 0
+    assert (out / "table.md").read_text() == open(os.path.join(src, "table.md")).read()
+    assert json.loads((out / cmp.OUT_MANIFEST).read_text())["files"] == sorted(cmp.OUTPUTS)
+
+
+def test_a_resumed_study_with_other_05_flags_is_refused_before_training(tmp_path):
+    """A finished run recorded with other 05 settings is not averaged with new runs: the command stops
+    before training, naming the flag (a run from before versions.txt recorded its argv: its args)."""
+    out = tmp_path / "cmp"
+    committed_runs(out, ["lora-s0"])
+    base = ["--methods", "lora", "--seeds", "0", "1", "--out", str(out), "--dry-run"]
+    with pytest.raises(ValueError, match=r"runs/lora-s0 was trained with --lr 0.001, this command runs with --lr 5e-3"):
+        cmp.main(base + ["--", "--lr", "5e-3"])
+    with pytest.raises(ValueError, match=r"was trained with --eval-size 500, this command runs with --eval-size 20"):
+        cmp.main(base + ["--eval-size", "20"])
+    cmp.main(base)  # the same settings: seed 1 is planned beside the finished seed 0
+
+
+def test_from_results_refuses_runs_of_other_settings(tmp_path):
+    out = tmp_path / "cmp"
+    committed_runs(out, ["lora-s0", "lora-s1"])
+    path = out / "runs" / "lora-s1" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary["args"]["lr"] = 0.005
+    path.write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match=r"lora-s1 was trained with --lr 0.005 and .*lora-s0 with 0.001"):
+        cmp.main(["--from-results", "--out", str(out)])
+
+
+def sleeper(*argv):
+    """A live process whose command line names compare_methods.py: to the checks, another copy of it."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", *argv])
+
+
+def test_a_second_copy_reuses_only_a_verified_snapshot(tmp_path):
+    runs_root = str(tmp_path / "runs")
+    os.makedirs(runs_root)
+    snap, md5, made = cmp.prepare_code(runs_root)
+    assert made and md5 == cmp.tree_hash(snap)
+    record = os.path.join(snap, cmp.SNAPSHOT_RECORD)
+    other = sleeper("bench/compare_methods.py")
+    unrelated = sleeper("something_else.py")
+    try:
+        time.sleep(0.2)
+        as_made_by = lambda owner: open(record, "w").write(json.dumps({"md5": md5, "owner": owner}))  # noqa: E731
+        as_made_by(cmp.process_identity(other.pid))
+        assert cmp.prepare_code(runs_root) == (snap, md5, False)  # the first copy's, untouched: reused
+        with open(os.path.join(snap, "common.py"), "a") as f:
+            f.write("\nimport os; os.system('echo planted')\n")
+        with pytest.raises(ValueError, match=f"changed since process {other.pid} made it"):
+            cmp.prepare_code(runs_root)
+        # a record naming PID 1 (always alive) or another program is no live copy: never reused, and what its
+        # record does not vouch for is not even removed
+        for owner in (cmp.process_identity(1), cmp.process_identity(unrelated.pid), [other.pid, "1"]):
+            as_made_by(owner)
+            with pytest.raises(ValueError, match="was not made by a running copy of this script"):
+                cmp.prepare_code(runs_root)
+        assert "planted" in open(os.path.join(snap, "common.py")).read()
+        # an untouched snapshot of a copy that has gone is made again, from this checkout
+        shutil.copy(os.path.join(ROOT, "common.py"), os.path.join(snap, "common.py"))
+        as_made_by(cmp.process_identity(unrelated.pid))
+        assert cmp.prepare_code(runs_root) == (snap, md5, True)
+        assert cmp.read_record(snap)["owner"] == cmp.process_identity(os.getpid())
+    finally:
+        for p in (other, unrelated):
+            p.kill()
+            p.wait()
+
+
+def test_a_snapshot_changed_during_the_study_is_not_run(tmp_path, monkeypatch):
+    """The snapshot is hashed again before every run: a file added to it between two runs stops the study."""
+    out = tmp_path / "cmp"
+    marker = tmp_path / "second-run-started"
+
+    def command(args, method, seed, run_dir, code_dir=cmp.ROOT):  # each "run" adds a module to the snapshot
+        return [sys.executable, "-c", f"open({os.path.join(code_dir, 'torch.py')!r}, 'w');"
+                f"open({str(marker)!r}, 'a').write('x')"]
+    monkeypatch.setattr(cmp, "run_command", command)
+    with pytest.raises(ValueError, match="changed since this invocation checked it"):
+        cmp.main(["--methods", "lora", "--steps", "1", "--seeds", "0", "1", "--parallel", "1", "--eval-size", "2",
+                  "--out", str(out)])
+    assert marker.read_text() == "x"  # the first run only
+    assert (out / "runs" / ".code" / "torch.py").exists()  # a snapshot that is not what was recorded stays
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_kill_stops_the_runs_and_exits_128_plus_the_signal(tmp_path, monkeypatch, capsys, signum, code):
+    out = tmp_path / "cmp"
+    started = []
+    monkeypatch.setattr(cmp, "run_command", lambda *a, **k: [sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def tick(seconds):  # the first second of the wait loop: the signal arrives
+        started.extend(p for p in os.listdir(out / "runs") if p.endswith(".claim"))
+        raise cmp.common.Interrupted(signum=signum)
+    monkeypatch.setattr(cmp.time, "sleep", tick)
+    capsys.readouterr()
+    assert cmp.common.run_cli(cmp.main, ["--methods", "lora", "--steps", "1", "--seeds", "0", "--eval-size", "2",
+                                         "--out", str(out)]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("interrupted") and "rerun the same command" in err[0], err
+    assert started == [".lora-s0.claim"]
+    assert sorted(os.listdir(out / "runs")) == ["lora-s0"]  # its claim and the snapshot are gone

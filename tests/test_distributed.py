@@ -130,7 +130,7 @@ def test_two_ranks_take_the_same_step_as_one_process(tmp_path):
     assert ranks[1]["idle-rank-mu2-kl"][1]["kept_rows"] == G and ranks[0]["idle-rank-mu2-kl"][1]["kept_rows"] == 0
 
 
-def test_torchrun_run_prints_once_checkpoints_and_resumes_on_one_process(tmp_path):
+def test_torchrun_run_prints_once_checkpoints_and_resumes_on_one_process(tmp_path, capsys):
     out = tmp_path / "dp"
     common = ["--batch", "3", "--group", "4", "--max-new-tokens", "40", "--eval-size", "4", "--eval-k", "0",
               "--save-every", "0", "--time-budget", "0", "--device", "cpu", "--warmup", "1", "--lr", "5e-3"]
@@ -143,8 +143,10 @@ def test_torchrun_run_prints_once_checkpoints_and_resumes_on_one_process(tmp_pat
     assert {"adapter_model.safetensors", "trainer_state.pt"} <= set(os.listdir(out / "checkpoint-000002"))
     assert sorted(os.listdir(tmp_path)) == ["dp"]  # no other rank wrote a run folder
     # a 2-rank checkpoint resumes on 1 process (the global batch does not depend on the rank count)
+    assert json.load(open(out / "args.json"))["world_size"] == 2
     summary = grpo.train(grpo.build_parser().parse_args(["--resume", str(out), "--quiet", "--time-budget", "0"]))
     assert summary["steps_done"] == 3 and summary["final_eval"]["step"] == 3
+    assert "note | resuming a run of 2 rank(s) on 1:" in capsys.readouterr().out  # another stream: said so
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows if "eval" not in r] == [1, 2, 3]
     for r in rows:
@@ -191,12 +193,60 @@ def test_shards_are_whole_contiguous_and_balanced():
 
 
 def test_fewer_prompts_than_ranks_is_one_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(distributed, "init", lambda device: (0, 4, "cpu"))  # as if torchrun started 4
+    monkeypatch.setattr(distributed, "init", lambda device, timeout_s=600.0: (0, 4, "cpu"))  # as if torchrun started 4
     args = grpo.build_parser().parse_args(["--batch", "2", "--out", str(tmp_path / "o")])
     with pytest.raises(ValueError, match=r"--batch 2 is smaller than the number of ranks \(4\)"):
         grpo.train(args)
     assert not (tmp_path / "o").exists()  # nothing written
 
 
+def faulty_rank(how, at_step, argv):
+    """05's command line, with rank 1 failing at its update of step `at_step`: it hangs ("freeze") or dies
+    without a word ("die", as kill -9 would)."""
+    import time
+    common = importlib.import_module("common")
+    real, calls = grpo.policy_update, []
+
+    def update(*a, **kw):
+        calls.append(1)
+        if int(os.environ["RANK"]) == 1 and len(calls) == at_step:
+            if how == "die":
+                os._exit(9)
+            time.sleep(3600)
+        return real(*a, **kw)
+
+    grpo.policy_update = update
+    code = common.run_cli(grpo.main, argv)
+    distributed.leave(code)
+
+
+@pytest.mark.parametrize("how", ["freeze", "die"])
+def test_a_stuck_or_dead_rank_ends_the_job_with_one_line(tmp_path, how):
+    """Rank 1 hangs (or dies) at step 3: rank 0 waits no longer than --dist-timeout (here 12 s, not gloo's
+    hours), says in one line which rank went missing at which step, and the job ends non-zero. args.json
+    records the rank count; checkpoint-000002 stays."""
+    import time
+    out = tmp_path / "dp"
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--log-dir", str(tmp_path / "logs"), "--redirects", "2",  # each rank's stderr in a file of its own
+           "tests/test_distributed.py", "--faulty", how, "3", "--steps", "6", "--batch", "2", "--group", "2",
+           "--max-new-tokens", "8", "--eval-size", "0", "--save-every", "1", "--time-budget", "0", "--device", "cpu",
+           "--dist-timeout", "0.2", "--quiet", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode != 0 and time.time() - t0 < 180
+    rank0 = open(next((tmp_path / "logs").rglob("0/stderr.log"))).read()
+    said = [line for line in rank0.splitlines() if line.strip()]
+    assert len(said) == 1, rank0[-3000:]  # one line: no gloo message, no traceback
+    what = "did not answer within --dist-timeout" if how == "freeze" else "closed its connection: it died"
+    assert said[0].startswith("error: step 3: rank 0: rank 1 ") and what in said[0], said[0]
+    assert json.load(open(out / "args.json"))["world_size"] == 2
+    assert (out / "checkpoint-000002").is_dir() and not (out / "checkpoint-000003").exists()
+
+
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--faulty":
+        faulty_rank(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
+    else:
+        worker(sys.argv[1], sys.argv[2])

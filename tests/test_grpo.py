@@ -396,24 +396,57 @@ def test_mask_truncated_update_by_hand(monkeypatch):
         torch.testing.assert_close(got[masked], want[masked].float(), rtol=1e-6, atol=1e-7)
 
 
-def test_nan_loss_skips_the_step_and_saves_nothing_broken(tmp_path, monkeypatch, capsys):
-    real = grpo.rollout.sequence_logprobs
+def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    """From step 2 on the log-probs are NaN: step 2's update is not taken, its record says why, the run stops
+    with one line naming the step, and checkpoint-000001 (finite) is the last one."""
+    real, calls = grpo.rollout.sequence_logprobs, []
 
     def poisoned(*a, **kw):
         lp, ent = real(*a, **kw)
-        return lp * float("nan"), ent
+        calls.append(torch.is_grad_enabled())
+        return (lp * float("nan"), ent) if sum(calls) > 1 else (lp, ent)  # the second update's forward on
 
     monkeypatch.setattr(grpo.rollout, "sequence_logprobs", poisoned)
+    rewards = iter([1.0, 0.0] * 100)  # every group has signal: every step updates, one forward with gradients
+    monkeypatch.setattr(tasks.AnswerTask, "reward", lambda self, problem, text: next(rewards))
     out = tmp_path / "nan"
-    args = tiny_args(out, "--steps", "2", "--eval-size", "0")
+    with pytest.raises(ValueError, match=r"^step 2: the loss is nan: the run diverged and stops; its last good "
+                                         r"checkpoint, checkpoint-000001, stays; run again with a lower --lr"):
+        grpo.train(tiny_args(out, "--steps", "3", "--eval-size", "0", "--save-every", "1"))
+    steps, _ = step_rows(out)
+    assert [r["step"] for r in steps] == [1, 2] and steps[1]["diverged"] == "the loss is nan"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000001"]
+    adapter = load_file(str(out / "checkpoint-000001" / "adapter_model.safetensors"))
+    assert all(torch.isfinite(v).all() for v in adapter.values())
+    assert not (out / "summary.json").exists()  # no summary of success
+
+
+def test_a_far_update_is_named_a_likely_divergence(tmp_path, capsys):
+    """--lr 1e3 wrecks the policy in one update: the step's kl_after is beyond runs.DIVERGED_KL, the log
+    names it, and the summary says so instead of a plain success. The default LR stays far below it."""
+    out = tmp_path / "far"
+    args = tiny_args(out, "--steps", "2", "--eval-size", "0", "--lr", "1e3", "--warmup", "0")
+    args.quiet = False
     summary = grpo.train(args)
-    assert "skipping this update" in capsys.readouterr().out
-    assert summary["skipped_updates"] >= 1
-    adapter = load_file(str(out / "checkpoint-000002" / "adapter_model.safetensors"))
-    for k, v in adapter.items():
-        assert torch.isfinite(v).all()
-        if k.endswith("lora_B.weight"):
-            assert v.abs().sum() == 0  # no update was applied
+    text = capsys.readouterr().out
+    assert summary["likely_divergence_steps"] and "likely divergence" in text
+    steps, _ = step_rows(out)
+    assert max(r["kl_after"] for r in steps) > runs.DIVERGED_KL
+    calm = grpo.train(tiny_args(tmp_path / "calm", "--steps", "2", "--eval-size", "0", "--lr", "1e-3"))  # the default
+    assert calm["likely_divergence_steps"] == []
+    assert all(r["kl_after"] < 0.1 * runs.DIVERGED_KL for r in step_rows(tmp_path / "calm")[0])
+
+
+def test_noise_that_overflows_the_sampler_is_one_line(tmp_path):
+    """--sigma-start 1e30: the noisy logits are NaN; the sampler returns (no index out of bounds) and the
+    run stops at step 1 with one line, exit 1, no traceback."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--steps", "4", "--batch", "2", "--group",
+                        "2", "--max-new-tokens", "8", "--eval-size", "0", "--warmup", "0", "--num-stages", "2",
+                        "--sigma-start", "1e30", "--sigma-end", "1e29", "--out", str(tmp_path / "o"), "--quiet"],
+                       capture_output=True, text=True, timeout=180)
+    lines = [line for line in r.stderr.splitlines() if line]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: step 3: the sampler's log-probs are not finite"), lines[0]
 
 
 def test_unknown_quant_name_is_an_error_in_every_stage(capsys):
@@ -907,3 +940,45 @@ def test_help_puts_the_flags_that_define_qerl_first():
             "--steps", "--batch", "--group", "--lr"} <= flags and len(flags) <= 16
     text = grpo.build_parser().format_help().split("options:", 1)[1]  # the groups, after the usage line
     assert text.index("QeRL:") < text.index("--lr") < text.index("task and data") < text.index("--eval-size")
+
+
+def test_a_damaged_checkpoint_is_refused_on_resume(tmp_path, monkeypatch):
+    """--resume checks what it would continue from: each saved argument within its flag's range, the adapter
+    finite, AdamW's moments finite and its second moments >= 0; one line each, nothing written."""
+    import shutil
+    from safetensors.torch import save_file
+    rewards = iter([1.0, 0.0] * 100)  # every group has signal: the step updates, and AdamW has moments
+    monkeypatch.setattr(tasks.AnswerTask, "reward", lambda self, problem, text: next(rewards))
+    grpo.train(tiny_args(tmp_path / "run", "--steps", "1", "--eval-size", "0", "--save-every", "1"))
+
+    def damaged(name, edit):
+        run = tmp_path / name
+        shutil.copytree(tmp_path / "run", run)
+        edit(run / "checkpoint-000001")
+        return ["--resume", str(run / "checkpoint-000001"), "--quiet"]
+
+    def state_edit(change):
+        def edit(ckpt):
+            state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+            change(state)
+            torch.save(state, ckpt / "trainer_state.pt")
+        return edit
+
+    def nan_adapter(ckpt):
+        tensors = load_file(str(ckpt / "adapter_model.safetensors"))
+        next(iter(tensors.values())).view(-1)[0] = float("nan")
+        save_file(tensors, str(ckpt / "adapter_model.safetensors"))
+
+    def negative_moment(state):
+        next(iter(state["optimizer"]["state"].values()))["exp_avg_sq"].view(-1)[0] = -1.0
+
+    cases = [("clip", state_edit(lambda s: s["args"].update(grad_clip=-1.0)), r"--grad-clip -1.0 is not a value"),
+             ("eval", state_edit(lambda s: s["args"].update(eval_size=10_000_000)), r"--eval-size 10000000 is not a"),
+             ("nan", nan_adapter, r"the adapter \(or a trained norm\) holds a non-finite value"),
+             ("adam", state_edit(negative_moment), r"exp_avg_sq \(a second moment\) holds a negative value")]
+    for name, edit, message in cases:
+        argv = damaged(name, edit)
+        before = sorted(p.name for p in (tmp_path / name).iterdir())
+        with pytest.raises(ValueError, match=r"^--resume: .*" + message):
+            grpo.train(grpo.build_parser().parse_args(argv))
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == before, name
