@@ -97,6 +97,11 @@ def _standard_normal(w, generator):
 # Another kind is one more entry (noise proportional to each gain would scale the draw by |w|).
 NOISES = {
     "absolute": lambda w, sigma, gen: _standard_normal(w, gen) * sigma,  # Z ~ N(0, sigma^2): the paper's
+    # Z_i ~ N(0, (sigma w_i)^2): input column i of the next Linear is scaled by 1 + sigma * N(0, 1) whatever the
+    # gains, so sigma means the same relative perturbation on every model (the paper's absolute sigma was sized
+    # for Qwen2.5's gains near 1; SmolLM2's are near 0.3, and 0.02 in layer 0: docs/aqn.md)
+    "relative": lambda w, sigma, gen: _standard_normal(w, gen) * sigma * w.detach().float().abs().to(
+        gen.device if gen is not None else "cpu"),
 }
 
 

@@ -191,7 +191,7 @@ class LossOptions:
 # The statistics grpo_loss returns flow by name into the step's record and metrics.jsonl: each is a mean over
 # the step's tokens (micro-batches weighted by their tokens, summed over ranks), except these, maximised from
 # the value no token gives. A new statistic is one entry in grpo_loss's dict (and here, if it is a maximum).
-MAX_STATS = {"ratio_max": 1.0}
+MAX_STATS = {"ratio_max": 1.0, "is_w_max": 1.0}
 
 
 def grpo_loss(logp, old_logp, adv, mask, options=LossOptions(), *, weight=None, max_new_tokens=None, ref_logp=None,
@@ -231,29 +231,63 @@ def grpo_loss(logp, old_logp, adv, mask, options=LossOptions(), *, weight=None, 
 # -----------------------------------------------------------------------------
 # pi_old, read by name (--pi-old). A reading is a function of a micro-batch's log-probs (N, T) each:
 # current (the policy being trained, detached), sampler (recorded while sampling, under AQN), before (the policy
-# before this batch's first optimizer step, or None) -> (pi_old (N, T), a per-token weight (N, T) or None).
+# before this batch's first optimizer step, or None), and the UpdateOptions -> (pi_old (N, T), a per-token
+# weight on the surrogate (N, T), detached, or None).
 
 
 @dataclasses.dataclass(frozen=True)
 class PiOld:
     help: str  # for --pi-old's help
-    read: Callable  # (current, sampler, before) -> (pi_old, weight or None)
+    read: Callable  # (current, sampler, before, options) -> (pi_old, weight or None)
     needs_before: bool = False  # computes `before` (one forward without gradients) when --mu > 1
+
+
+def trainer_logp(current, before):
+    """The clean policy's log-probs before this batch's update: pi_old as the official code reads it."""
+    return current if before is None else before
+
+
+def is_weights(current, sampler, before):
+    """rho = pi_trainer / pi_sampler per token (N, T): how much likelier the clean policy finds each sampled token
+    than the noisy sampler that drew it. The field's sampler/trainer correction (TIS) weights the loss by it."""
+    return torch.exp(trainer_logp(current, before) - sampler)
 
 
 PI_OLD = {
     "trainer": PiOld("the clean policy being trained, as the official code (TRL) has it: at --mu 1 the ratio is 1 "
                      "and AQN's noise reaches the gradient uncorrected",
-                     lambda current, sampler, before: (current if before is None else before, None), needs_before=True),
+                     lambda current, sampler, before, o: (trainer_logp(current, before), None), needs_before=True),
     "sampler": PiOld("the noisy sampler's own, as Algorithm 1 reads: up to the clip the ratio cancels AQN's noise in "
-                     "expectation", lambda current, sampler, before: (sampler, None)),
+                     "expectation", lambda current, sampler, before, o: (sampler, None)),
+    "tis": PiOld("the trainer's, as the official code, with each token's loss weighted by min(rho, --tis-cap), rho = "
+                 "pi_trainer / pi_sampler (truncated importance sampling, as TRL, verl and ms-swift correct a sampler)",
+                 lambda current, sampler, before, o: (trainer_logp(current, before),
+                                                      is_weights(current, sampler, before).clamp(max=o.tis_cap)),
+                 needs_before=True),
+    "tis-mask": PiOld("the trainer's, with the tokens whose rho exceeds --tis-cap left out of the loss (masked IS)",
+                      lambda current, sampler, before, o: (trainer_logp(current, before),
+                                                           (is_weights(current, sampler, before) <= o.tis_cap).float()),
+                      needs_before=True),
 }
+
+
+def mismatch_stats(current, sampler, before, mask, cap):
+    """How far the sampler is from the clean trainer on this micro-batch's tokens, whatever the reading: their
+    k3 KL (mean of rho - 1 - log rho), the weights rho's mean, square's mean (with the mean: the effective sample
+    size, runs.step_record) and max, and the fraction of tokens beyond `cap`. Token means, like grpo_loss's."""
+    with torch.no_grad():
+        rho, m = is_weights(current, sampler, before), mask.float()  # (N, T) each
+        n = m.sum()  # no token: NaN means, nothing measured
+        return {"mismatch_kl": float(((rho - 1 - rho.log()) * m).sum() / n), "is_w_mean": float((rho * m).sum() / n),
+                "is_w_sq_mean": float((rho ** 2 * m).sum() / n), "is_beyond_cap": float(((rho > cap).float() * m).sum() / n),
+                "is_w_max": float(rho.masked_fill(m == 0, 1.0).max()) if m.numel() else MAX_STATS["is_w_max"]}
 
 
 @dataclasses.dataclass(frozen=True)
 class UpdateOptions:
     """The options of policy_update besides the loss's; fields and flags as in LossOptions (pi_old: --pi-old)."""
     pi_old: str = "trainer"  # a key of PI_OLD
+    tis_cap: float = 2.0  # the IS weights' truncation (tis) or mask (tis-mask) threshold; ms-swift's default
     mu: int = 1  # optimizer steps on each batch
     micro_batch: int | str = 0  # rows per forward/backward (0: all kept rows at once; "auto": within a memory budget)
     grad_clip: float = 1.0  # max gradient norm
@@ -270,18 +304,19 @@ class UpdateOptions:
 
 
 def micro_batch_loss(model, prompts, ids, mask, sampler_logp, before_logp, adv, denom, temperature, max_new_tokens,
-                     options, reading):
+                     options, update_options):
     """Loss and statistics of one micro-batch (its share of the step's loss: denom is global)."""
     logp, ent = rollout.sequence_logprobs(model, prompts, ids, mask, temperature=temperature,
                                           entropy=options.entropy_coef != 0)  # (mb, t) each; ent None unless used
     logp = logp.float()
-    old_logp, weight = reading.read(logp.detach(), sampler_logp, before_logp)  # (mb, t), (mb, t) or None
+    old_logp, weight = PI_OLD[update_options.pi_old].read(logp.detach(), sampler_logp, before_logp, update_options)
     ref_logp = None
     if options.beta > 0:
         with torch.no_grad(), lora.lora_disabled(model):  # the reference policy is the base
             ref_logp, _ = rollout.sequence_logprobs(model, prompts, ids, mask, temperature=temperature, entropy=False)
-    return grpo_loss(logp, old_logp, adv, mask, options, weight=weight, max_new_tokens=max_new_tokens,
-                     ref_logp=ref_logp, entropy=None if ent is None else ent.float(), denom=denom)
+    loss, stats = grpo_loss(logp, old_logp, adv, mask, options, weight=weight, max_new_tokens=max_new_tokens,
+                            ref_logp=ref_logp, entropy=None if ent is None else ent.float(), denom=denom)
+    return loss, {**stats, **mismatch_stats(logp.detach(), sampler_logp, before_logp, mask, update_options.tis_cap)}
 
 
 def policy_logprobs(model, prompts, ids, mask, slices, temperature):
@@ -320,7 +355,8 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewar
     out = {"loss": 0.0, "grad_norm": 0.0, "skipped": "", "kept_rows": len(kept_rows), "kept_rows_all": total_kept_rows,
            "rows_all": total_rows, "flat_all": total_flat_rows}
     empty = torch.zeros(0, 0)  # (0, 0): no tokens, so each statistic takes its "nothing measured" value
-    unmeasured = grpo_loss(empty, empty, torch.zeros(0), empty, loss_options, max_new_tokens=1)[1] \
+    unmeasured = {**grpo_loss(empty, empty, torch.zeros(0), empty, loss_options, max_new_tokens=1)[1],
+                  **mismatch_stats(empty, empty, None, empty, update_options.tis_cap)} \
         if total_kept_rows == 0 or not kept_rows else None  # no loss of this process names the statistics
     if total_kept_rows == 0:  # no process has a group with signal: nobody updates (a global decision)
         return {**out, **unmeasured}
@@ -338,7 +374,8 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewar
             t = int(kept_mask[part].sum(1).max())  # this slice's longest completion
             loss, stats = micro_batch_loss(model, kept_prompts[part], kept_ids[part, :t], kept_mask[part, :t],
                                            kept_sampler_logp[part, :t], None if before is None else before[part, :t],
-                                           kept_adv[part], denom, temperature, max_new_tokens, loss_options, reading)
+                                           kept_adv[part], denom, temperature, max_new_tokens, loss_options,
+                                           update_options)
             if torch.isfinite(loss):  # a non-finite loss skips the step below; its backward is wasted work
                 loss.backward()  # the slices' gradients add up in .grad
             loss_sum += float(loss.detach())
@@ -445,7 +482,7 @@ def train(args, task=None):
             problems = distributed.shard(task.problems(args.seed, step, args.batch), rank, world)
             prompts = [tok.encode(task.prompt(p)) for p in problems]
             samples, sigma_applied = sample_groups(model, tok, prompts, step, sigma, rank=rank, seed=args.seed,
-                                                   compiled=args.compile, noise=args.aqn_noise, **sampling)
+                                                   compiled=args.compile, noise=args.aqn_scale, **sampling)
             clock.lap("sample")
             rewards, correct = score(task, problems, samples.texts, args.group)  # (N,), a count
             clock.lap("score")
@@ -565,7 +602,7 @@ MAX_EVAL_SIZE = 100_000  # every evaluation samples each held-out problem (greed
 # flag dest -> (whether this run reads it, the options that make it read)
 READ_WHEN = {
     "aqn_kind": (lambda a: a.aqn, "--aqn"),
-    "aqn_noise": (lambda a: a.aqn, "--aqn"),
+    "aqn_scale": (lambda a: a.aqn, "--aqn"),
     "sigma_start": (lambda a: a.aqn and a.aqn_kind != "none", "--aqn with an --aqn-kind other than none"),
     "sigma_end": (lambda a: a.aqn and a.aqn_kind in aqn.DECAYING_KINDS, "--aqn with a decaying --aqn-kind"),
     "num_stages": (lambda a: a.aqn and a.aqn_kind in aqn.DECAYING_KINDS, "--aqn with a decaying --aqn-kind"),
@@ -592,6 +629,9 @@ def check_args(args, world, ckpt=None):
                              f"drop {flag}")
     if args.aqn and args.aqn_kind != "feedback":  # the schedule's stages and range, before any work
         aqn.check_schedule(args.steps, args.num_stages, args.sigma_start, args.sigma_end, args.aqn_kind)
+    if args.warmup >= args.steps:
+        print(f"note | --warmup {args.warmup} is not below --steps {args.steps}: the LR never leaves its warmup and "
+              f"peaks at {args.steps / args.warmup:.0%} of --lr {args.lr:g}")
     if args.temperature < engine.MIN_TEMPERATURE:
         raise ValueError(f"--temperature {args.temperature:g} is too small to sample with: need >= "
                          f"{engine.MIN_TEMPERATURE:g}")
@@ -679,7 +719,8 @@ def build_parser():
                    "config.json says \"qerl_prompt\": \"bare\", as the bundled model's does)")
     a = p.add_argument_group("AQN, more")
     a.add_argument("--aqn-kind", default="exp", choices=aqn.SIGMA_KINDS, help="the schedule (exp: the paper's)")
-    a.add_argument("--aqn-noise", default="absolute", choices=list(aqn.NOISES), help="how a noise draw is sized")
+    a.add_argument("--aqn-scale", default="absolute", choices=list(aqn.NOISES), help="how a noise draw is sized "
+                   "(04 NOISES): absolute, Z ~ N(0, sigma^2) as the paper; relative, Z_i ~ N(0, (sigma w_i)^2)")
     a.add_argument("--target-entropy", type=N(above=0), default=0.15, help="aqn-kind feedback: entropy to hold")
     a.add_argument("--train-norms", action="store_true", help="train the RMSNorm gains of every decoder layer "
                    "(input/post-attention, fp32) with the adapters; saved as PEFT modules_to_save")
@@ -692,6 +733,9 @@ def build_parser():
     g.add_argument("--loss-agg", default=LossOptions.loss_agg, choices=LOSS_AGGS)
     g.add_argument("--no-std-scale", action="store_true", help="advantage r - mean only (Dr. GRPO)")
     g.add_argument("--mu", type=N(int, 1), default=UpdateOptions.mu, help="policy updates per batch")
+    g.add_argument("--tis-cap", type=N(above=1), default=UpdateOptions.tis_cap, help="--pi-old tis: the IS weight "
+                   "pi_trainer / pi_sampler is truncated here (tis-mask: tokens beyond it leave the loss); every reading "
+                   "logs the fraction beyond it (is_beyond_cap)")
     g.add_argument("--beta", type=N(float, 0), default=LossOptions.beta, help="k3 KL to the base (reference) policy")
     g.add_argument("--entropy-coef", type=N(float, 0), default=LossOptions.entropy_coef, help="entropy bonus coefficient")
     g.add_argument("--mask-truncated", action="store_true", help="completions cut off at --max-new-tokens "

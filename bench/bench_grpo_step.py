@@ -58,7 +58,7 @@ def one_step(args, s, step):
     prompts = [tok.encode(task.prompt(p)) for p in problems]
     samples, _ = grpo.sample_groups(model, tok, prompts, step, grpo.step_sigma(args, step), seed=args.seed,
                                     group=args.group, max_new_tokens=args.max_new_tokens,
-                                    temperature=args.temperature, compiled=args.compile, noise=args.aqn_noise)
+                                    temperature=args.temperature, compiled=args.compile, noise=args.aqn_scale)
     clock.lap("sample")
     rewards, correct = grpo.score(task, problems, samples.texts, args.group)
     clock.lap("score")

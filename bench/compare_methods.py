@@ -27,6 +27,23 @@ runs.tar.xz into such a runs/, so it reuses the finished runs and the next pack 
 drop a run from the pack: delete its folder in runs/, then --pack. By hand:
 `tar -xJf bench/results/runs.tar.xz -C bench/results` (Python's tarfile and lzma read it too).
 
+What it writes, it made (docs/reliability.md, "Studies with integrity"):
+  - In --out it replaces only the files its manifest (compare_methods.json) lists; a folder from before
+    the manifest (bench/results/**) is recognised by its files' content. A user's table.md there stops
+    the command before any training, in one line.
+  - An unfinished run folder is emptied before the run trains again only when it holds nothing but what
+    this script and 05 write (versions.txt, train.log, 05's run files); a user's notes stop the command.
+  - The runs execute a snapshot of the stage files (runs/.code, made at the start: every run runs the
+    same code). Its hash is recorded in it and checked again before every run; a copy of this script
+    reuses another's snapshot only when the record names a live copy of this script and the files still
+    have that hash. A snapshot it cannot vouch for (planted, edited) is refused, never run.
+  - Each run's versions.txt records the code's and the model's md5, the snapshot's hash and the run's
+    whole 05 command line (argv). A study resumed with other 05 settings (`-- --lr 5e-3`, another
+    --eval-size) is refused before training, naming a differing flag, and a report refuses runs whose
+    recorded arguments differ (the methods' own flags apart): one table, one setting.
+  - --from-results checks the type and range of every field it reads (summary.json, metrics.jsonl,
+    invocations.jsonl, the noise study's best level): one line per bad field, then one error.
+
 Run it (from the repository root; 15 runs of 300 steps took 45 min on 2 cores with --parallel 2):
     python bench/compare_methods.py                                  # 5 methods x seeds 0 1 2, 300 steps
     python bench/compare_methods.py --steps 200 --seeds 0 1 2 3 4 --parallel 2
@@ -35,7 +52,8 @@ Run it (from the repository root; 15 runs of 300 steps took 45 min on 2 cores wi
     python bench/compare_methods.py --from-results --pack            # ... then repack runs/ (after deleting a run)
     python bench/compare_methods.py -- --lr 5e-4                     # arguments after -- go to 05_grpo.py
 A second copy started later with the same arguments (e.g. once the machine has a free core) trains
-the runs the first has not taken yet; rerun with --from-results at the end to report all of them.
+the runs the first has not taken yet, from the first's snapshot; rerun with --from-results at the end
+to report all of them.
 
 The studies (--study): where, if anywhere, does noise help exploration, and does the rounding matter? Each is one command
 with the same machinery, 3 seeds x 300 steps, evaluated on 1000 held-out problems (500 move by +-3
@@ -78,7 +96,8 @@ methods. Every question is a - b of two methods: the table gives the difference 
 greedy accuracy (the verdict: helps / hurts / within noise, the latter under two standard errors of the
 difference), of pass@8 and of first-fifth entropy. --max-wall SECONDS starts no run after that long
 (running ones finish) and the same command resumes; Ctrl-C or `kill` stops the runs it started, keeping
-the finished ones. Study runs keep a compact metrics.jsonl (what the table and the curves read).
+the finished ones, and exits 130 (143 for kill) with one line. Study runs keep a compact metrics.jsonl
+(what the table and the curves read).
 """
 import contextlib
 import fcntl
@@ -93,6 +112,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import statistics
 import subprocess
 import sys
@@ -105,7 +125,7 @@ if ROOT not in sys.path:
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
 quantize = importlib.import_module("01_quantize")  # the command-line pieces
 aqn = importlib.import_module("04_aqn")  # its schedule kinds are the scheduler study's methods
-run_folder = importlib.import_module("runs")  # which files a 05 run writes in its folder
+checkpoints = importlib.import_module("checkpoints")  # which files a 05 run writes in its folder
 GRPO = os.path.join(ROOT, "05_grpo.py")
 DEFAULT_OUT = os.path.join(ROOT, "bench", "results")
 
@@ -283,6 +303,16 @@ def code_hash(root, names=CODE_FILES, suffix=".py"):
     return h.hexdigest()
 
 
+def read_regular(path):
+    """The text of a regular file. A link, a FIFO (whose read would wait forever) or a device is refused
+    (ValueError naming it); a missing file is FileNotFoundError."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise ValueError(f"{path} is not a regular file (a link, a pipe or a device): replace it with the file, or "
+                         f"delete it")
+    with open(path) as f:
+        return f.read()
+
+
 def tree_hash(folder):
     """md5 over everything under `folder` but its record: each entry's path, kind and bytes (a link: its
     target). Unlike code_hash it misses nothing a run could import: a file added to the snapshot (a
@@ -295,10 +325,13 @@ def tree_hash(folder):
             rel = os.path.relpath(path, folder)
             if rel == SNAPSHOT_RECORD:
                 continue
-            if os.path.islink(path):
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
                 h.update(f"link {rel} {os.readlink(path)}\n".encode())
-            elif os.path.isdir(path):
+            elif stat.S_ISDIR(mode):
                 h.update(f"dir {rel}\n".encode())
+            elif not stat.S_ISREG(mode):  # a pipe or a device: named, never read (a pipe's read would wait)
+                h.update(f"other {rel} {mode}\n".encode())
             else:
                 h.update(f"file {rel} {os.path.getsize(path)}\n".encode())
                 with open(path, "rb") as fh:
@@ -331,10 +364,10 @@ def is_live_copy(owner):
     a record naming PID 1 (always alive) or any other program's process is not one."""
     if not (isinstance(owner, list) and len(owner) == 2 and isinstance(owner[0], int) and owner[0] > 0):
         return False
+    if process_identity(owner[0]) != owner:  # gone, or its PID now another process's
+        return False
     if owner[0] == os.getpid():
         return True
-    if process_identity(owner[0]) != owner:
-        return False
     try:
         with open(f"/proc/{owner[0]}/cmdline", "rb") as f:
             words = f.read().split(b"\0")
@@ -404,17 +437,23 @@ def prepare_code(runs_root):
     raise ValueError(f"{short(snap)} keeps changing while this script starts (another copy starting?): rerun")
 
 
+def snapshot_claim(runs_root):
+    """The claim a copy of this script that reuses another's snapshot holds on it while it runs."""
+    return os.path.join(runs_root, f".snapshot-user.{os.getpid()}.claim")
+
+
 def read_record(snap):
     """The snapshot's record {"md5": str, "owner": [pid, start]} (None if missing, unreadable or malformed)."""
     path = os.path.join(snap, SNAPSHOT_RECORD)
     try:
-        if os.path.islink(snap) or os.path.islink(path):
+        if os.path.islink(snap):
             return None
-        with open(path) as f:
-            rec = json.load(f)
+        rec = json.loads(read_regular(path))
     except (OSError, ValueError):
         return None
-    if not (isinstance(rec, dict) and isinstance(rec.get("md5"), str) and isinstance(rec.get("owner"), list)):
+    owner = rec.get("owner") if isinstance(rec, dict) else None
+    if not (isinstance(rec.get("md5"), str) and isinstance(owner, list) and len(owner) == 2
+            and isinstance(owner[0], int)):
         return None
     return rec
 
@@ -437,10 +476,9 @@ def live_claims(runs_root):
     for f in os.listdir(runs_root):
         if f.endswith(".claim"):
             try:
-                with open(os.path.join(runs_root, f)) as fh:
-                    if is_live_copy(read_owner(fh.read())):
-                        found.append(f)
-            except OSError:
+                if is_live_copy(read_owner(read_regular(os.path.join(runs_root, f)))):
+                    found.append(f)
+            except (OSError, ValueError):
                 pass
     return found
 
@@ -508,8 +546,7 @@ def claim(runs_root, name):
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW)
         except FileExistsError:
             try:
-                with open(path) as f:
-                    text = f.read().strip()
+                text = read_regular(path).strip()
                 if not text and time.time() - os.path.getmtime(path) < 60:
                     return False  # just created: its owner is writing its PID
                 if is_live_copy(read_owner(text)):
@@ -537,7 +574,7 @@ def foreign_files(run_dir):
     def ours(name):
         m = re.fullmatch(r"\.(.+)\.tmp\d+(\.old)?", name)  # a killed writer's temporary of one of these names
         name = m.group(1) if m else name
-        return name in RUN_LOG or name == common.LOCK_FILE or run_folder.is_run_file(name)
+        return name in RUN_LOG or name == common.LOCK_FILE or checkpoints.is_run_file(name)
     return sorted(n for n in os.listdir(run_dir) if not ours(n))
 
 
@@ -625,8 +662,7 @@ def run_all(args, methods=None):
     code_dir, md5 = args.code_dir, args.code_md5
     code = code_hash(code_dir)
     print(f"code | running the stage files copied to {short(code_dir)} | md5 {code} (snapshot {md5}"
-          + (f", made by process {read_record(code_dir)['owner'][0]}, another copy of this script)" if not
-             args.code_made else ")"))
+          + (")" if args.code_made else ", made by another copy of this script)"))
     if todo:
         m, s, d = todo[0]
         print("command | " + shlex.join(short(c) for c in run_command(args, m, s, d, code_dir)))
@@ -655,7 +691,7 @@ def run_all(args, methods=None):
                 if got != md5:  # edited or replaced since it was made and checked: never run it
                     os.remove(os.path.join(runs_root, f".{m}-s{s}.claim"))
                     raise ValueError(f"{short(code_dir)} changed since this invocation checked it (md5 {md5}, now "
-                                     f"{got}): not running it; the runs started before keep their results")
+                                     f"{got}): not running it; the runs in flight are stopped, finished ones kept")
                 if os.path.isdir(run_dir):
                     clear_run(run_dir)  # 05 appends to metrics.jsonl: start clean
                 os.makedirs(run_dir, exist_ok=True)
@@ -678,7 +714,7 @@ def run_all(args, methods=None):
                 durations.append(time.time() - started)
                 if not args.keep_checkpoints:  # metrics are what we compare; adapters would bloat results/
                     for d in os.listdir(run_dir):
-                        if d.startswith("checkpoint-"):
+                        if re.fullmatch(r"checkpoint-\d+", d):
                             shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
                 if args.study and proc.returncode == 0:
                     compact_metrics(run_dir)
@@ -761,9 +797,8 @@ def run_files(run_dir):
         if os.path.islink(path):  # a link would read (and pack) a file from elsewhere as this run's
             raise ValueError(f"{short(path)} is a symbolic link: a run's files are its own; replace it with the "
                              f"file, or delete the run's folder")
-        if os.path.isfile(path):
-            with open(path) as f:
-                files[name] = f.read()
+        if os.path.lexists(path):
+            files[name] = read_regular(path)
     return files
 
 
@@ -904,13 +939,13 @@ class BadRun(ValueError):
         self.problems = problems
 
 
-def refuse_bad(problems):
+def refuse_bad(problems, fix="fix the file, or move the run away (its folder, then --pack)"):
     """Each bad field on its own line, then one error line naming the first (run_cli prints it)."""
     if len(problems) > 1:
         for p in problems:
             print(f"bad | {p}")
     more = f" (and {len(problems) - 1} more bad field(s), listed above)" if len(problems) > 1 else ""
-    raise ValueError(f"{problems[0]}{more}: fix the file, or move the run away (its folder, then --pack)")
+    raise ValueError(f"{problems[0]}{more}: {fix}")
 
 
 def json_kind(value):
@@ -1416,10 +1451,7 @@ def manifest_files(out):
     if not os.path.lexists(path):
         return None
     try:
-        if os.path.islink(path):
-            raise ValueError("a link")
-        with open(path) as f:
-            obj = json.load(f)
+        obj = json.loads(read_regular(path))
         if obj.get("command") != COMMAND or not all(isinstance(n, str) for n in obj["files"]):
             raise ValueError("another command's")
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
@@ -1605,8 +1637,7 @@ def noise_results_best(path):
     """The noise study's best level from its results.json (None while there is none): a number > 0, or
     null; anything else is one line naming the file and the field."""
     try:
-        with open(path) as f:
-            obj = json.load(f)
+        obj = json.loads(read_regular(path))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -1676,8 +1707,7 @@ def read_invocations(out):
     per bad field (refuse_bad)."""
     path = os.path.join(out, "invocations.jsonl")
     try:
-        with open(path) as f:
-            lines = f.read().splitlines()
+        lines = read_regular(path).splitlines()
     except FileNotFoundError:
         return []
     except (OSError, ValueError) as e:
@@ -1689,7 +1719,7 @@ def read_invocations(out):
             if rec is not None and not check_fields(rec, f"{short(path)} line {n}", INVOCATION_FIELDS, problems):
                 records.append(rec)
     if problems:
-        refuse_bad(problems)
+        refuse_bad(problems, "fix or delete that line (it only lists the commands and their wall times)")
     return records
 
 
@@ -1824,10 +1854,14 @@ def main(argv=None):
         if not args.dry_run:
             os.makedirs(runs_root, exist_ok=True)
             args.code_dir, args.code_md5, args.code_made = prepare_code(runs_root)
+            if not args.code_made:  # a claim on the snapshot: its maker, ending first, leaves it to this copy
+                write_text(snapshot_claim(runs_root), owner_text())
             unpack_runs(args.out)
         jobs = run_study(args) if study else run_all(args)
     finally:
         if args.code_dir:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(snapshot_claim(runs_root))
             release_code(runs_root, args.code_dir, args.code_md5)
         if study and not args.dry_run and (jobs or args.trained):  # an interrupted invocation's wall time counts too
             log_invocation(args, len(jobs))

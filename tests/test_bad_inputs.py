@@ -1682,3 +1682,16 @@ def test_a_study_interrupted_by_ctrl_c_exits_130(tmp_path):
     assert proc.returncode == 130 and err.strip().splitlines() == [
         "interrupted | finished runs are kept; rerun the same command to train the rest"], err
     assert sorted(os.listdir(tmp_path / "cmp" / "runs")) == ["lora-s0"]  # no claim, no snapshot left
+
+
+def test_a_pipe_where_a_study_reads_a_file_is_refused_not_waited_on(tmp_path):
+    """A FIFO as invocations.jsonl or as a run's claim: reading it would wait forever; it is refused."""
+    _study_runs("pi", ["lora-s0"])(str(tmp_path))
+    os.mkfifo(tmp_path / "pi" / "invocations.jsonl")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "compare_methods.py"), "--study", "pi-old",
+                        "--from-results", "--out", str(tmp_path / "pi")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "invocations.jsonl is not a regular file" in r.stderr, \
+        r.stderr
+    os.makedirs(tmp_path / "runs")
+    os.mkfifo(tmp_path / "runs" / ".lora-s0.claim")
+    assert STUDY.live_claims(str(tmp_path / "runs")) == []

@@ -1,6 +1,7 @@
 """bench/compare_methods.py: a study's runs train from the code snapshot, the report and the pack are
 rebuilt from the pack alone, every study's flags are flags 05 accepts, and a study's own defaults
-(steps, evaluation) apply unless a flag says otherwise."""
+(steps, evaluation) apply unless a flag says otherwise; and its integrity: only a snapshot it can vouch for
+runs, other 05 settings are never mixed into one table, Ctrl-C exits 130 (the file cases: test_bad_inputs.py)."""
 import importlib
 import json
 import os

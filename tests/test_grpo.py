@@ -881,7 +881,7 @@ def test_a_new_pi_old_reading_is_one_registry_entry(lora_policy, monkeypatch):
     model, params, start = lora_policy
     batch = update_batch(model.config.vocab_size)
     double = grpo.PiOld("the trainer's pi_old, each token's surrogate weighted twice",
-                        lambda current, sampler, before: (current, torch.full_like(current, 2.0)))
+                        lambda current, sampler, before, options: (current, torch.full_like(current, 2.0)))
     monkeypatch.setitem(grpo.PI_OLD, "double", double)
     moved = {}
     for name in ("trainer", "double"):
@@ -982,3 +982,51 @@ def test_a_damaged_checkpoint_is_refused_on_resume(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=r"^--resume: .*" + message):
             grpo.train(grpo.build_parser().parse_args(argv))
         assert sorted(p.name for p in (tmp_path / name).iterdir()) == before, name
+
+
+@pytest.mark.parametrize("reading", ["tis", "tis-mask"])
+def test_tis_is_the_policy_gradient_weighted_by_the_capped_ratio(lora_policy, reading):
+    """--pi-old tis at --mu 1: the ratio is the trainer's own (1), and each token's term is weighted by
+    min(rho, cap), rho = pi_trainer / pi_sampler, detached (tis-mask: 1 if rho <= cap, else 0): one SGD step
+    equals the hand-written -sum(A * w * logp) / tokens. This batch's sampler is far from the policy, so the
+    cap acts; the logged mismatch says so."""
+    model, params, start = lora_policy
+    batch = update_batch(model.config.vocab_size)
+    prompt_ids, ids, mask, sampler, rewards = batch
+    adv = grpo.group_advantages(rewards, 4)  # (N,)
+    kept = (rewards.view(-1, 4).std(1) > 0).repeat_interleave(4).nonzero().squeeze(1).tolist()
+    logp, _ = rollout.sequence_logprobs(model, [prompt_ids[i] for i in kept], ids[kept], mask[kept])  # (n, T)
+    rho = torch.exp(logp.detach().float() - sampler[kept])  # (n, T)
+    w = rho.clamp(max=2.0) if reading == "tis" else (rho <= 2.0).float()
+    loss = -(adv[kept, None] * w * logp * mask[kept]).sum() / mask[kept].sum()
+    want = [-0.2 * g for g in torch.autograd.grad(loss, params)]
+    assert float((rho * mask[kept]).max()) > 2.0  # the cap acts on this batch
+    args = parse("--group", 4, "--max-new-tokens", 9, "--grad-clip", 1e9, "--pi-old", reading, "--tis-cap", 2)
+    out = grpo.policy_update(model, torch.optim.SGD(params, lr=0.2), params, *batch, **grpo.update_options(args))
+    got = [p.detach() - p0 for p, p0 in zip(params, start)]
+    with torch.no_grad():
+        for p, p0 in zip(params, start):
+            p.copy_(p0)
+    for g, w_ in zip(got, want):
+        torch.testing.assert_close(g, w_, rtol=1e-4, atol=1e-7)
+    m = mask[kept]
+    assert out["is_w_max"] == pytest.approx(float(rho.masked_fill(m == 0, 1.0).max()), rel=1e-5)
+    assert out["is_beyond_cap"] == pytest.approx(float(((rho > 2.0).float() * m).sum() / m.sum()), rel=1e-5)
+    assert out["mismatch_kl"] == pytest.approx(float(((rho - 1 - rho.log()) * m).sum() / m.sum()), rel=1e-5)
+
+
+def test_without_noise_the_sampler_and_trainer_agree_and_the_mismatch_is_logged(tmp_path):
+    """At sigma 0 the IS weights are 1 up to rounding (the sampler's merged weights against the trainer's
+    modules), nothing is beyond the cap, and every step's record carries the mismatch under every reading."""
+    out = tmp_path / "tis"
+    grpo.train(tiny_args(out, "--steps", "2", "--eval-size", "0", "--no-aqn", "--pi-old", "tis"))
+    steps, _ = step_rows(out)
+    updated = [r for r in steps if r["frac_zero_std"] < 1]
+    assert updated
+    for r in updated:
+        assert abs(r["is_w_max"] - 1) < 1e-3 and r["is_beyond_cap"] == 0 and r["mismatch_kl"] < 1e-6
+        assert r["is_ess"] == pytest.approx(1.0, abs=1e-6)
+    grpo.train(tiny_args(tmp_path / "noisy", "--steps", "2", "--eval-size", "0", "--sigma-start", "0.5",
+                         "--sigma-end", "0.05", "--num-stages", "2", "--warmup", "1"))  # the default reading
+    for r in step_rows(tmp_path / "noisy")[0]:
+        assert {"mismatch_kl", "is_w_mean", "is_w_max", "is_beyond_cap", "is_ess"} <= set(r)
