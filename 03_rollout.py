@@ -586,7 +586,14 @@ def main(argv=None):
     system = args.system
     if system is None and not args.no_system:
         system = tok.default_system  # what the model's own chat template writes
+    for flag, text in (("--prompt", args.prompt), ("--system", system)):
+        if text is not None and any("\udc80" <= c <= "\udcff" for c in text):  # Python's escapes of bad bytes
+            raise ValueError(f"{flag} is not valid UTF-8 (a byte the shell passed through): write it as UTF-8 text")
     prompt = tok.encode(hf_files.chat_prompt(args.prompt, system))
+    if len(prompt) + args.max_new_tokens > cfg.max_position_embeddings:  # before the memory it would need
+        raise ValueError(f"--prompt is {len(prompt)} tokens in the chat template; with --max-new-tokens "
+                         f"{args.max_new_tokens} that exceeds the model's context of {cfg.max_position_embeddings}: "
+                         f"shorten it or lower --max-new-tokens")
     dtype_bytes = model.model.embed_tokens.weight.element_size()
     common.check_memory_fits(memory.generate_memory(cfg, args.num_samples, len(prompt), args.max_new_tokens, dtype_bytes),
                              device, f"--num-samples {args.num_samples} with --max-new-tokens {args.max_new_tokens}")

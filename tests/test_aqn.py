@@ -179,6 +179,22 @@ def test_default_noise_kind_is_the_hand_written_gaussian_draw_bit_for_bit():
     assert z.shape == (64,) and z.dtype == torch.float32 and torch.equal(z, want[0])
 
 
+def test_relative_noise_scales_every_column_by_one_plus_sigma_times_a_normal_draw():
+    """--aqn-scale relative: Z_i = sigma |w_i| N(0, 1) from the same draws as the absolute kind, so the column
+    factor 1 + Z_i / w_i is 1 +- sigma N(0, 1) whatever the gain (here gains from 0.02 to 2)."""
+    model, sigma = tiny_model(layers=1), 1e-2
+    with torch.no_grad():
+        for _, m in aqn.aqn_norms(model):
+            m.weight.copy_(torch.linspace(0.02, 2.0, m.weight.numel()) * torch.tensor([1.0, -1.0]).repeat(32))
+    gen = torch.Generator().manual_seed(5)
+    draws = [torch.randn(64, generator=gen, dtype=torch.float32) for _ in range(2)]
+    with aqn.aqn_noise(model, sigma, torch.Generator().manual_seed(5), kind="relative"):
+        got = [(m.noise.clone(), m.weight.detach().float()) for _, m in aqn.aqn_norms(model)]
+    for (z, w), eps in zip(got, draws):
+        torch.testing.assert_close(z, sigma * w.abs() * eps, rtol=1e-6, atol=0)
+        torch.testing.assert_close((z / w).abs(), sigma * eps.abs(), rtol=1e-6, atol=0)  # the gain drops out
+
+
 def test_noisy_norm_computes_w_plus_z_in_fp32():
     # fp32: exactly the old in-place (w + Z) * rmsnorm(x); the noise acts as (1 + Z / w) per channel
     model = tiny_model()

@@ -1030,3 +1030,19 @@ def test_without_noise_the_sampler_and_trainer_agree_and_the_mismatch_is_logged(
                          "--sigma-end", "0.05", "--num-stages", "2", "--warmup", "1"))  # the default reading
     for r in step_rows(tmp_path / "noisy")[0]:
         assert {"mismatch_kl", "is_w_mean", "is_w_max", "is_beyond_cap", "is_ess"} <= set(r)
+
+
+def test_a_config_that_disagrees_with_its_weights_is_named_before_any_estimate(tmp_path):
+    """hidden_size 100000 (or 100,000 layers) over the bundled weights: one line naming config.json and what the
+    weights hold, not a memory error blaming --eval-chunk; nothing written."""
+    import shutil
+    for field, value, want in [("hidden_size", 100_000, r"says vocab_size \d+ and hidden_size 100000, but "
+                                r"model.embed_tokens.weight is \d+ x 128"),
+                               ("num_hidden_layers", 100_000, r"says num_hidden_layers 100000, but the weights hold 4")]:
+        model = tmp_path / field
+        shutil.copytree(grpo.TINY_MODEL, model)
+        cfg = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**cfg, field: value}))
+        with pytest.raises(ValueError, match=want):
+            grpo.train(parse("--model", model, "--out", tmp_path / f"o-{field}"))
+        assert not (tmp_path / f"o-{field}").exists()

@@ -693,3 +693,14 @@ def test_sample_from_draws_each_token_at_its_probability_and_never_a_zero_one():
     a = ro.sample_from(p.repeat(50, 1), torch.Generator().manual_seed(5))
     assert torch.equal(a, ro.sample_from(p.repeat(50, 1), torch.Generator().manual_seed(5)))
 
+
+
+def test_cli_refuses_a_prompt_past_the_context_or_not_utf8_in_one_line():
+    """A 100k-character prompt is refused for the context (128 tokens), not as a memory request of hundreds of
+    GiB; bytes that are not UTF-8 (as a shell passes them) are one line, not a TypeError in the tokenizer."""
+    for argv, want in [(["--prompt", "1+" * 50_000], r"--prompt is \d+ tokens in the chat template; with "
+                        r"--max-new-tokens 64 that exceeds the model's context of 128"),
+                       (["--prompt", "ok \udcff"], r"--prompt is not valid UTF-8"),
+                       (["--system", "\udcfe"], r"--system is not valid UTF-8")]:
+        with pytest.raises(ValueError, match=want):
+            ro.main(["--device", "cpu", *argv])
