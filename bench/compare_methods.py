@@ -12,9 +12,11 @@ the same held-out set. Each run is a separate `python 05_grpo.py` process with o
 at a time, writing to bench/results/runs/<method>-s<seed>/. Then it reads every run's summary.json
 and metrics.jsonl and writes:
   results.json  one record per run, one line each (final greedy accuracy, pass@k, steps to reach
-                +threshold points, entropy over the first and last fifth of training, wall time, the
-                eval curve), and per method the mean +- std over seeds
-  table.md      per method: mean +- std over seeds, and whether the paper's ordering holds
+                +threshold points, entropy and completion length over the first and last fifth of
+                training, whether it collapsed, wall time, the eval curve), per method the mean +- std
+                over seeds and the collapses, and per contrast the difference, its interval and p-value
+  table.md      per method: mean +- std over seeds and collapses (k of n); per contrast (the paper's
+                ordering, a study's questions) the difference with its 95% interval and p (Welch)
   curves.png    reward, held-out accuracy and entropy vs step, a band across seeds (needs
                 matplotlib, an optional extra: without it the plot is skipped and the rest still works)
   runs.tar.xz   the finished runs' args.json, metrics.jsonl, summary.json and versions.txt (not
@@ -93,8 +95,11 @@ printed when it starts.
              greedy every 30 steps, pass@4 at the start and the end.
 The methods, phases and questions are data (STUDIES); --methods restricts a study to some of its
 methods. Every question is a - b of two methods: the table gives the difference of means of final
-greedy accuracy (the verdict: helps / hurts / within noise, the latter under two standard errors of the
-difference), of pass@8 and of first-fifth entropy. --max-wall SECONDS starts no run after that long
+greedy accuracy, of pass@k and of first-fifth entropy, each with its 95% interval and p-value from Welch's
+t-test over the seeds (the verdict, on final greedy: "a ends higher than b" when p < 0.05, otherwise "not
+distinguishable"; at 3 seeds a side Welch's df is 2-4, so an interval is 2.8-4.3 standard errors wide on
+each side). Collapses are counted per method, apart from the mean (COLLAPSE_LEN: a run that ends below its
+start, or whose completions shrink to under a quarter of their first fifth's length). --max-wall SECONDS starts no run after that long
 (running ones finish) and the same command resumes; Ctrl-C or `kill` stops the runs it started, keeping
 the finished ones, and exits 130 (143 for kill) with one line. Study runs keep a compact metrics.jsonl
 (what the table and the curves read).
@@ -1088,6 +1093,11 @@ def load_run(files, run_dir, method, seed, threshold, table=METHODS, label=None)
     k = final.get("k")
     entropy = [r["entropy"] for r in steps]
     reward = [r["reward"] for r in steps]
+    # completion length, where every step logged one (05 always has; a hand-made run may not)
+    lengths = [r.get("len") for r in steps]
+    lengths = lengths if all(is_number(v, 0) for v in lengths) else []
+    len_first = fifth_mean(lengths, last=False) if lengths else None
+    len_last = fifth_mean(lengths, last=True) if lengths else None
     return {"method": method, "label": table[method][0], "seed": seed, "dir": os.path.relpath(run_dir, ROOT),
             "steps": summary["steps_done"], "planned_steps": a.get("steps"), "stopped_by": summary.get("stopped_by"),
             "quant": a.get("quant"), "aqn": a.get("aqn"), "eval_every": a.get("eval_every"),
@@ -1099,11 +1109,31 @@ def load_run(files, run_dir, method, seed, threshold, table=METHODS, label=None)
             "steps_to_threshold": reached[0] if reached else None,
             "entropy_first_fifth": fifth_mean(entropy, last=False), "entropy_last_fifth": fifth_mean(entropy, last=True),
             "reward_first_fifth": fifth_mean(reward, last=False), "reward_last_fifth": fifth_mean(reward, last=True),
+            "len_first_fifth": len_first, "len_last_fifth": len_last,
+            "collapse": collapse(first["greedy"], final["greedy"], len_first, len_last),
             # what the ratio pi_theta / pi_old did (kl_old: k3 of pi_old vs pi_theta), mean over the steps
             "kl_old": step_mean(steps, "kl_old"), "clip": step_mean(steps, "clip"),
             "s_per_step": statistics.mean(r["s/step"] for r in steps), "wall_s": summary["wall_s"],
             "eval_curve": [[e["step"], e["greedy"]] for e in evals],
             "skipped_updates": summary.get("skipped_updates", 0), **read_versions(files.get("versions.txt", ""))}
+
+
+# A collapse is told apart from a low score: the run ends below where it started, or its completions
+# shrink to a few tokens. Healthy SmolLM2 runs shorten their answers to 32-52% of their first fifth's
+# length as they learn the format (48 -> ~10 tokens); the one collapsed run (smollm2-table1 qerl-s2) went
+# to 9%, to 2-3 tokens. A quarter sits between the two with room on both sides.
+COLLAPSE_LEN = 0.25
+
+
+def collapse(start, final, len_first, len_last):
+    """Why a run collapsed (a short phrase), or None: it ended below its start greedy accuracy, or its
+    completions' mean length over the last fifth of the steps fell under COLLAPSE_LEN of the first fifth's."""
+    why = []
+    if final < start:
+        why.append(f"ended below its start ({100 * final:.1f}% < {100 * start:.1f}%)")
+    if len_first and len_last is not None and len_last < COLLAPSE_LEN * len_first:
+        why.append(f"completions shrank to {len_last:.1f} tokens from {len_first:.1f}")
+    return "; ".join(why) or None
 
 
 def step_mean(steps, key):
@@ -1225,28 +1255,136 @@ def summarize(records, methods):
                   "entropy_last_fifth": mean_std([r["entropy_last_fifth"] for r in rs]),
                   "kl_old": mean_std([r.get("kl_old") for r in rs]), "clip": mean_std([r.get("clip") for r in rs]),
                   "s_per_step": mean_std([r["s_per_step"] for r in rs]),
-                  "wall_s": mean_std([r["wall_s"] for r in rs]), "k": rs[0]["k"]}
+                  "wall_s": mean_std([r["wall_s"] for r in rs]), "k": rs[0]["k"],
+                  # counted apart from the mean: one collapsed seed drags a mean of 3 without moving the others
+                  "collapses": sum(bool(r.get("collapse")) for r in rs),
+                  "collapsed_seeds": [r["seed"] for r in rs if r.get("collapse")]}
     return out
 
 
+# Welch's t-test over seeds. At 3 seeds a side the test has 2-4 degrees of freedom: a difference must be
+# 2.8-4.3 of its standard errors to reach p < 0.05, not the 2 a normal approximation asks. scipy is not a
+# dependency, so the t distribution is written out here: its tail is a regularized incomplete beta.
+ALPHA = 0.05
+
+
+def betainc(a, b, x):
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz),
+    taken on the side of x where it converges fast."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - betainc(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return front * h
+
+
+def t_two_sided_p(t, df):
+    """P(|T| >= |t|) for Student's t with df (> 0, not necessarily whole) degrees of freedom."""
+    return betainc(df / 2, 0.5, df / (df + t * t))
+
+
+def t_cdf(t, df):
+    """P(T <= t) for Student's t with df degrees of freedom."""
+    tail = t_two_sided_p(t, df) / 2
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_quantile(q, df):
+    """The t with P(T <= t) = q (0 < q < 1), by bisection on t_cdf (monotone)."""
+    if q == 0.5:
+        return 0.0
+    if q < 0.5:
+        return -t_quantile(1.0 - q, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < q:
+        lo, hi = hi, 2 * hi
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < q else (lo, mid)
+        if hi - lo <= 1e-12 * hi:
+            break
+    return (lo + hi) / 2
+
+
+def welch(ma, sa, na, mb, sb, nb, level=1 - ALPHA):
+    """Welch's t-test of mean a - mean b from each side's mean, sample std and count: {diff, se, df, t,
+    ci: [lo, hi] at `level`, p (two-sided)}. With fewer than 2 values on a side, or no spread on either
+    (no variance to judge by), only diff is known: the rest is None and the verdict can only be "not
+    distinguishable"."""
+    diff = ma - mb
+    out = {"diff": diff, "se": None, "df": None, "t": None, "ci": None, "p": None}
+    if min(na, nb) < 2:
+        return out
+    va, vb = sa ** 2 / na, sb ** 2 / nb
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return out
+    df = (va + vb) ** 2 / (va ** 2 / (na - 1) + vb ** 2 / (nb - 1))
+    half = t_quantile(0.5 + level / 2, df) * se
+    return {**out, "se": se, "df": df, "t": diff / se, "ci": [diff - half, diff + half],
+            "p": t_two_sided_p(diff / se, df)}
+
+
+def distinguishable(w):
+    return w["p"] is not None and w["p"] < ALPHA
+
+
 def difference(summary, a, b, key="final_greedy", scale=100):
-    """Mean of a minus mean of b (x scale: points), the standard error of that difference, and whether
-    it is noise: under two standard errors, or fewer than 2 seeds on a side (no spread to judge by)."""
+    """Mean of a minus mean of b on `key` (x scale: points), with Welch's interval and p (welch); NaN
+    diff when a side has no values."""
     (ma, sa, na), (mb, sb, nb) = summary[a][key], summary[b][key]
     if min(na, nb) == 0:
-        return float("nan"), float("nan"), True
-    diff, se = scale * (ma - mb), scale * math.sqrt(sa ** 2 / na + sb ** 2 / nb)
-    return diff, se, abs(diff) <= 2 * se or min(na, nb) < 2
+        return {"diff": float("nan"), "se": None, "df": None, "t": None, "ci": None, "p": None}
+    return welch(scale * ma, scale * sa, na, scale * mb, scale * sb, nb)
+
+
+def verdict(a, b, w, what="ends higher than"):
+    """The sentence a contrast earns: "a ends higher than b" (or b than a) at p < ALPHA, else "not
+    distinguishable"."""
+    if not distinguishable(w):
+        return "not distinguishable"
+    return f"{a} {what} {b}" if w["diff"] > 0 else f"{b} {what} {a}"
+
+
+def contrast_text(w, spec=".1f"):
+    """A difference as "+1.2 [-3.4, +5.6], p 0.41" ("no interval" where Welch's test has no variance)."""
+    d = format(w["diff"], "+" + spec)
+    if w["p"] is None:
+        return f"{d} (no interval: fewer than 2 seeds, or no spread)"
+    lo, hi = w["ci"]
+    return f"{d} [{format(lo, '+' + spec)}, {format(hi, '+' + spec)}], {p_text(w['p'])}"
+
+
+def p_text(p):
+    """Three decimals near the 0.05 line (0.049 and 0.051 must not both read 0.05), two above 0.1."""
+    return "p < 0.001" if p < 0.001 else f"p {p:.3f}" if p < 0.1 else f"p {p:.2f}"
 
 
 def compare(summary, a, b):
-    """Does mean final greedy accuracy of a >= b hold? With 3 seeds this is a rough reading: a gap
-    under two standard errors of the difference is called noise."""
+    """The paper's ordering a >= b on mean final greedy accuracy, with Welch's interval and p; the verdict
+    ranks them only at p < ALPHA."""
     if a not in summary or b not in summary:
         return None
-    diff, se, noise = difference(summary, a, b)
-    verdict = ("holds" if diff >= 0 else "reversed") + (" (within noise)" if noise else "")
-    return {"pair": f"{a} >= {b}", "diff_points": diff, "se_points": se, "verdict": verdict}
+    w = difference(summary, a, b)
+    return {"pair": f"{a} >= {b}", "diff_points": w["diff"], "se_points": w["se"], "df": w["df"],
+            "ci_points": w["ci"], "p": w["p"], "verdict": verdict(a, b, w)}
 
 
 def pct(ms, digits=1):
@@ -1271,26 +1409,28 @@ def render_table(summary, records, args, checks):
     n_eval = records[0]["eval_n"] if records else 0
     lines = [f"# Method comparison: {steps} GRPO steps per run, bundled tiny model, synthetic arithmetic", "",
              table_intro(records, args, k, n_eval), "",
-             f"| method | seeds | start greedy | final greedy | gain (points) | final pass@{k} | "
+             f"| method | seeds | start greedy | final greedy | collapses | gain (points) | final pass@{k} | "
              f"steps to +{args.threshold:g} (reached) | entropy first → last fifth | s/step |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for m, s in summary.items():
         stm, sts, _ = s["steps_to_threshold"]
         stt = f"{stm:.0f} ({s['reached']}/{s['runs']})" if s["reached"] else f"- (0/{s['runs']})"
         g, gs, gn = s["gain_points"]
         gain = f"{g:+.1f} ± {gs:.1f}" if gn > 1 else f"{g:+.1f}"
-        lines.append(f"| {s['label']} | {s['runs']} | {pct(s['start_greedy'])} | {pct(s['final_greedy'])} | {gain} | "
+        lines.append(f"| {s['label']} | {s['runs']} | {pct(s['start_greedy'])} | {pct(s['final_greedy'])} | "
+                     f"{s['collapses']} of {s['runs']} | {gain} | "
                      f"{pct(s['final_pass_k'])} | {stt} | {s['entropy_first_fifth'][0]:.3f} → "
                      f"{s['entropy_last_fifth'][0]:.3f} | {s['s_per_step'][0]:.2f} |")
-    ranked = sorted(summary, key=lambda m: -summary[m]["final_greedy"][0])
-    lines += ["", "Ordering by mean final greedy accuracy: " + " > ".join(ranked) + ".", "",
-              "Paper (Table 1, GSM8K, Qwen2.5-3B/7B): qerl >= nvfp4-lora >= lora >= qlora. Here (difference of "
-              "means in points, ± one standard error; 'within noise' = under two standard errors):", ""]
+    lines += ["", "Paper (Table 1, GSM8K, Qwen2.5-3B/7B): qerl >= nvfp4-lora >= lora >= qlora. Here: a - b, the "
+              "difference of mean final greedy accuracy in points [its 95% interval], and p, from Welch's t-test "
+              f"over the seeds; a pair is ranked only at p < {ALPHA:g}, otherwise it is not distinguishable:", ""]
     if not any(checks):
         lines.append("- (no pair of compared methods was run)")
     for c in checks:
         if c:
-            lines.append(f"- {c['pair']}: {c['diff_points']:+.1f} ± {c['se_points']:.1f} -> {c['verdict']}")
+            w = {"diff": c["diff_points"], "ci": c["ci_points"], "p": c["p"]}
+            lines.append(f"- {c['pair']}: {contrast_text(w)} -> {c['verdict']}")
+    lines += collapse_lines(summary, records)
     return "\n".join(lines + per_run_lines(summary, records)) + "\n"
 
 
@@ -1309,9 +1449,20 @@ def per_run_lines(summary, records):
     for m in summary:
         rs = sorted((r for r in records if r["method"] == m), key=lambda r: r["seed"])
         cells = ", ".join(f"s{r['seed']}: {100 * r['final_greedy']:.1f} / {r['steps_to_threshold'] or '-'}"
-                          for r in rs)
+                          + (" (collapsed)" if r.get("collapse") else "") for r in rs)
         lines.append(f"- {m}: {cells}")
     return lines
+
+
+def collapse_lines(summary, records):
+    """The collapsed runs, each with why (collapse()), after the contrasts."""
+    bad = [r for m in summary for r in sorted(records, key=lambda r: r["seed"]) if r["method"] == m and r.get("collapse")]
+    head = (f"Collapses (a run that ends below its start, or whose completions shrink under {COLLAPSE_LEN:.0%} of "
+            f"their first fifth's mean length), counted apart from the means above: ")
+    if not bad:
+        return ["", head + "none."]
+    return ["", head + f"{len(bad)} of {len(records)} runs.", ""] + [f"- {r['method']} seed {r['seed']}: {r['collapse']}"
+                                                                     for r in bad]
 
 
 def ms(x, spec):
@@ -1325,9 +1476,10 @@ def answer(summary, a, b, question):
     if a not in summary or b not in summary:
         return None
     out = {"question": question, "a": a, "b": b}
-    for key, scale in (("final_greedy", 100), ("final_pass_k", 100), ("entropy_first_fifth", 1)):
-        diff, se, noise = difference(summary, a, b, key, scale)
-        out[key] = {"diff": diff, "se": se, "verdict": "within noise" if noise else "helps" if diff > 0 else "hurts"}
+    for key, scale, what in (("final_greedy", 100, "ends higher than"), ("final_pass_k", 100, "ends higher than"),
+                             ("entropy_first_fifth", 1, "samples with more entropy than")):
+        w = difference(summary, a, b, key, scale)
+        out[key] = {**w, "verdict": verdict(a, b, w, what)}
     return out
 
 
@@ -1337,26 +1489,28 @@ def render_study_table(summary, records, args, answers, best):
     lines = [f"# Study '{args.study}': {study['title']}", "",
              f"{records[0]['steps']} GRPO steps per run. " + table_intro(records, args, k, records[0]["eval_n"]), "",
              f"| method | seeds | start greedy | start pass@{k} | entropy, first fifth | steps to +{th} (reached) | "
-             f"final greedy | final pass@{k} | entropy, last fifth | kl_old | clip % | s/step |", "|---" * 12 + "|"]
+             f"final greedy | collapses | final pass@{k} | entropy, last fifth | kl_old | clip % | s/step |",
+             "|---" * 13 + "|"]
     for m, s in summary.items():
         lines.append(f"| {s['label']} | {s['runs']} | {pct(s['start_greedy'])} | {pct(s['start_pass_k'])} | "
                      f"{ms(s['entropy_first_fifth'], '.4f')} | {ms(s['steps_to_threshold'], '.0f')} "
-                     f"({s['reached']}/{s['runs']}) | {pct(s['final_greedy'])} | {pct(s['final_pass_k'])} | "
+                     f"({s['reached']}/{s['runs']}) | {pct(s['final_greedy'])} | {s['collapses']} of {s['runs']} | "
+                     f"{pct(s['final_pass_k'])} | "
                      f"{ms(s['entropy_last_fifth'], '.4f')} | {ms(s['kl_old'], '.2e')} | {pct(s['clip'], 2)} | "
                      f"{s['s_per_step'][0]:.2f} |")
     if study["after_best"]:
         lines += ["", "Best nonzero NVFP4 noise level (mean final greedy of the noise sweep): "
                   + (f"{best:g} -> {best / 20:g}." if best is not None else "not known yet (the sweep is unfinished).")]
-    lines += ["", "Questions: a - b, the difference of means ± its standard error (points; entropy in nats). "
-              "The verdict is on final greedy accuracy: 'within noise' under two standard errors.", ""]
+    lines += ["", "Questions: a - b, the difference of means [its 95% interval] and p, from Welch's t-test over the "
+              f"seeds (points; entropy in nats). The verdict is on final greedy accuracy: a ranking at p < {ALPHA:g}, "
+              "otherwise not distinguishable.", ""]
     for q in answers:
         g, p, e = q["final_greedy"], q["final_pass_k"], q["entropy_first_fifth"]
-        lines.append(f"- {q['question']} ({q['a']} - {q['b']}): final greedy {g['diff']:+.1f} ± {g['se']:.1f} -> "
-                     f"**{g['verdict']}** | final pass@{k} {p['diff']:+.1f} ± {p['se']:.1f} ({p['verdict']}) | "
-                     f"first-fifth entropy {e['diff']:+.4f} ± {e['se']:.4f}")
+        lines.append(f"- {q['question']} ({q['a']} - {q['b']}): final greedy {contrast_text(g)} -> **{g['verdict']}** "
+                     f"| final pass@{k} {contrast_text(p)} | first-fifth entropy {contrast_text(e, '.4f')}")
     if not answers:
         lines.append("- (no question has both of its methods run yet)")
-    return "\n".join(lines + per_run_lines(summary, records)) + "\n"
+    return "\n".join(lines + collapse_lines(summary, records) + per_run_lines(summary, records)) + "\n"
 
 # ---------------------------------------------------------------------------------------------------
 # The plot (optional): reward, held-out greedy accuracy and entropy vs step, min-max band over seeds

@@ -119,14 +119,76 @@ def committed_runs(out, names, pack=os.path.join(ROOT, "bench", "results", cmp.P
 
 
 def test_the_committed_tables_rebuild_in_their_own_folder(tmp_path):
-    """A results folder from before the manifest (bench/results/**) is recognised as this script's: the
-    report rebuilds its table.md byte for byte, and from then on the manifest lists what it wrote."""
+    """The committed SmolLM2 study rebuilds its table.md byte for byte, from its pack, in its own folder
+    (recognised as this script's by its manifest); its statistics are the ones issue 39 computed by hand:
+    QeRL (trainer) - NVFP4 + LoRA is -24.0 points, t -2.53, df 2.0, p 0.13, not a ranking; one QeRL seed
+    collapsed, and only that one."""
     src = os.path.join(ROOT, "bench", "results", "smollm2-table1")
     out = tmp_path / "smollm2-table1"
     shutil.copytree(src, out)
+    shutil.rmtree(out / "runs", ignore_errors=True)  # a local runs/ beside the pack would be read first
     assert cmp.common.run_cli(cmp.main, ["--study", "smollm2-table1", "--from-results", "--out", str(out)]) == 0
     assert (out / "table.md").read_text() == open(os.path.join(src, "table.md")).read()
     assert json.loads((out / cmp.OUT_MANIFEST).read_text())["files"] == sorted(cmp.OUTPUTS)
+    results = json.loads((out / "results.json").read_text())
+    q = next(q for q in results["questions"] if (q["a"], q["b"]) == ("qerl", "nvfp4-lora"))["final_greedy"]
+    assert q["diff"] == pytest.approx(-24.0) and q["t"] == pytest.approx(-2.527, abs=1e-3)
+    assert q["df"] == pytest.approx(2.009, abs=1e-3) and q["p"] == pytest.approx(0.1269, abs=1e-3)
+    assert q["verdict"] == "not distinguishable"
+    assert all(q["final_greedy"]["p"] >= 0.05 and q["final_greedy"]["verdict"] == "not distinguishable"
+               for q in results["questions"])  # at n = 3 no SmolLM2 contrast reaches p < 0.05
+    assert {m: s["collapses"] for m, s in results["methods"].items() if s["collapses"]} == {"qerl": 1}
+    assert results["methods"]["qerl"]["collapsed_seeds"] == [2]
+    assert "| 25.2 ± 16.4 | 1 of 3 |" in (out / "table.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Statistics: Welch's t over seeds, its t distribution written out (no scipy), and collapses
+
+@pytest.mark.parametrize("t, df, p", [(2.0, 4, 0.1161165), (2.0, 1, 1 - 2 / 3.141592653589793 * 1.1071487),
+                                      (1.5, 2, 1 - 1.5 / (2 + 1.5 ** 2) ** 0.5), (-3.0, 10, 0.0133437),
+                                      (0.0, 3, 1.0), (1.959964, 1e7, 0.05)])
+def test_the_t_distribution_gives_known_two_sided_p_values(t, df, p):
+    """Tables and closed forms: df 1 is Cauchy (1 - 2 atan|t| / pi), df 2 is 1 - |t| / sqrt(2 + t^2), a huge
+    df is the normal distribution."""
+    assert cmp.t_two_sided_p(t, df) == pytest.approx(p, abs=2e-6)
+    assert cmp.t_cdf(t, df) + cmp.t_cdf(-t, df) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("df, q", [(1, 12.706205), (2, 4.302653), (2.5, 3.57465), (4, 2.776445), (30, 2.042272)])
+def test_the_t_quantile_inverts_the_cdf(df, q):
+    """The 97.5% quantiles of a t table; df 2.5 (the fractional df Welch gives) by integrating the density."""
+    assert cmp.t_quantile(0.975, df) == pytest.approx(q, abs=1e-4 if df == 2.5 else 1e-5)
+    assert cmp.t_quantile(0.025, df) == pytest.approx(-cmp.t_quantile(0.975, df))
+    assert cmp.t_cdf(cmp.t_quantile(0.9, df), df) == pytest.approx(0.9, abs=1e-9)
+
+
+def test_welch_gives_the_interval_and_p_and_ranks_only_below_005():
+    # a = 1, 2, 3 and b = 4, 5, 6: diff -3, se sqrt(2/3), t -3.674, df 4, p 0.0213 (a t table)
+    w = cmp.welch(2.0, 1.0, 3, 5.0, 1.0, 3)
+    assert w["diff"] == -3.0 and w["df"] == pytest.approx(4.0) and w["t"] == pytest.approx(-3.6742, abs=1e-4)
+    assert w["p"] == pytest.approx(0.02131, abs=1e-4)
+    assert w["ci"] == pytest.approx([-3 - 2.776445 * (2 / 3) ** 0.5, -3 + 2.776445 * (2 / 3) ** 0.5], abs=1e-4)
+    assert cmp.verdict("a", "b", w) == "b ends higher than a"
+    assert "[-5.3, -0.7], p 0.021" in cmp.contrast_text(w)
+    # the same means at twice the spread: p 0.14, no ranking (the old two-standard-error rule called it)
+    wide = cmp.welch(2.0, 2.0, 3, 5.0, 2.0, 3)
+    assert wide["t"] == pytest.approx(-1.837, abs=1e-3) and wide["p"] == pytest.approx(0.140, abs=1e-3)
+    assert cmp.verdict("a", "b", wide) == "not distinguishable"
+    # a lone seed, or no spread on either side: nothing to judge by, never a ranking
+    for w in (cmp.welch(2.0, 0.0, 1, 5.0, 1.0, 3), cmp.welch(2.0, 0.0, 3, 5.0, 0.0, 3)):
+        assert w["p"] is None and w["ci"] is None and cmp.verdict("a", "b", w) == "not distinguishable"
+
+
+def test_a_collapse_is_a_run_below_its_start_or_with_shrunk_completions():
+    """The committed collapsed seed (smollm2-table1 qerl-s2: 11% -> 7.5%, 31.5 -> 2.8 tokens) trips both rules; a
+    healthy SmolLM2 run shortens its answers to a third (32 -> 10.5 tokens) and trips neither."""
+    both = cmp.collapse(0.11, 0.075, 31.5, 2.8)
+    assert "ended below its start (7.5% < 11.0%)" in both and "shrank to 2.8 tokens from 31.5" in both
+    assert cmp.collapse(0.11, 0.49, 32.0, 10.5) is None
+    assert cmp.collapse(0.11, 0.30, 30.0, 7.0) == "completions shrank to 7.0 tokens from 30.0"
+    assert cmp.collapse(0.11, 0.30, 30.0, 7.5) is None  # exactly a quarter is not under it
+    assert cmp.collapse(0.20, 0.19, None, None) == "ended below its start (19.0% < 20.0%)"  # no lengths logged
 
 
 def test_a_resumed_study_with_other_05_flags_is_refused_before_training(tmp_path):
