@@ -559,19 +559,24 @@ def _another_runs_checkpoint(tmp):  # a --quant none --lora-r 8 checkpoint copie
 REAL_RUN = {}  # a real 2-step run on the bundled model, made once: the metrics cases need a loadable checkpoint
 
 
-def _real_run(tmp, metrics_line_1=None):
-    if not REAL_RUN:
+def _run_once(cache, prefix, argv, tmp):
+    """A real 05 run on the bundled model made once per session (cached in `cache`), copied to {tmp}/run."""
+    if not cache:
         import atexit
         import contextlib
         import io
         import tempfile
-        folder = tempfile.mkdtemp(prefix="qerl-real-run-")
+        folder = tempfile.mkdtemp(prefix=prefix)
         atexit.register(shutil.rmtree, folder, True)
-        REAL_RUN["out"] = os.path.join(folder, "run")
+        cache["out"] = os.path.join(folder, "run")
         with contextlib.redirect_stdout(io.StringIO()):
             STAGES["05_grpo"].train(STAGES["05_grpo"].build_parser().parse_args(
-                [*TINY_RUN, "--steps", "2", "--out", REAL_RUN["out"], "--quiet"]))
-    shutil.copytree(REAL_RUN["out"], os.path.join(tmp, "run"))
+                [*TINY_RUN, *argv, "--out", cache["out"], "--quiet"]))
+    shutil.copytree(cache["out"], os.path.join(tmp, "run"))
+
+
+def _real_run(tmp, metrics_line_1=None):
+    _run_once(REAL_RUN, "qerl-real-run-", ["--steps", "2"], tmp)
     if metrics_line_1 is not None:
         rows = open(os.path.join(tmp, "run", "metrics.jsonl")).read().splitlines()
         write(os.path.join(tmp, "run", "metrics.jsonl"), "\n".join([metrics_line_1, *rows[1:]]) + "\n")
@@ -985,18 +990,7 @@ STOPPED_RUN = {}  # a real run of 4 steps stopped at step 2 (its checkpoint), ma
 
 
 def _stopped_run(tmp):
-    if not STOPPED_RUN:
-        import atexit
-        import contextlib
-        import io
-        import tempfile
-        folder = tempfile.mkdtemp(prefix="qerl-stopped-run-")
-        atexit.register(shutil.rmtree, folder, True)
-        STOPPED_RUN["out"] = os.path.join(folder, "run")
-        with contextlib.redirect_stdout(io.StringIO()):
-            STAGES["05_grpo"].train(STAGES["05_grpo"].build_parser().parse_args(
-                [*TINY_RUN, "--steps", "4", "--stop-at", "2", "--out", STOPPED_RUN["out"], "--quiet"]))
-    shutil.copytree(STOPPED_RUN["out"], os.path.join(tmp, "run"))
+    _run_once(STOPPED_RUN, "qerl-stopped-run-", ["--steps", "4", "--stop-at", "2"], tmp)
     write(os.path.join(tmp, "notes.txt"), "my notes")
 
 
