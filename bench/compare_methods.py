@@ -280,6 +280,43 @@ STUDIES = {
                       ("qerl", "lora", "QeRL vs LoRA"),
                       ("qerl", "qerl-sampler", "does QeRL gain from taking pi_old from the trainer?"),
                       ("lora-aqn", "lora-aqn-sampler", "does LoRA + AQN gain from taking pi_old from the trainer?")]},
+    # Issue 39's study: Table 1 again on SmolLM2 with six seeds, the field's mismatch correction (TIS) as a third
+    # pi_old reading, and the noise sized to the gains (SmolLM2's median gain is ~0.3, layer 0's ~0.02: an absolute
+    # 1e-2 is 3-45% of a gain there). Relative sigma 1e-2 is what the paper's absolute 1e-2 is on gains near 1.
+    "smollm2-mismatch": {
+        "title": "SmolLM2-135M-Instruct again, six seeds: the three pi_old readings (trainer, sampler, truncated IS) "
+                 "and noise relative to each gain",
+        "methods": {"lora": ("LoRA (bf16 base)", ["--quant", "none", "--no-aqn"], "tab:blue"),
+                    "nvfp4-lora": METHODS["nvfp4-lora"],
+                    "qerl": ("QeRL, pi_old trainer (the official code)", METHODS["qerl"][1] + ["--pi-old", "trainer"],
+                             "tab:red"),
+                    "qerl-sampler": ("QeRL, pi_old sampler", METHODS["qerl"][1] + ["--pi-old", "sampler"], "tab:brown"),
+                    "qerl-tis": ("QeRL, pi_old trainer x truncated IS (cap 2)", METHODS["qerl"][1] + ["--pi-old", "tis"],
+                                 "tab:orange"),
+                    "qerl-relative": ("QeRL, noise relative to each gain (1e-2 -> 5e-4), pi_old trainer",
+                                      METHODS["qerl"][1] + ["--aqn-scale", "relative", "--pi-old", "trainer"],
+                                      "tab:olive"),
+                    "lora-aqn": ("LoRA + AQN (bf16 base, control), pi_old trainer",
+                                 ["--quant", "none", "--aqn", "--pi-old", "trainer"], "tab:purple")},
+        "first": ["lora", "nvfp4-lora", "qerl", "qerl-sampler", "qerl-tis", "qerl-relative", "lora-aqn"],
+        "after_best": [], "best_from": None,
+        "train_args": ["--model", SMOLLM2_MODEL, "--task", "chat-arithmetic", "--dtype", "bfloat16", "--batch", "4",
+                       "--group", "8", "--max-new-tokens", "48", "--temperature", "0.7", "--lr", "5e-4",
+                       "--warmup", "5"],
+        # greedy on the 200 problems at the start and the end only: pass@k and a mid-run evaluation would cost
+        # as much as the training itself, and the verdict is on final greedy
+        "defaults": {"steps": 60, "seeds": [0, 1, 2, 3, 4, 5], "eval_size": 200, "eval_every": 60, "eval_k": 0},
+        "seconds": {"step": {1: 5.0, 2: 6.1}, "greedy_problem": 0.16, "sample": 0.21, "load": 15.0},
+        "curves": ("reward", "eval", "entropy", "mismatch_kl", "grad_norm", "len"),
+        "questions": [("qerl", "nvfp4-lora", "does AQN help on the NVFP4 base (pi_old trainer, the official code)?"),
+                      ("qerl-tis", "nvfp4-lora", "with the mismatch corrected (TIS), does AQN help on the NVFP4 base?"),
+                      ("qerl-relative", "nvfp4-lora", "with noise relative to each gain, does AQN help on the NVFP4 base?"),
+                      ("qerl-tis", "qerl", "does truncated IS change QeRL?"),
+                      ("qerl-sampler", "qerl", "does pi_old from the sampler change QeRL?"),
+                      ("qerl-relative", "qerl", "does relative noise change QeRL?"),
+                      ("nvfp4-lora", "lora", "does the NVFP4 base beat the bf16 one (Table 1: yes)?"),
+                      ("lora-aqn", "lora", "does AQN help on the bf16 base (the control)?"),
+                      ("qerl", "lora", "QeRL vs LoRA")]},
 }
 
 # ---------------------------------------------------------------------------------------------------
@@ -771,7 +808,7 @@ def estimate_wall(args, n_runs):
 
 
 STEP_KEYS = ("step", "reward", "acc", "entropy", "sigma", "sigma_applied", "len", "clip", "kl_old", "ratio_max",
-             "grad_norm", "s/step")
+             "grad_norm", "s/step", "mismatch_kl", "is_w_mean", "is_w_max", "is_beyond_cap", "is_ess")
 
 
 def compact_metrics(run_dir):
@@ -1517,23 +1554,29 @@ def render_study_table(summary, records, args, answers, best):
 
 
 def smooth(values, window):
-    """Trailing moving average (the first points average what exists so far)."""
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
+    """Trailing moving average (the first points average what exists so far); a None (a step that logged
+    nothing for this key, such as the mismatch of a step whose groups all tied) is left out of its windows."""
+    out = []
+    for i in range(len(values)):
+        seen = [v for v in values[max(0, i - window + 1):i + 1] if v is not None]
+        out.append(statistics.mean(seen) if seen else math.nan)
     return out
 
 
 def band(curves):
-    """curves: lists of equal length -> (mean, min, max) per position."""
-    cols = list(zip(*curves))
+    """curves: lists of equal length -> (mean, min, max) per position, over the curves that have a value there."""
+    cols = [[v for v in c if not math.isnan(v)] or [math.nan] for c in zip(*curves)]
     return ([statistics.mean(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols])
 
 
-def render_plot(records, summary, runs, path, table=METHODS):
+# what a panel of curves.png shows: a step record's key (smoothed) or "eval" (held-out greedy accuracy)
+PANELS = {"reward": "training reward", "eval": "held-out greedy accuracy (%)",
+          "entropy": "sampling entropy, nats/token", "mismatch_kl": "sampler vs trainer token KL (k3)",
+          "grad_norm": "gradient norm (before clipping)", "len": "completion length, tokens"}
+DEFAULT_PANELS = ("reward", "eval", "entropy")
+
+
+def render_plot(records, summary, runs, path, table=METHODS, panels=DEFAULT_PANELS):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1541,7 +1584,10 @@ def render_plot(records, summary, runs, path, table=METHODS):
     except ImportError:
         print("plot | matplotlib is not installed: skipped curves.png (pip install matplotlib to get it)")
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(16, 4.6 * rows), squeeze=False)
+    axes = dict(zip(panels, axes.flat))
     steps_total = records[0]["steps"]
     window = max(1, steps_total // 20)
     for m in summary:
@@ -1550,7 +1596,12 @@ def render_plot(records, summary, runs, path, table=METHODS):
         per_run = [read_metrics(runs[f"{m}-s{r['seed']}"]["metrics.jsonl"])[0] for r in rs]
         n = min(len(p) for p in per_run)
         x = [rec["step"] for rec in per_run[0][:n]]
-        for ax, key in ((axes[0], "reward"), (axes[2], "entropy")):
+        for key in panels:
+            if key == "eval":
+                continue
+            if not all(key in rec for p in per_run for rec in p[:n]):
+                continue  # a run from before the key was logged (mismatch_kl): no curve for this method
+            ax = axes[key]
             mean, lo, hi = band([smooth([rec[key] for rec in p[:n]], window) for p in per_run])
             ax.plot(x, mean, color=colour, label=label, lw=1.6)
             ax.fill_between(x, lo, hi, color=colour, alpha=0.15, lw=0)
@@ -1558,15 +1609,15 @@ def render_plot(records, summary, runs, path, table=METHODS):
         ne = min(len(c) for c in curves)
         ex = [c[0] for c in curves[0][:ne]]
         mean, lo, hi = band([[100 * g for _, g in c[:ne]] for c in curves])
-        axes[1].plot(ex, mean, color=colour, label=label, lw=1.6, marker="o", ms=3)
-        axes[1].fill_between(ex, lo, hi, color=colour, alpha=0.15, lw=0)
-    axes[0].set_title(f"training reward (moving average of {window} steps)")
-    axes[1].set_title("held-out greedy accuracy (%)")
-    axes[2].set_title(f"sampling entropy, nats/token (moving average of {window})")
-    for ax in axes:
+        axes["eval"].plot(ex, mean, color=colour, label=label, lw=1.6, marker="o", ms=3)
+        axes["eval"].fill_between(ex, lo, hi, color=colour, alpha=0.15, lw=0)
+    for key, ax in axes.items():
+        ax.set_title(PANELS[key] + ("" if key == "eval" else f" (moving average of {window} steps)"), fontsize=10)
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8, loc="lower right")
+    if "mismatch_kl" in axes:
+        axes["mismatch_kl"].set_yscale("symlog", linthresh=1e-5)
+    axes["eval"].legend(fontsize=8, loc="lower right")
     fig.suptitle("Line: mean over seeds; band: min-max over seeds", fontsize=9)
     fig.tight_layout()
     tmp = path + f".tmp{os.getpid()}"
@@ -1728,7 +1779,8 @@ def report(args, records):
         write_text(os.path.join(args.out, "results.json"), json_lines(clean(results)) + "\n")
         write_text(os.path.join(args.out, "table.md"), table)
         print(table)
-        plot = render_plot(records, summary, runs, os.path.join(args.out, "curves.png"), args.table)
+        plot = render_plot(records, summary, runs, os.path.join(args.out, "curves.png"), args.table,
+                           (STUDIES[args.study].get("curves", DEFAULT_PANELS) if args.study else DEFAULT_PANELS))
     print(f"wrote | {os.path.join(args.out, 'results.json')} | {os.path.join(args.out, 'table.md')}"
           + (f" | {plot}" if plot else ""))
 
@@ -1911,7 +1963,7 @@ def build_parser():
                    "of the study's)")
     p.add_argument("--noise-level", type=N(above=0), help="--study noise/hard: the sigma_start of the second phase "
                    "instead of the noise sweep's best")
-    p.add_argument("--seeds", nargs="+", type=N(int, 0), default=[0, 1, 2])
+    p.add_argument("--seeds", nargs="+", type=N(int, 0), default=None)
     p.add_argument("--steps", type=N(int, 1), help="GRPO steps per run (the identical budget; default 300, or the "
                    "study's: 60 for smollm2-table1)")
     p.add_argument("--parallel", type=N(int, 1), default=2, help="runs at a time")
@@ -1946,7 +1998,7 @@ def parse_args(argv):
     study = STUDIES.get(args.study)
     args.table = study["methods"] if study else METHODS
     args.methods = args.methods or list(args.table)
-    defaults = {"steps": 300, "eval_size": 1000 if study else 500, "eval_every": 50, "eval_k": 8,
+    defaults = {"steps": 300, "seeds": [0, 1, 2], "eval_size": 1000 if study else 500, "eval_every": 50, "eval_k": 8,
                 **(study or {}).get("defaults", {})}
     for key, value in defaults.items():
         if getattr(args, key) is None:
