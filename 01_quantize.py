@@ -369,6 +369,7 @@ def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
     config, weight_map, has_index = common.find_weight_files(model_dir)
     if "quantization_config" in config:
         raise ValueError(f"{model_dir} is already quantized (its config.json has a quantization_config)")
+    common.check_config_fits_weights(model_dir, config, weight_map)  # the config is copied into the output as is
     common.check_out_dir(out_dir, [model_dir], force=force,
                          ours=lambda f: common.output_files(f, QUANTIZE_COMMAND) is not None, command=QUANTIZE_COMMAND)
     return config, weight_map, has_index, common.pick_device(device)

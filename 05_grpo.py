@@ -555,28 +555,12 @@ def policy_dtype(args, device, cfg=None):
     return common.pick_dtype(args.dtype, device, cfg.hidden_size if cfg else None)
 
 
-def check_config_fits_weights(model_dir, cfg, weight_map):
-    """config.json's sizes against the weights' own shapes (the embedding, the layer count), read from the
-    safetensors headers: a config that disagrees is one line naming both, before any estimate is made from it."""
-    name = "model.embed_tokens.weight"
-    if name in weight_map:
-        shape = common.read_safetensors_header(os.path.join(model_dir, weight_map[name]))[0][name]["shape"]
-        if shape != [cfg.vocab_size, cfg.hidden_size]:
-            raise ValueError(f"{model_dir}/config.json says vocab_size {cfg.vocab_size} and hidden_size "
-                             f"{cfg.hidden_size}, but {name} is {shape[0]} x {shape[-1]}: the config does not belong to "
-                             f"these weights")
-    layers = {int(k.split(".")[2]) for k in weight_map if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
-    if layers and len(layers) != cfg.num_hidden_layers:
-        raise ValueError(f"{model_dir}/config.json says num_hidden_layers {cfg.num_hidden_layers}, but the weights "
-                         f"hold {len(layers)} layers: the config does not belong to these weights")
-
-
 def check_sizes(args, task, world, device):
     """Before the model loads: every prompt within the context (tasks.check_prompts_fit), what memory.run_memory
     estimates within the memory free on the device, and --batch within what the task gives a step."""
     raw, weight_map, _ = common.find_weight_files(args.model)
     cfg, tok = rollout.ModelConfig.from_dict(raw), hf_files.load_tokenizer(args.model, raw)
-    check_config_fits_weights(args.model, cfg, weight_map)  # before an estimate made from a wrong config
+    common.check_config_fits_weights(args.model, raw, weight_map)  # before an estimate made from a wrong config
     P = tasks.check_prompts_fit(task, tok, cfg.max_position_embeddings, args.max_new_tokens,
                                   task.problems(args.seed, 0, min(args.batch, 64)))  # the longest prompt, in tokens
     dtype, why = policy_dtype(args, device, cfg)

@@ -404,6 +404,8 @@ def read_json(path):
         raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     except ValueError as e:  # also what a UTF-8 decoding error is
         raise ValueError(f"{path} is not valid JSON ({e}); write or download it again") from None
+    except RecursionError:  # json nests by recursion: a file of 100,000 "[" ends here
+        raise ValueError(f"{path} nests its JSON too deeply to be a model file; write or download it again") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{path} should hold a JSON object {{...}}, found a {type(obj).__name__}")
     return obj
@@ -478,6 +480,30 @@ def find_weight_files(model_dir):
             raise FileNotFoundError(f"shard {shard} listed in the index is missing from {model_dir}")
         check_regular(os.path.join(model_dir, shard))
     return config, weight_map, has_index
+
+
+def check_config_fits_weights(model_dir, config, weight_map):
+    """config.json's sizes against the weights it sits beside (dict config; the embedding's shape from its
+    safetensors header, the layer indices, lm_head): a config that disagrees is one line naming both, before an
+    estimate or an output is made from it. 01 checks a folder before quantizing it, 05 before estimating memory."""
+    where = os.path.join(model_dir, "config.json")
+    name = "model.embed_tokens.weight"
+    if name in weight_map:
+        shape = read_safetensors_header(os.path.join(model_dir, weight_map[name]))[0][name]["shape"]
+        said = [config.get("vocab_size", shape[0]), config.get("hidden_size", shape[-1])]  # what it states
+        if shape != said:
+            raise ValueError(f"{where} says vocab_size {config.get('vocab_size')} and hidden_size "
+                             f"{config.get('hidden_size')}, but {name} is {shape[0]} x {shape[-1]}: the config does "
+                             f"not belong to these weights")
+    layers = {int(k.split(".")[2]) for k in weight_map if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+    n = config.get("num_hidden_layers")
+    if layers and n is not None and (type(n) is not int or layers != set(range(n))):
+        raise ValueError(f"{where} says num_hidden_layers {config.get('num_hidden_layers')}, but the weights hold "
+                         f"layers {min(layers)}..{max(layers)} ({len(layers)} of them): the config does not belong "
+                         f"to these weights")
+    if name in weight_map and not config.get("tie_word_embeddings", False) and "lm_head.weight" not in weight_map:
+        raise ValueError(f"{where} says tie_word_embeddings false, but the weights have no lm_head.weight: set it "
+                         f"to true if the model shares its embedding, or add the missing weights")
 
 
 def is_plain_name(name):
@@ -632,10 +658,54 @@ def raise_interrupted(signum, frame):  # a signal handler
     raise Interrupted(signum=signum)
 
 
+def silence_stdout():
+    """Point file descriptor 1 at /dev/null: once a pipe's reader has gone (`| head`), what is still buffered
+    and every later print goes nowhere, instead of failing again at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real descriptor (a test's captured stdout)
+        pass
+    finally:
+        os.close(devnull)
+
+
+class ClosedPipeGuard:
+    """sys.stdout while a run trains: a write to a closed pipe (`05_grpo.py | head -5`) silences the output
+    and sets `closed` instead of raising mid-step, so that the run stops at the step's end with a checkpoint,
+    as for SIGPIPE's signal (runs.StopAtStepEnd reads `closed`)."""
+
+    def __init__(self, stream):
+        self.stream, self.closed = stream, False
+
+    def write(self, text):
+        if not self.closed:
+            try:
+                return self.stream.write(text)
+            except BrokenPipeError:
+                self._close()
+        return len(text)
+
+    def flush(self):
+        if not self.closed:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._close()
+
+    def _close(self):
+        self.closed = True
+        silence_stdout()
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...: the stream's own
+        return getattr(self.stream, name)
+
+
 def run_cli(main, argv=None):
     """Run a stage's main(argv): an expected error prints `error: ...` on one line and returns 1; Ctrl-C,
     SIGTERM or SIGHUP prints `interrupted` (with the signal's name and the exception's message, e.g. how
-    to resume) and returns 128 + the signal's number (130, 143, 129)."""
+    to resume) and returns 128 + the signal's number (130, 143, 129); a closed standard output (`| head`)
+    returns 141, as a shell reports SIGPIPE."""
     main_thread = threading.current_thread() is threading.main_thread()  # only it can take signals
     previous = {s: signal.signal(s, raise_interrupted) for s in STOP_SIGNALS[1:]} if main_thread else {}
     try:
@@ -645,6 +715,12 @@ def run_cli(main, argv=None):
         name = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
         print("interrupted" + name + (f" | {e}" if str(e) else ""), file=sys.stderr, flush=True)
         return 128 + signum
+    except BrokenPipeError:  # before a run's guard (ClosedPipeGuard) is in place: nothing was trained yet
+        silence_stdout()
+        print("error: standard output was closed before the command finished (a pipe's reader, such as `head`, "
+              "exited): send the output to a file, or pipe it to a reader that reads to the end",
+              file=sys.stderr, flush=True)
+        return 128 + signal.SIGPIPE
     except EXPECTED_ERRORS as e:
         print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
         return 1

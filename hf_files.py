@@ -29,6 +29,9 @@ def check_config(d, where):
         raise ValueError(f"{where}: unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (only silu)")
+    for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+        if d.get(k) is not None and not isinstance(d[k], bool):  # the string "false" is truthy: it would flip the meaning
+            raise ValueError(f"{where}: {k} must be true or false, got {d[k]!r}")
     if d.get("use_sliding_window"):
         raise ValueError(f"{where}: use_sliding_window=true is not supported; set it to false")
     missing = [k for k in CONFIG_SIZES if k not in d]
@@ -107,6 +110,11 @@ def check_vocab(tokenizer, vocab_size, path):
         raise ValueError(f"{Path(path) / 'tokenizer.json'} has token ids up to {top}, but config.json's vocab_size "
                          f"is {vocab_size}: the tokenizer belongs to another model; put this model's own "
                          f"tokenizer.json beside it")
+    # an end-of-sequence id with no logit can never be sampled: generation would run to max_new_tokens every time
+    past = [i for i in [*tokenizer.eos_token_ids, tokenizer.pad_token_id] if i >= vocab_size]
+    if past:
+        raise ValueError(f"{Path(path)}: eos_token_id/pad_token_id {past[0]} is past config.json's vocab_size "
+                         f"{vocab_size} (generation_config.json or config.json): use this model's own ids")
 
 
 # ---------------------------------------------------------------------------------------------------

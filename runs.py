@@ -7,6 +7,7 @@ import math
 import os
 import shlex
 import signal
+import sys
 import threading
 import time
 
@@ -195,6 +196,7 @@ class StopAtStepEnd:
         self.signum, self.at, self.previous = 0, 0.0, {}
         if threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self._ask) for s in common.STOP_SIGNALS}
+        self.stdout, sys.stdout = sys.stdout, common.ClosedPipeGuard(sys.stdout)  # `| head`: stop as for SIGPIPE
         return self
 
     def _ask(self, signum, frame):
@@ -207,12 +209,14 @@ class StopAtStepEnd:
         print(f"interrupt | stopping after this step with a checkpoint ({again} again: stop now)", flush=True)
 
     def requested(self):
-        """The number of the stop signal any rank got (0: none)."""
-        return int(global_sum([self.signum], "max")[0])
+        """The number of the stop signal any rank got (0: none); a closed standard output counts as SIGPIPE."""
+        mine = self.signum or (signal.SIGPIPE if sys.stdout.closed else 0)
+        return int(global_sum([mine], "max")[0])
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        sys.stdout = self.stdout
         return False
 
 
@@ -226,7 +230,8 @@ def halt_reason(signum):
     """The name a stop signal gives a run's end ("interrupt" for Ctrl-C, else SIGTERM or SIGHUP); None for 0."""
     if not signum:
         return None
-    return "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
+    return "interrupt" if signum == signal.SIGINT else "closed output" if signum == signal.SIGPIPE \
+        else signal.Signals(signum).name
 
 
 def check_run_folder(args, ckpt=None):

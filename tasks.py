@@ -276,16 +276,20 @@ def _gold_number(text):
 def load_jsonl(path):
     """Problems [{question, answer}] from a GSM8K-style JSONL file; malformed lines are skipped and
     counted (one line of output), a file without one usable line is an error."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"data file {path!r} not found (expected JSONL lines with 'question' and "
                                 f"'answer' ending in '#### <number>', or use --task arithmetic)")
+    try:
+        with common.open_regular(path) as f:  # a pipe or a device is refused in its own words, never read
+            text = f.read().decode("utf-8", errors="replace")  # undecodable bytes -> a malformed line
+    except OSError as e:
+        raise ValueError(f"cannot read data file {path!r}: {e.strerror or e}") from None
     parsed = []
-    with open(path, encoding="utf-8", errors="replace") as f:  # undecodable bytes -> a malformed line
-        for n, line in enumerate(f, 1):
-            try:
-                parsed += [(n, _gsm8k_problem(line))] if line.strip() else []
-            except ValueError as e:  # a gold the scorer would misread
-                raise ValueError(f"{path}:{n}: {e}") from None
+    for n, line in enumerate(text.split("\n"), 1):
+        try:
+            parsed += [(n, _gsm8k_problem(line))] if line.strip() else []
+        except ValueError as e:  # a gold the scorer would misread
+            raise ValueError(f"{path}:{n}: {e}") from None
     problems, bad = [dict(p, where=f"{path}:{n}") for n, p in parsed if p], [n for n, p in parsed if not p]
     if bad:
         print(f"data | {path}: skipped {len(bad)} malformed line(s) (first at line {bad[0]}); kept {len(problems)}")

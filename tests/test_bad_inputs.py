@@ -706,6 +706,41 @@ def test_sigterm_saves_like_ctrl_c_and_resumes_from_another_directory(tmp_path):
     assert json.load(open(out / "summary.json"))["steps_done"] == 30
 
 
+def test_a_closed_output_saves_like_a_signal_and_resumes(tmp_path):
+    """`05_grpo.py | head`: once the reader has gone, the step in flight finishes, a checkpoint is written, and
+    the run exits 141 (a shell's status for SIGPIPE) with the resume line on stderr; the resume trains on."""
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "05_grpo.py", *TINY_RUN, "--steps", "30", "--model", TINY, "--out",
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    wait_for_line(proc, "step 2/30")
+    proc.stdout.close()  # what `head` does once it has its lines
+    err = proc.stderr.read()
+    proc.wait(timeout=300)
+    assert proc.returncode == 141, err
+    summary = json.load(open(out / "summary.json"))
+    assert summary["stopped_by"] == "closed output" and 2 <= summary["steps_done"] < 30
+    assert err == (f"interrupted (SIGPIPE) | checkpoint-{summary['steps_done']:06d} saved: continue with  python "
+                   f"05_grpo.py --resume {shlex.quote(str(out))}\n")
+    r = resume_run(out)
+    assert r.returncode == 0, r.stderr
+    assert json.load(open(out / "summary.json"))["steps_done"] == 30
+
+
+def test_an_output_closed_before_the_run_is_one_line_and_no_folder(tmp_path):
+    """The reader gone before the first step (`| head -1` takes a note line): one line, exit 141, no run folder."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "05_grpo.py"), *TINY_RUN, "--model", TINY, "--out",
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    proc.stdout.close()  # before the interpreter has even started: its first print finds no reader
+    err = proc.stderr.read()
+    proc.wait(timeout=300)
+    assert proc.returncode == 141, err
+    assert err.startswith("error: standard output was closed before the command finished") and err.count("\n") == 1
+    assert not out.exists()
+
+
 def test_sighup_saves_like_ctrl_c_and_the_pasted_line_resumes(tmp_path):
     """SIGHUP: exit 129, the same checkpoint and line; the line, pasted into a shell, resumes the run."""
     out = tmp_path / "my run"
@@ -1110,6 +1145,39 @@ CASES_CONTAINMENT = [
          setup=_fifo("generation_config.json"), process=True),
     Case("device-03-generation-config", "03_rollout", M, "model/generation_config.json is a character device, not a "
          "regular file", setup=_device("generation_config.json"), process=True),
+    Case("fifo-05-data", "05_grpo", ["--model", "{model}", "--task", "gsm8k", "--data", "{tmp}/data.jsonl", *RUN],
+         "data.jsonl " + PIPE, setup=lambda t: os.mkfifo(f"{t}/data.jsonl"), process=True),
+]
+
+DEEP = "[" * 100_000 + "]" * 100_000  # json.load recurses once a level
+TOO_DEEP = "nests its JSON too deeply to be a model file"
+CASES_SMALLER = [
+    Case("deep-03-config", "03_rollout", M, "model/config.json " + TOO_DEEP,
+         setup=lambda t: write(f"{t}/model/config.json", DEEP)),
+    Case("deep-03-generation-config", "03_rollout", M, "model/generation_config.json " + TOO_DEEP,
+         setup=lambda t: write(f"{t}/model/generation_config.json", DEEP)),
+    Case("deep-03-tokenizer-config", "03_rollout", M, "model/tokenizer_config.json " + TOO_DEEP,
+         setup=lambda t: write(f"{t}/model/tokenizer_config.json", DEEP)),
+    Case("deep-01-config", "01_quantize", Q, "model/config.json " + TOO_DEEP,
+         setup=lambda t: write(f"{t}/model/config.json", DEEP)),
+    Case("deep-05-generation-config", "05_grpo", ["--model", "{model}", *RUN], "generation_config.json " + TOO_DEEP,
+         setup=lambda t: write(f"{t}/model/generation_config.json", DEEP)),
+    # "false" is a non-empty string: read as a truth value it would say the opposite
+    Case("03-tie-as-string", "03_rollout", M, "config.json: tie_word_embeddings must be true or false, got 'false'",
+         setup=_config(tie_word_embeddings="false")),
+    Case("03-bias-as-string", "03_rollout", M, "config.json: attention_bias must be true or false, got 'yes'",
+         setup=_config(attention_bias="yes")),
+    Case("03-eos-past-vocab", "03_rollout", M, "eos_token_id/pad_token_id 100000 is past config.json's vocab_size",
+         setup=lambda t: edit_json(f"{t}/model/generation_config.json", lambda c: {**c, "eos_token_id": 100000})),
+    Case("05-pad-past-vocab", "05_grpo", ["--model", "{model}", *RUN], "eos_token_id/pad_token_id 512 is past",
+         setup=lambda t: edit_json(f"{t}/model/generation_config.json", lambda c: {**c, "pad_token_id": 512})),
+    # 01 copies config.json into its output: a config that does not describe the weights is refused, not copied
+    Case("01-config-claims-more-layers", "01_quantize", Q, "config.json says num_hidden_layers 100000, but the "
+         "weights hold layers 0..3 (4 of them)", setup=_config(num_hidden_layers=100000)),
+    Case("01-untied-without-lm-head", "01_quantize", Q, "config.json says tie_word_embeddings false, but the weights "
+         "have no lm_head.weight", setup=_config(tie_word_embeddings=False)),
+    Case("05-config-claims-fewer-layers", "05_grpo", ["--model", "{model}", *RUN], "says num_hidden_layers 2, but the "
+         "weights hold layers 0..3", setup=_config(num_hidden_layers=2)),
 ]
 
 
@@ -1197,7 +1265,7 @@ def test_load_adapter_refuses_a_pipe(adapter):
 # The table
 
 CASES = (CASES_01 + CASES_02 + CASES_03 + CASES_04 + CASES_05 + CASES_OWNERSHIP + CASES_CHECKPOINTS
-         + CASES_LIMITS + CASES_CONTAINMENT)
+         + CASES_LIMITS + CASES_CONTAINMENT + CASES_SMALLER)
 if torch.cuda.is_available():  # the GPU cases are a CPU machine's
     CASES = [c for c in CASES if "gpu" not in c.id]
 
