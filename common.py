@@ -433,6 +433,8 @@ def read_safetensors_header(path):
                     isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
                 raise ValueError(f"tensor {k} needs a list of sizes as its shape and two byte offsets as its "
                                  f"data_offsets, got {shape!r} and {offsets!r}")
+    except RecursionError:  # a header of 100,000 nested lists
+        raise ValueError(f"{path} is not a readable safetensors file (its header nests too deeply)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
     for k, v in header.items():  # checked before anything is written: a cut-off download fails here

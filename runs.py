@@ -26,7 +26,7 @@ def read_metrics(path, upto):
         damaged = f"{path} line {n} {{}}: the run log is damaged (fix or delete that line, then resume)"
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: a line nested 100,000 levels
             if i + 1 < len(lines):
                 raise ValueError(damaged.format("is not JSON")) from None
             print(f"note | {path} line {n} was cut off mid-write: dropped")

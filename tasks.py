@@ -243,7 +243,7 @@ def _gsm8k_problem(line):
     line that is no problem (not JSON, no question, no '####'); an error for a gold that is not a number."""
     try:
         row = json.loads(line.lstrip("\ufeff"))  # a byte-order mark, as some editors write, is not content
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: a line nested 100,000 levels
         return None
     if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip() \
             or not isinstance(row.get("answer"), str) or "####" not in row["answer"]:

@@ -1019,6 +1019,9 @@ def parse_object(text, where, problems):
     except ValueError as e:
         problems.append(f"{where} is not JSON ({e})")
         return None
+    except RecursionError:  # 100,000 nested lists
+        problems.append(f"{where} nests its JSON too deeply")
+        return None
     if not isinstance(obj, dict):
         problems.append(f"{where} holds {json_kind(obj)}, not a JSON object")
         return None
