@@ -784,7 +784,8 @@ def finish_line(i, n, method, seed, run_dir, rc, args, elapsed):
         return f"{head} | FAILED (exit {rc}): {e} | see {os.path.join(run_dir, 'train.log')}"
     stt = r["steps_to_threshold"]
     return (f"{head} | greedy {r['start_greedy']:.3f} -> {r['final_greedy']:.3f} ({r['gain_points']:+.1f}) | "
-            f"pass@{r['k']} {fmt(r['final_pass_k'], '.3f')} | steps to +{threshold:g} {stt if stt else '-'} | "
+            + (f"pass@{r['k']} {fmt(r['final_pass_k'], '.3f')} | " if r["k"] else "")
+            + f"steps to +{threshold:g} {stt if stt else '-'} | "
             f"entropy {r['entropy_first_fifth']:.3f} -> {r['entropy_last_fifth']:.3f} | "
             f"wall {r['wall_s']:.0f}s | elapsed {elapsed / 60:.1f} min")
 
@@ -1153,6 +1154,10 @@ def load_run(files, run_dir, method, seed, threshold, table=METHODS, label=None)
             "collapse": collapse(first["greedy"], final["greedy"], len_first, len_last),
             # what the ratio pi_theta / pi_old did (kl_old: k3 of pi_old vs pi_theta), mean over the steps
             "kl_old": step_mean(steps, "kl_old"), "clip": step_mean(steps, "clip"),
+            # the sampler (noisy, quantized, compiled) against the trainer on the sampled tokens (runs from before
+            # 05 logged it: None), and the gradient norm before clipping, mean over the steps
+            "mismatch_kl": step_mean(steps, "mismatch_kl"), "is_beyond_cap": step_mean(steps, "is_beyond_cap"),
+            "grad_norm": step_mean(steps, "grad_norm"),
             "s_per_step": statistics.mean(r["s/step"] for r in steps), "wall_s": summary["wall_s"],
             "eval_curve": [[e["step"], e["greedy"]] for e in evals],
             "skipped_updates": summary.get("skipped_updates", 0), **read_versions(files.get("versions.txt", ""))}
@@ -1294,6 +1299,7 @@ def summarize(records, methods):
                   "entropy_first_fifth": mean_std([r["entropy_first_fifth"] for r in rs]),
                   "entropy_last_fifth": mean_std([r["entropy_last_fifth"] for r in rs]),
                   "kl_old": mean_std([r.get("kl_old") for r in rs]), "clip": mean_std([r.get("clip") for r in rs]),
+                  **{key: mean_std([r.get(key) for r in rs]) for key in ("mismatch_kl", "is_beyond_cap", "grad_norm")},
                   "s_per_step": mean_std([r["s_per_step"] for r in rs]),
                   "wall_s": mean_std([r["wall_s"] for r in rs]), "k": rs[0]["k"],
                   # counted apart from the mean: one collapsed seed drags a mean of 3 without moving the others
@@ -1476,8 +1482,9 @@ def render_table(summary, records, args, checks):
 
 def table_intro(records, args, k, n_eval):
     temps = sorted({r.get("temperature") or 1.0 for r in records}) or [1.0]
-    return (f"Mean ± std over seeds (sample std). Accuracies in % on {n_eval} held-out problems (greedy; "
-            f"pass@{k} at temperature {'/'.join(f'{t:g}' for t in temps)}). Steps to +{args.threshold:g}: first evaluation (every "
+    return (f"Mean ± std over seeds (sample std). Accuracies in % on {n_eval} held-out problems (greedy"
+            + (f"; pass@{k} at temperature {'/'.join(f'{t:g}' for t in temps)}" if k else "") + "). Steps"
+            f" to +{args.threshold:g}: first evaluation (every "
             f"{records[0].get('eval_every', args.eval_every) if records else args.eval_every} steps) at least "
             f"{args.threshold:g} points above the start, mean over the seeds that got there. Entropy: mean "
             f"per-token sampling entropy (nats) over the first and last fifth of the steps. Versions (md5): "
@@ -1518,6 +1525,8 @@ def answer(summary, a, b, question):
     out = {"question": question, "a": a, "b": b}
     for key, scale, what in (("final_greedy", 100, "ends higher than"), ("final_pass_k", 100, "ends higher than"),
                              ("entropy_first_fifth", 1, "samples with more entropy than")):
+        if key == "final_pass_k" and not summary[a]["k"]:
+            continue  # evaluated greedy only (--eval-k 0)
         w = difference(summary, a, b, key, scale)
         out[key] = {**w, "verdict": verdict(a, b, w, what)}
     return out
@@ -1526,18 +1535,30 @@ def answer(summary, a, b, question):
 def render_study_table(summary, records, args, answers, best):
     study, k = STUDIES[args.study], next(iter(summary.values()))["k"]
     th = f"{args.threshold:g}"
+    # (header, cell) per column: pass@k where it was evaluated, the mismatch where 05 logged it
+    mismatch = any(s["mismatch_kl"][2] for s in summary.values())
+    columns = [("method", lambda s: s["label"]), ("seeds", lambda s: str(s["runs"])),
+               ("start greedy", lambda s: pct(s["start_greedy"])),
+               *([(f"start pass@{k}", lambda s: pct(s["start_pass_k"]))] if k else []),
+               ("entropy, first fifth", lambda s: ms(s["entropy_first_fifth"], ".4f")),
+               (f"steps to +{th} (reached)", lambda s: f"{ms(s['steps_to_threshold'], '.0f')} ({s['reached']}/{s['runs']})"),
+               ("final greedy", lambda s: pct(s["final_greedy"])),
+               ("collapses", lambda s: f"{s['collapses']} of {s['runs']}"),
+               *([(f"final pass@{k}", lambda s: pct(s["final_pass_k"]))] if k else []),
+               ("entropy, last fifth", lambda s: ms(s["entropy_last_fifth"], ".4f")),
+               ("kl_old", lambda s: ms(s["kl_old"], ".2e")),
+               *([("mismatch KL", lambda s: ms(s["mismatch_kl"], ".2e")),
+                  ("beyond cap 2 %", lambda s: pct(s["is_beyond_cap"], 2)),
+                  ("grad norm", lambda s: ms(s["grad_norm"], ".2f"))] if mismatch else []),
+               ("clip %", lambda s: pct(s["clip"], 2)), ("s/step", lambda s: f"{s['s_per_step'][0]:.2f}")]
     lines = [f"# Study '{args.study}': {study['title']}", "",
-             f"{records[0]['steps']} GRPO steps per run. " + table_intro(records, args, k, records[0]["eval_n"]), "",
-             f"| method | seeds | start greedy | start pass@{k} | entropy, first fifth | steps to +{th} (reached) | "
-             f"final greedy | collapses | final pass@{k} | entropy, last fifth | kl_old | clip % | s/step |",
-             "|---" * 13 + "|"]
+             f"{records[0]['steps']} GRPO steps per run. " + table_intro(records, args, k, records[0]["eval_n"])
+             + (" Mismatch KL: the k3 estimate of KL(sampler || trainer) on the sampled tokens; beyond cap: the "
+                "tokens whose trainer/sampler ratio exceeds 2; grad norm: before clipping; each a mean over the steps."
+                if mismatch else ""), "",
+             "| " + " | ".join(h for h, _ in columns) + " |", "|---" * len(columns) + "|"]
     for m, s in summary.items():
-        lines.append(f"| {s['label']} | {s['runs']} | {pct(s['start_greedy'])} | {pct(s['start_pass_k'])} | "
-                     f"{ms(s['entropy_first_fifth'], '.4f')} | {ms(s['steps_to_threshold'], '.0f')} "
-                     f"({s['reached']}/{s['runs']}) | {pct(s['final_greedy'])} | {s['collapses']} of {s['runs']} | "
-                     f"{pct(s['final_pass_k'])} | "
-                     f"{ms(s['entropy_last_fifth'], '.4f')} | {ms(s['kl_old'], '.2e')} | {pct(s['clip'], 2)} | "
-                     f"{s['s_per_step'][0]:.2f} |")
+        lines.append("| " + " | ".join(cell(s) for _, cell in columns) + " |")
     if study["after_best"]:
         lines += ["", "Best nonzero NVFP4 noise level (mean final greedy of the noise sweep): "
                   + (f"{best:g} -> {best / 20:g}." if best is not None else "not known yet (the sweep is unfinished).")]
@@ -1545,9 +1566,10 @@ def render_study_table(summary, records, args, answers, best):
               f"seeds (points; entropy in nats). The verdict is on final greedy accuracy: a ranking at p < {ALPHA:g}, "
               "otherwise not distinguishable.", ""]
     for q in answers:
-        g, p, e = q["final_greedy"], q["final_pass_k"], q["entropy_first_fifth"]
+        g, p, e = q["final_greedy"], q.get("final_pass_k"), q["entropy_first_fifth"]
         lines.append(f"- {q['question']} ({q['a']} - {q['b']}): final greedy {contrast_text(g)} -> **{g['verdict']}** "
-                     f"| final pass@{k} {contrast_text(p)} | first-fifth entropy {contrast_text(e, '.4f')}")
+                     + (f"| final pass@{k} {contrast_text(p)} " if p else "")
+                     + f"| first-fifth entropy {contrast_text(e, '.4f')}")
     if not answers:
         lines.append("- (no question has both of its methods run yet)")
     return "\n".join(lines + collapse_lines(summary, records) + per_run_lines(summary, records)) + "\n"
