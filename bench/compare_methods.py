@@ -69,6 +69,7 @@ printed when it starts.
     python bench/compare_methods.py --study rounding   # 6 runs, ~20 min
     python bench/compare_methods.py --study pi-old     # 18 runs, ~60 min
     python bench/compare_methods.py --study smollm2-table1  # 21 runs of SmolLM2 (`make smollm2` first), ~2.5 h
+    python bench/compare_methods.py --study smollm2-mismatch --max-wall 7000  # 42 runs, ~2.6 h; resumable
     python bench/compare_methods.py --study noise --steps 4 --seeds 0 --eval-size 20 --eval-every 2 --out /tmp/noise
   noise      NVFP4 + LoRA with AQN sigma_start 0 (no AQN), 1e-2, 3e-2, 1e-1 and sigma_end = sigma_start / 20;
              then, as a second phase, the fp32 base without AQN and at the best nonzero NVFP4 level (the
@@ -93,6 +94,12 @@ printed when it starts.
              documented run's settings (docs/real-model.md): LoRA, QLoRA, NVFP4 + LoRA, QeRL and LoRA + AQN,
              the AQN methods under both pi_old readings. Its own defaults: 60 steps, 200 held-out problems,
              greedy every 30 steps, pass@4 at the start and the end.
+  smollm2-mismatch  The same model, task and settings, 6 seeds (0-5) of LoRA (bf16), NVFP4 + LoRA, QeRL under
+             the three pi_old readings (trainer: the official code; sampler; tis: trainer x a per-token
+             weight min(pi_trainer / pi_sampler, 2), the field's correction), QeRL with noise relative to
+             each gain (--aqn-scale relative, 1e-2 -> 5e-4: what the paper's absolute 1e-2 is on gains near
+             1), and LoRA + AQN. Greedy on the 200 problems at the start and the end only; its curves add the
+             mismatch KL, the gradient norm and the completion length.
 The methods, phases and questions are data (STUDIES); --methods restricts a study to some of its
 methods. Every question is a - b of two methods: the table gives the difference of means of final
 greedy accuracy, of pass@k and of first-fifth entropy, each with its 95% interval and p-value from Welch's
