@@ -370,6 +370,9 @@ def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
     if "quantization_config" in config:
         raise ValueError(f"{model_dir} is already quantized (its config.json has a quantization_config)")
     common.check_config_fits_weights(model_dir, config, weight_map)  # the config is copied into the output as is
+    for name in TOKENIZER_FILES:  # copied beside the weights: a pipe or a device there is refused, not skipped
+        if os.path.lexists(os.path.join(model_dir, name)):
+            common.check_regular(os.path.join(model_dir, name))
     common.check_out_dir(out_dir, [model_dir], force=force,
                          ours=lambda f: common.output_files(f, QUANTIZE_COMMAND) is not None, command=QUANTIZE_COMMAND)
     return config, weight_map, has_index, common.pick_device(device)
@@ -578,7 +581,7 @@ def main(argv=None):
                    help="NVFP4 rounding: rtn (compressed-tensors) or 4over6 (per block, max -> 6 or 4)")
     p.add_argument("--force", action="store_true", help="replace --out if it is an earlier output of this command")
     p.add_argument("--device", default=None, help="where to quantize (default: cuda if available, else cpu)")
-    p.add_argument("--seed", type=common.number(int, 0), default=0, help="demo and --show-block seed")
+    p.add_argument("--seed", type=common.number(int, 0, common.MAX_SEED), default=0, help="demo and --show-block seed")
     p.add_argument("--show-block", action="store_true", help="print one 16-weight block quantized step by step")
     args = p.parse_args(argv)
     if args.show_block:

@@ -410,6 +410,8 @@ def demo(steps=300, rank=8, lr=5e-3, batch=256, seed=0, device=None):
         with torch.no_grad():
             y = teacher(x)  # (B, d)
         loss = (student(x) - y).pow(2).mean()
+        if not torch.isfinite(loss):  # else the merge below would blame the weights it is handed
+            raise ValueError(f"step {step}: the loss is {loss.item()}: training diverged; lower --lr (now {lr:g})")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -445,9 +447,10 @@ def main(argv=None):
     number = common.number
     ap = common.ArgumentParser(description="LoRA on a frozen NVFP4 MLP (stage 02 demo)")
     ap.add_argument("--steps", type=number(int, 1), default=300, help="AdamW steps")
-    ap.add_argument("--rank", type=number(int, 1), default=8, help="LoRA rank (also the teacher's change rank)")
+    ap.add_argument("--rank", type=number(int, 1, 128), default=8,
+                    help="LoRA rank (also the teacher's change rank; at most 128, the MLP's narrowest side)")
     ap.add_argument("--lr", type=number(float, above=0), default=5e-3, help="AdamW learning rate")
-    ap.add_argument("--seed", type=number(int, 0), default=0, help="seed of the torch.Generator")
+    ap.add_argument("--seed", type=number(int, 0, common.MAX_SEED), default=0, help="seed of the torch.Generator")
     ap.add_argument("--device", default=None, help="cuda | cpu (default: autodetect)")
     args = ap.parse_args(argv)
     demo(args.steps, args.rank, args.lr, seed=args.seed, device=common.pick_device(args.device))

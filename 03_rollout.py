@@ -458,6 +458,7 @@ def load_model(path, quant="none", dtype=None, device=None, method="rtn"):
     raw, weight_map, _ = common.find_weight_files(str(path))  # checks the folder: config.json, shards
     files = {name: path / f for name, f in weight_map.items()}  # tensor name -> safetensors file
     cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
+    common.check_config_fits_weights(str(path), raw, weight_map)  # 2 layers said, 4 stored: not a truncated model
     quant, prequantized = _load_format(path, raw, quant, method)
     tokenizer = hf_files.load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
     hf_files.check_vocab(tokenizer, cfg.vocab_size, path)
@@ -552,7 +553,7 @@ def build_parser():
     ap.add_argument("--temperature", type=number(float, 0), default=1.0, help="0 = greedy")
     ap.add_argument("--top-k", type=number(int, 0), default=0, help="0 = no top-k filter")
     ap.add_argument("--top-p", type=number(float, hi=1, above=0), default=1.0, help="nucleus mass, in (0, 1]")
-    ap.add_argument("--seed", type=number(int, 0), default=0)
+    ap.add_argument("--seed", type=number(int, 0, common.MAX_SEED), default=0)
     ap.add_argument("--quant", default="none", choices=quantize.QUANT_CHOICES, help="quantize on load (stage 01)")
     ap.add_argument("--quant-method", default="rtn", choices=quantize.NVFP4_METHODS,
                     help="NVFP4's rounding with --quant nvfp4: rtn (compressed-tensors) or 4over6 (Four Over Six)")

@@ -328,8 +328,8 @@ def build_parser():
     parser.add_argument("--samples", type=number(int, 1), help="completions per problem (default 8)")
     parser.add_argument("--max-new-tokens", type=number(int, 1), default=48)
     parser.add_argument("--rounds", type=number(int, 1), default=2, help="noise draws per row")
-    parser.add_argument("--seed", type=number(int, 0), default=0)
-    parser.add_argument("--threads", type=number(int, 0), default=1, help="torch CPU threads (0: torch's default); "
+    parser.add_argument("--seed", type=number(int, 0, common.MAX_SEED), default=0)
+    parser.add_argument("--threads", type=number(int, 0, 1024), default=1, help="torch CPU threads (0: torch's default); "
                         "the bundled model's matmuls are too small to gain from more, and a busy CPU stalls them")
     parser.add_argument("--quant-method", default="rtn", choices=quantize.NVFP4_METHODS,
                         help="the NVFP4 row's rounding: rtn (compressed-tensors) or 4over6 (Four Over Six)")

@@ -744,7 +744,7 @@ def build_parser():
     g.add_argument("--warmup", type=N(int, 0), default=10, help="warmup steps")
     g.add_argument("--min-lr-ratio", type=N(float, 0, 1), default=0.1, help="cosine decays to this fraction of --lr")
     g.add_argument("--grad-clip", type=N(above=0), default=UpdateOptions.grad_clip, help="max gradient norm")
-    g.add_argument("--seed", type=N(int, 0), default=0)
+    g.add_argument("--seed", type=N(int, 0, common.MAX_SEED), default=0)
     m = p.add_argument_group("speed and memory (how to compute, not what)")
     m.add_argument("--device", default=None, help="cpu / cuda (default: autodetect)")
     m.add_argument("--dtype", choices=common.DTYPES, default="auto",

@@ -147,6 +147,10 @@ def resume_args(args, defaults):
     if "pi_old" not in saved:  # a run from before --pi-old existed took pi_old from the sampler
         args.pi_old = "sampler"
     args.out = args.out or os.path.dirname(os.path.abspath(ckpt))
+    step = state.get("step")
+    if type(step) is not int or not 0 <= step <= args.steps:  # 10**18 would skip the loop and report success
+        raise ValueError(f"--resume: {file} says step {step!r}, outside 0..{args.steps} (the run's --steps): the "
+                         f"checkpoint is damaged; resume from another checkpoint")
     return ckpt, state
 
 

@@ -503,7 +503,10 @@ def check_config_fits_weights(model_dir, config, weight_map):
         raise ValueError(f"{where} says num_hidden_layers {config.get('num_hidden_layers')}, but the weights hold "
                          f"layers {min(layers)}..{max(layers)} ({len(layers)} of them): the config does not belong "
                          f"to these weights")
-    if name in weight_map and not config.get("tie_word_embeddings", False) and "lm_head.weight" not in weight_map:
+    tied = config.get("tie_word_embeddings", False)
+    if tied is not None and not isinstance(tied, bool):  # "false" is truthy: read as true it drops lm_head
+        raise ValueError(f"{where}: tie_word_embeddings must be true or false, got {tied!r}")
+    if name in weight_map and not tied and "lm_head.weight" not in weight_map:
         raise ValueError(f"{where} says tie_word_embeddings false, but the weights have no lm_head.weight: set it "
                          f"to true if the model shares its embedding, or add the missing weights")
 
@@ -581,9 +584,14 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _range_text(lo, hi, above, below):
-    parts = [f">= {lo:g}" if lo is not None else None, f"> {above:g}" if above is not None else None,
-             f"<= {hi:g}" if hi is not None else None, f"< {below:g}" if below is not None else None]
+    def show(x):  # an integer bound as written (2147483647), a float one short (1e-06)
+        return str(x) if isinstance(x, int) else f"{x:g}"
+    parts = [f">= {show(lo)}" if lo is not None else None, f"> {show(above)}" if above is not None else None,
+             f"<= {show(hi)}" if hi is not None else None, f"< {show(below)}" if below is not None else None]
     return " and ".join(p for p in parts if p) or "a finite number"
+
+
+MAX_SEED = 2**31 - 1  # a seed is added to and multiplied into others (steps, ranks): far from int64's end
 
 
 def number(kind=float, lo=None, hi=None, *, above=None, below=None):

@@ -193,8 +193,9 @@ def load_tokenizer(path, config=None):
     gen = {**(config or {}), **(common.read_json(gen_file) if gen_file.exists() else {})}
     eos, pad = gen.get("eos_token_id"), gen.get("pad_token_id")
     eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
-    if (not isinstance(eos, list) or not all(isinstance(i, int) and 0 <= i for i in eos)
-            or not (pad is None or isinstance(pad, int) and pad >= 0)):
+    token_id = lambda i: type(i) is int and i >= 0  # noqa: E731  (true is an int to Python, and would be id 1)
+    if (not isinstance(eos, list) or (gen.get("eos_token_id") is not None and not eos)
+            or not all(token_id(i) for i in eos) or not (pad is None or token_id(pad))):
         raise ValueError(f"{gen_file if gen_file.exists() else path / 'config.json'}: eos_token_id must be a token id or "
                          f"a list of them and pad_token_id a token id (or null), got {gen.get('eos_token_id')!r} and "
                          f"{pad!r}")

@@ -19,8 +19,12 @@ from distributed import PeerError, global_sum, rank_and_world
 def read_metrics(path, upto):
     """metrics.jsonl's rows up to step `upto`. A cut-off last line (a kill mid-write) is dropped with a note;
     a bad line before it is an error naming the file and line."""
-    with open(path) as f:
-        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    try:
+        with common.open_regular(path) as f:  # a pipe planted as metrics.jsonl would block the resume for good
+            text = f.read().decode("utf-8", errors="replace")  # a damaged byte -> a line that is not JSON, below
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     rows = []
     for i, (n, line) in enumerate(lines):
         damaged = f"{path} line {n} {{}}: the run log is damaged (fix or delete that line, then resume)"
@@ -155,15 +159,17 @@ class RunLog:
                              f"to save; raise --time-budget (0: no limit) or lower --eval-size")
         s = {"steps_done": done, "stopped_by": stopped, "likely_divergence_steps": self.far_steps, "wall_s": time.time() - self.t_start,
              "first_eval": first_eval, "final_eval": last_eval, "checkpoint": last_ckpt, "args": vars(self.args)}
+        why = {"steps": f"--steps {self.args.steps}", "time budget": f"--time-budget {self.args.time_budget:g}s",
+               "stop-at": f"--stop-at {self.args.stop_at}"}.get(stopped, stopped)  # or the signal's name
+        gain = ""
         if first_eval and last_eval:
             s["greedy_gain"] = last_eval["greedy"] - first_eval["greedy"]
-            why = {"steps": f"--steps {self.args.steps}", "time budget": f"--time-budget {self.args.time_budget:g}s",
-                   "stop-at": f"--stop-at {self.args.stop_at}"}.get(stopped, stopped)  # or the signal's name
-            far = self.far_steps
-            print(f"summary | steps {done} | stopped by {why} | greedy {first_eval['greedy']:.3f} -> "
-                  f"{last_eval['greedy']:.3f} ({100 * s['greedy_gain']:+.1f} points) | wall {s['wall_s']:.0f}s | "
-                  f"out {self.args.out}" + (f" | LIKELY DIVERGED: {len(far)} step(s) moved the policy beyond "
-                                           f"kl_after {DIVERGED_KL:g} (first: step {far[0]})" if far else ""))
+            gain = (f" | greedy {first_eval['greedy']:.3f} -> {last_eval['greedy']:.3f} "
+                    f"({100 * s['greedy_gain']:+.1f} points)")
+        far = self.far_steps
+        print(f"summary | steps {done} | stopped by {why}{gain} | wall {s['wall_s']:.0f}s | out {self.args.out}"
+              + (f" | LIKELY DIVERGED: {len(far)} step(s) moved the policy beyond kl_after {DIVERGED_KL:g} (first: "
+                 f"step {far[0]})" if far else ""))
         if self.rank == 0 and self.steps_logged:
             common.write_json(os.path.join(self.args.out, "summary.json"), clean(s))
         return s

@@ -706,6 +706,16 @@ def test_sigterm_saves_like_ctrl_c_and_resumes_from_another_directory(tmp_path):
     assert json.load(open(out / "summary.json"))["steps_done"] == 30
 
 
+def test_a_tokenizer_of_another_model_is_refused():
+    """check_vocab: token ids past the embedding's rows, or a tokenizer under half of them (the bundled 288-token
+    tokenizer beside a 49,152-row model runs and samples gibberish), belong to another model."""
+    tok = hf_files.load_tokenizer(TINY)
+    hf_files.check_vocab(tok, 288, TINY)  # its own model: fine
+    for rows in (49152, 200):
+        with pytest.raises(ValueError, match=f"has token ids up to 287, but config.json's vocab_size is {rows}"):
+            hf_files.check_vocab(tok, rows, TINY)
+
+
 def test_a_closed_output_saves_like_a_signal_and_resumes(tmp_path):
     """`05_grpo.py | head`: once the reader has gone, the step in flight finishes, a checkpoint is written, and
     the run exits 141 (a shell's status for SIGPIPE) with the resume line on stderr; the resume trains on."""
@@ -878,10 +888,11 @@ CASES_LIMITS = [
          "--num-samples 1000000 with --max-new-tokens 64 needs about"),
     Case("03-temperature-underflow", "03_rollout", [*M, "--temperature", "1e-40"],
          "--temperature: 1e-40 is too small to sample with: need 0 (greedy) or >= 0.0001", code=2),
-    Case("03-tokenizer-too-small", "03_rollout", M, "has token ids up to 287, but config.json's vocab_size is 49152",
-         setup=_config(vocab_size=49152)),
-    Case("03-tokenizer-ids-past-vocab", "03_rollout", M, "has token ids up to 287, but config.json's vocab_size is 200",
-         setup=_config(vocab_size=200)),
+    # a vocab_size that disagrees with the embedding is caught at the weights (the tokenizer's own check: below)
+    Case("03-config-vocab-beyond-weights", "03_rollout", M, "config.json says vocab_size 49152 and hidden_size 128, "
+         "but model.embed_tokens.weight is 288 x 128", setup=_config(vocab_size=49152)),
+    Case("03-config-vocab-below-weights", "03_rollout", M, "config.json says vocab_size 200 and hidden_size 128, but "
+         "model.embed_tokens.weight is 288 x 128", setup=_config(vocab_size=200)),
     Case("03-header-without-offsets", "03_rollout", M, "model.safetensors is not a readable safetensors file (tensor "
          "model.embed_tokens.weight needs a list of sizes as its shape and two byte offsets", setup=_edit_header(
              _drop("data_offsets"))),
@@ -1178,6 +1189,31 @@ CASES_SMALLER = [
          "have no lm_head.weight", setup=_config(tie_word_embeddings=False)),
     Case("05-config-claims-fewer-layers", "05_grpo", ["--model", "{model}", *RUN], "says num_hidden_layers 2, but the "
          "weights hold layers 0..3", setup=_config(num_hidden_layers=2)),
+    # a second audit's values: each used to pass silently, crash or print a traceback
+    Case("03-config-claims-fewer-layers", "03_rollout", M, "says num_hidden_layers 2, but the weights hold layers "
+         "0..3", setup=_config(num_hidden_layers=2)),
+    Case("04-config-claims-fewer-layers", "04_aqn", M, "says num_hidden_layers 2, but the weights hold layers 0..3",
+         setup=_config(num_hidden_layers=2)),
+    Case("01-tie-as-string", "01_quantize", Q, "config.json: tie_word_embeddings must be true or false, got 'false'",
+         setup=_config(tie_word_embeddings="false")),
+    Case("03-eos-true", "03_rollout", M, "eos_token_id must be a token id or a list of them",
+         setup=lambda t: edit_json(f"{t}/model/generation_config.json", lambda c: {**c, "eos_token_id": True})),
+    Case("03-eos-empty-list", "03_rollout", M, "eos_token_id must be a token id or a list of them",
+         setup=lambda t: edit_json(f"{t}/model/generation_config.json", lambda c: {**c, "eos_token_id": []})),
+    Case("fifo-01-special-tokens-map", "01_quantize", Q, "model/special_tokens_map.json " + PIPE,
+         setup=_fifo("special_tokens_map.json"), process=True),
+    Case("02-rank-beyond-the-mlp", "02_lora", ["--rank", "1000000000"], "--rank: 1000000000 is out of range: need "
+         ">= 1 and <= 128", code=2),
+    Case("02-lr-diverges", "02_lora", ["--lr", "1e308", "--steps", "3"], "the loss is nan: training diverged; lower "
+         "--lr"),
+    Case("04-threads-huge", "04_aqn", [*M, "--threads", "1000000"], "--threads: 1000000 is out of range", code=2),
+    Case("03-seed-huge", "03_rollout", [*M, "--seed", "100000000000000000000000000"], "--seed: "
+         "100000000000000000000000000 is out of range: need >= 0 and <= 2147483647", code=2),
+    Case("ckpt-step-beyond-the-run", "05_grpo", RESUME, "says step 1000000000000000000, outside 0..",
+         setup=lambda t: _state(t, lambda s: {**s, "step": 10**18})),
+    Case("fifo-05-resume-metrics", "05_grpo", ["--resume", "{tmp}/run", "--quiet"], "run/metrics.jsonl " + PIPE,
+         setup=lambda t: (_real_run(t), os.remove(f"{t}/run/metrics.jsonl"), os.mkfifo(f"{t}/run/metrics.jsonl")),
+         process=True),
 ]
 
 

@@ -1038,7 +1038,7 @@ def test_a_config_that_disagrees_with_its_weights_is_named_before_any_estimate(t
     import shutil
     for field, value, want in [("hidden_size", 100_000, r"says vocab_size \d+ and hidden_size 100000, but "
                                 r"model.embed_tokens.weight is \d+ x 128"),
-                               ("num_hidden_layers", 100_000, r"says num_hidden_layers 100000, but the weights hold 4")]:
+                               ("num_hidden_layers", 100_000, r"says num_hidden_layers 100000, but the weights hold layers 0..3 \(4 of them\)")]:
         model = tmp_path / field
         shutil.copytree(grpo.TINY_MODEL, model)
         cfg = json.loads((model / "config.json").read_text())
