@@ -711,6 +711,13 @@ class ClosedPipeGuard:
         return getattr(self.stream, name)
 
 
+def say_error(line):
+    """One line on stderr in one write: torchrun's ranks share the stream, and print's separate write of the
+    newline let two ranks' lines run into one ("interruptedinterrupted | ...")."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def run_cli(main, argv=None):
     """Run a stage's main(argv): an expected error prints `error: ...` on one line and returns 1; Ctrl-C,
     SIGTERM or SIGHUP prints `interrupted` (with the signal's name and the exception's message, e.g. how
@@ -723,16 +730,15 @@ def run_cli(main, argv=None):
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
         name = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
-        print("interrupted" + name + (f" | {e}" if str(e) else ""), file=sys.stderr, flush=True)
+        say_error("interrupted" + name + (f" | {e}" if str(e) else ""))
         return 128 + signum
     except BrokenPipeError:  # before a run's guard (ClosedPipeGuard) is in place: nothing was trained yet
         silence_stdout()
-        print("error: standard output was closed before the command finished (a pipe's reader, such as `head`, "
-              "exited): send the output to a file, or pipe it to a reader that reads to the end",
-              file=sys.stderr, flush=True)
+        say_error("error: standard output was closed before the command finished (a pipe's reader, such as `head`, "
+                  "exited): send the output to a file, or pipe it to a reader that reads to the end")
         return 128 + signal.SIGPIPE
     except EXPECTED_ERRORS as e:
-        print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
+        say_error(f"error: {error_line(e)}")
         return 1
     finally:
         for s, handler in previous.items():
