@@ -411,6 +411,16 @@ def read_json(path):
     return obj
 
 
+def read_text(path, what=""):
+    """A user's text file, whole: a regular file only (a pipe would block the read for good), undecodable bytes
+    replaced (a line that holds them is malformed to its parser, not a crash); an OSError is one line."""
+    try:
+        with open_regular(path) as f:
+            return f.read().decode("utf-8", errors="replace")
+    except OSError as e:
+        raise ValueError(f"cannot read {what}{path}: {e.strerror or e}") from None
+
+
 def read_safetensors_header(path):
     """-> ({name: {dtype, shape, data_offsets}}, byte where the data starts)."""
     try:
@@ -503,12 +513,21 @@ def check_config_fits_weights(model_dir, config, weight_map):
         raise ValueError(f"{where} says num_hidden_layers {config.get('num_hidden_layers')}, but the weights hold "
                          f"layers {min(layers)}..{max(layers)} ({len(layers)} of them): the config does not belong "
                          f"to these weights")
-    tied = config.get("tie_word_embeddings", False)
-    if tied is not None and not isinstance(tied, bool):  # "false" is truthy: read as true it drops lm_head
-        raise ValueError(f"{where}: tie_word_embeddings must be true or false, got {tied!r}")
-    if name in weight_map and not tied and "lm_head.weight" not in weight_map:
+    check_config_booleans(config, where)  # 01 reads tie_word_embeddings without hf_files.check_config
+    if name in weight_map and not config.get("tie_word_embeddings", False) and "lm_head.weight" not in weight_map:
         raise ValueError(f"{where} says tie_word_embeddings false, but the weights have no lm_head.weight: set it "
                          f"to true if the model shares its embedding, or add the missing weights")
+
+
+CONFIG_BOOLEANS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+
+
+def check_config_booleans(config, where):
+    """config.json's true/false fields are JSON booleans (or null): the string "false" is truthy, and read as
+    a truth value it would flip the meaning (a tied embedding, and the model's own lm_head dropped)."""
+    for k in CONFIG_BOOLEANS:
+        if config.get(k) is not None and not isinstance(config[k], bool):
+            raise ValueError(f"{where}: {k} must be true or false, got {config[k]!r}")
 
 
 def is_plain_name(name):

@@ -29,9 +29,7 @@ def check_config(d, where):
         raise ValueError(f"{where}: unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (only silu)")
-    for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
-        if d.get(k) is not None and not isinstance(d[k], bool):  # the string "false" is truthy: it would flip the meaning
-            raise ValueError(f"{where}: {k} must be true or false, got {d[k]!r}")
+    common.check_config_booleans(d, where)
     if d.get("use_sliding_window"):
         raise ValueError(f"{where}: use_sliding_window=true is not supported; set it to false")
     missing = [k for k in CONFIG_SIZES if k not in d]

@@ -19,11 +19,7 @@ from distributed import PeerError, global_sum, rank_and_world
 def read_metrics(path, upto):
     """metrics.jsonl's rows up to step `upto`. A cut-off last line (a kill mid-write) is dropped with a note;
     a bad line before it is an error naming the file and line."""
-    try:
-        with common.open_regular(path) as f:  # a pipe planted as metrics.jsonl would block the resume for good
-            text = f.read().decode("utf-8", errors="replace")  # a damaged byte -> a line that is not JSON, below
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    text = common.read_text(path)  # a pipe planted as metrics.jsonl is refused; a damaged byte: a line not JSON
     lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     rows = []
     for i, (n, line) in enumerate(lines):

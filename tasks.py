@@ -279,11 +279,7 @@ def load_jsonl(path):
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file {path!r} not found (expected JSONL lines with 'question' and "
                                 f"'answer' ending in '#### <number>', or use --task arithmetic)")
-    try:
-        with common.open_regular(path) as f:  # a pipe or a device is refused in its own words, never read
-            text = f.read().decode("utf-8", errors="replace")  # undecodable bytes -> a malformed line
-    except OSError as e:
-        raise ValueError(f"cannot read data file {path!r}: {e.strerror or e}") from None
+    text = common.read_text(path, "data file ")  # a pipe is refused; undecodable bytes -> a malformed line
     parsed = []
     for n, line in enumerate(text.split("\n"), 1):
         try:
