@@ -9,6 +9,8 @@ the policy with stage 05's own functions (default: SmolLM2-135M-Instruct, NVFP4 
            Python, dispatch), per decode step;
   update   `policy_update` on every row (rewards 0, 1, 0, 1, ...: every group has signal) the same way, per micro-batch (forward with log-probs, backward, AdamW), with the
            dequantization of the 4-bit weights as its own row.
+  check    `check_step`, 05's look after each update (one no-grad forward over 16 rows: kl_after, finiteness),
+           timed only, with its share of the step.
 Each phase's wall time is the median of --repeats runs outside the profiler (the profiler adds its own cost).
 
     python bench/profile_step.py                                   # SmolLM2 in --dtype auto, ~2 min
@@ -144,23 +146,30 @@ def main(argv=None):
     mask = samples.completion_mask.float().clone()
 
     def update():
-        grpo.policy_update(model, opt, params, samples.prompt_ids, samples.completion_ids.clone(), mask,
-                           samples.logprobs.float().clone(), rewards, **opts)
+        return grpo.policy_update(model, opt, params, samples.prompt_ids, samples.completion_ids.clone(), mask,
+                                  samples.logprobs.float().clone(), rewards, **opts)
 
-    update()
+    report = update()
+
+    def check():  # 05 Part 2's check after each update: one forward (no grad) over the first 16 rows
+        return grpo.check_step(1, model, params, samples, mask, report, args.temperature)
+
+    check()
 
     steps = samples.stats["decode_steps_run"]
     rows = int((rewards.view(-1, args.group).std(1) > 0).sum()) * args.group
     micro = memory.micro_batch_rows(opts["update_options"].micro_batch, rows, model,
                                   max(map(len, samples.prompt_ids)) + int(mask.sum(1).max()))
     n_micro = -(-rows // micro)
-    t_sample, t_update = timed(sample, a.repeats), timed(update, a.repeats)
+    t_sample, t_update, t_check = timed(sample, a.repeats), timed(update, a.repeats), timed(check, a.repeats)
     print_rows(f"sampler, {len(samples.prompt_ids)} rows x {steps} decode steps", t_sample, profile(sample), steps,
                "decode step")
     print_rows(f"update, {rows} rows of {int(mask.sum(1).max())} tokens at most, in {n_micro} micro-batches of "
                f"{micro}", t_update, profile(update), n_micro, "micro-batch")
     peak = common.peak_rss_bytes() / 2 ** 30
-    print(f"\nstep | sampling {t_sample:.2f} s | update {t_update:.2f} s | peak RSS {peak:.2f} GB")
+    step = t_sample + t_update + t_check
+    print(f"\nstep | sampling {t_sample:.2f} s | update {t_update:.2f} s | check {t_check:.2f} s "
+          f"({t_check / step:.1%} of the step, {t_check / t_update:.1%} of the update) | peak RSS {peak:.2f} GB")
 
 
 if __name__ == "__main__":
