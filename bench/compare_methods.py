@@ -1535,6 +1535,11 @@ def answer(summary, a, b, question):
             continue  # evaluated greedy only (--eval-k 0)
         w = difference(summary, a, b, key, scale)
         out[key] = {**w, "verdict": verdict(a, b, w, what)}
+    # where the two bases start apart (bf16 against 4-bit), the same seeds' gain over their own start too: a
+    # final-accuracy lead can be the head start alone (read beside the verdict, which stays on final greedy)
+    if summary[a]["start_greedy"][0] != summary[b]["start_greedy"][0]:
+        w = difference(summary, a, b, "gain_points", 1)
+        out["gain_points"] = {**w, "verdict": verdict(a, b, w, "gains more than")}
     return out
 
 
@@ -1570,10 +1575,13 @@ def render_study_table(summary, records, args, answers, best):
                   + (f"{best:g} -> {best / 20:g}." if best is not None else "not known yet (the sweep is unfinished).")]
     lines += ["", "Questions: a - b, the difference of means [its 95% interval] and p, from Welch's t-test over the "
               f"seeds (points; entropy in nats). The verdict is on final greedy accuracy: a ranking at p < {ALPHA:g}, "
-              "otherwise not distinguishable.", ""]
+              "otherwise not distinguishable."
+              + (" Where the two start apart, the gain over start (final - start greedy, per run) is given too."
+                 if any("gain_points" in q for q in answers) else ""), ""]
     for q in answers:
         g, p, e = q["final_greedy"], q.get("final_pass_k"), q["entropy_first_fifth"]
         lines.append(f"- {q['question']} ({q['a']} - {q['b']}): final greedy {contrast_text(g)} -> **{g['verdict']}** "
+                     + (f"| gain over start {contrast_text(q['gain_points'])} " if "gain_points" in q else "")
                      + (f"| final pass@{k} {contrast_text(p)} " if p else "")
                      + f"| first-fifth entropy {contrast_text(e, '.4f')}")
     if not answers:

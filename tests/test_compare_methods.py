@@ -118,6 +118,31 @@ def committed_runs(out, names, pack=os.path.join(ROOT, "bench", "results", cmp.P
             (out / "runs" / name / file).write_text(text)
 
 
+def test_the_committed_six_seed_study_rebuilds_with_its_verdict(tmp_path):
+    """The 42-run SmolLM2 mismatch study rebuilds its table.md byte for byte from its pack, and its verdicts
+    are the ones docs/experiments.md states: LoRA (bf16) ends above QeRL (p < 0.001) and above NVFP4 + LoRA
+    (p 0.025); counted from each base's own start, QeRL - LoRA is -5.2 points, p 0.079, not a ranking; no
+    reading or noise scale of QeRL is distinguishable from another; one run of 42 collapsed."""
+    src = os.path.join(ROOT, "bench", "results", "smollm2-mismatch")
+    out = tmp_path / "smollm2-mismatch"
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("runs"))  # the pack alone, as in a fresh clone
+    assert cmp.common.run_cli(cmp.main, ["--study", "smollm2-mismatch", "--from-results", "--out", str(out)]) == 0
+    assert (out / "table.md").read_text() == open(os.path.join(src, "table.md")).read()
+    results = json.loads((out / "results.json").read_text())
+    assert {m: s["runs"] for m, s in results["methods"].items()} == {m: 6 for m in results["methods"]}
+    assert len(results["methods"]) == 7
+    q = {(q["a"], q["b"]): q for q in results["questions"]}
+    ranked = {ab for ab, x in q.items() if x["final_greedy"]["p"] < 0.05}
+    assert ranked == {("qerl", "lora"), ("nvfp4-lora", "lora")}
+    assert q["qerl", "lora"]["final_greedy"]["diff"] == pytest.approx(-13.67, abs=0.01)
+    assert q["qerl", "lora"]["final_greedy"]["p"] < 0.001
+    assert q["nvfp4-lora", "lora"]["final_greedy"]["p"] == pytest.approx(0.0250, abs=1e-3)
+    gain = q["qerl", "lora"]["gain_points"]  # the bases start 8.5 points apart: the same seeds, from their start
+    assert gain["diff"] == pytest.approx(-5.17, abs=0.01) and gain["p"] == pytest.approx(0.079, abs=1e-3)
+    assert "gain_points" not in q["qerl-tis", "qerl"]  # same base, same start: nothing to subtract
+    assert {m: s["collapsed_seeds"] for m, s in results["methods"].items() if s["collapses"]} == {"nvfp4-lora": [5]}
+
+
 def test_the_committed_tables_rebuild_in_their_own_folder(tmp_path):
     """The committed SmolLM2 study rebuilds its table.md byte for byte, from its pack, in its own folder
     (recognised as this script's by its manifest); its statistics are the ones issue 39 computed by hand:
