@@ -118,16 +118,24 @@ def committed_runs(out, names, pack=os.path.join(ROOT, "bench", "results", cmp.P
             (out / "runs" / name / file).write_text(text)
 
 
+def rebuild_committed_study(study, tmp_path):
+    """Copy bench/results/<study> without a local runs/ (which would be read before the pack, and a fresh
+    clone has none), re-render it with --from-results in that copy, and check its table.md comes out byte
+    for byte as committed. Returns the copy."""
+    src = os.path.join(ROOT, "bench", "results", study)
+    out = tmp_path / study
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("runs"))
+    assert cmp.common.run_cli(cmp.main, ["--study", study, "--from-results", "--out", str(out)]) == 0
+    assert (out / "table.md").read_text() == open(os.path.join(src, "table.md")).read()
+    return out
+
+
 def test_the_committed_six_seed_study_rebuilds_with_its_verdict(tmp_path):
     """The 42-run SmolLM2 mismatch study rebuilds its table.md byte for byte from its pack, and its verdicts
     are the ones docs/experiments.md states: LoRA (bf16) ends above QeRL (p < 0.001) and above NVFP4 + LoRA
     (p 0.025); counted from each base's own start, QeRL - LoRA is -5.2 points, p 0.079, not a ranking; no
     reading or noise scale of QeRL is distinguishable from another; one run of 42 collapsed."""
-    src = os.path.join(ROOT, "bench", "results", "smollm2-mismatch")
-    out = tmp_path / "smollm2-mismatch"
-    shutil.copytree(src, out, ignore=shutil.ignore_patterns("runs"))  # the pack alone, as in a fresh clone
-    assert cmp.common.run_cli(cmp.main, ["--study", "smollm2-mismatch", "--from-results", "--out", str(out)]) == 0
-    assert (out / "table.md").read_text() == open(os.path.join(src, "table.md")).read()
+    out = rebuild_committed_study("smollm2-mismatch", tmp_path)
     results = json.loads((out / "results.json").read_text())
     assert {m: s["runs"] for m, s in results["methods"].items()} == {m: 6 for m in results["methods"]}
     assert len(results["methods"]) == 7
@@ -148,12 +156,7 @@ def test_the_committed_tables_rebuild_in_their_own_folder(tmp_path):
     (recognised as this script's by its manifest); its statistics are the ones issue 39 computed by hand:
     QeRL (trainer) - NVFP4 + LoRA is -24.0 points, t -2.53, df 2.0, p 0.13, not a ranking; one QeRL seed
     collapsed, and only that one."""
-    src = os.path.join(ROOT, "bench", "results", "smollm2-table1")
-    out = tmp_path / "smollm2-table1"
-    shutil.copytree(src, out)
-    shutil.rmtree(out / "runs", ignore_errors=True)  # a local runs/ beside the pack would be read first
-    assert cmp.common.run_cli(cmp.main, ["--study", "smollm2-table1", "--from-results", "--out", str(out)]) == 0
-    assert (out / "table.md").read_text() == open(os.path.join(src, "table.md")).read()
+    out = rebuild_committed_study("smollm2-table1", tmp_path)
     assert json.loads((out / cmp.OUT_MANIFEST).read_text())["files"] == sorted(cmp.OUTPUTS)
     results = json.loads((out / "results.json").read_text())
     q = next(q for q in results["questions"] if (q["a"], q["b"]) == ("qerl", "nvfp4-lora"))["final_greedy"]
