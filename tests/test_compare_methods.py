@@ -15,7 +15,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-cmp = importlib.import_module("compare_methods")
+cmp = importlib.import_module("compare_methods")  # the command line; beside it the modules it is made of
+studies, runner = importlib.import_module("studies"), importlib.import_module("study_runner")
+files, stats, report = (importlib.import_module(m) for m in ("study_files", "study_stats", "study_report"))
 grpo = importlib.import_module("05_grpo")
 
 
@@ -59,23 +61,23 @@ def test_two_runs_train_report_and_rebuild_from_the_pack(tmp_path, capsys):
         cmp.main(["--methods", "qerl"] + argv[3:] + ["--seeds", "0", "1", "--dry-run", "--", "--pi-old", "sampler"])
 
 
-@pytest.mark.parametrize("study", [None, *cmp.STUDIES])
+@pytest.mark.parametrize("study", [None, *studies.STUDIES])
 def test_every_method_of_every_study_is_a_command_05_accepts(study, tmp_path):
     args = cmp.parse_args((["--study", study] if study else []) + ["--out", str(tmp_path)])
     parser = grpo.build_parser()
     for method in args.methods:
-        command = cmp.run_command(args, method, 0, str(tmp_path / method))
+        command = runner.run_command(args, method, 0, str(tmp_path / method))
         assert command[1].endswith("05_grpo.py")
         parsed = parser.parse_args(command[2:])  # an unknown flag or value exits here
         assert parsed.steps == args.steps and parsed.eval_size == args.eval_size and parsed.eval_k == args.eval_k
-        for key, value in cmp.flag_values(args.table[method][1]).items():
-            assert cmp.same_value(getattr(parsed, key), value), (study, method, key)
+        for key, value in files.flag_values(args.table[method][1]).items():
+            assert files.same_value(getattr(parsed, key), value), (study, method, key)
 
 
 def test_a_study_brings_its_defaults_and_flags_override_them(tmp_path):
     smol = cmp.parse_args(["--study", "smollm2-table1", "--out", str(tmp_path)])
     assert (smol.steps, smol.eval_size, smol.eval_every, smol.eval_k) == (60, 200, 30, 4)
-    assert cmp.model_dir(smol) == cmp.SMOLLM2_MODEL
+    assert runner.model_dir(smol) == studies.SMOLLM2_MODEL
     i = smol.train_args.index("--dtype")
     assert smol.train_args[i + 1] == "bfloat16"  # pinned: "auto" may pick differently on another machine
     assert len(smol.methods) == 7 and {"qerl", "qerl-sampler", "lora-aqn", "lora-aqn-sampler"} <= set(smol.methods)
@@ -90,12 +92,12 @@ def test_a_study_brings_its_defaults_and_flags_override_them(tmp_path):
     smol.eval_size = noise.eval_size = 200
     smol.eval_k = noise.eval_k = 4
     smol.eval_every = noise.eval_every = 30
-    assert cmp.estimate_wall(smol, 2) > 5 * cmp.estimate_wall(noise, 2)
+    assert runner.estimate_wall(smol, 2) > 5 * runner.estimate_wall(noise, 2)
 
 
 def test_a_missing_smollm2_folder_says_how_to_build_it(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(cmp.BUILD_HINTS, str(tmp_path / "absent"), cmp.BUILD_HINTS[cmp.SMOLLM2_MODEL])
-    monkeypatch.setitem(cmp.STUDIES["smollm2-table1"], "train_args", ["--model", str(tmp_path / "absent")])
+    monkeypatch.setitem(studies.BUILD_HINTS, str(tmp_path / "absent"), studies.BUILD_HINTS[studies.SMOLLM2_MODEL])
+    monkeypatch.setitem(studies.STUDIES["smollm2-table1"], "train_args", ["--model", str(tmp_path / "absent")])
     with pytest.raises(FileNotFoundError, match="make smollm2"):
         cmp.main(["--study", "smollm2-table1", "--out", str(tmp_path / "out")])
 
@@ -103,15 +105,15 @@ def test_a_missing_smollm2_folder_says_how_to_build_it(tmp_path, capsys, monkeyp
 def test_overlapping_invocations_count_their_wall_time_once():
     inv = [{"started": "2026-12-02 02:00:00", "wall_s": 600}, {"started": "2026-12-02 02:05:00", "wall_s": 600},
            {"started": "2026-12-02 03:00:00", "wall_s": 60}]
-    assert cmp.wall_union(inv) == 600 + 300 + 60
+    assert report.wall_union(inv) == 600 + 300 + 60
 
 
 # ---------------------------------------------------------------------------------------------------
 # Integrity: it runs only code it can vouch for, writes only what it made, and never mixes settings
 
-def committed_runs(out, names, pack=os.path.join(ROOT, "bench", "results", cmp.PACK)):
+def committed_runs(out, names, pack=os.path.join(ROOT, "bench", "results", files.PACK)):
     """Finished runs of the committed pack written as run folders under out/runs (a study in progress)."""
-    runs = cmp.read_pack(pack)
+    runs = files.read_pack(pack)
     for name in names:
         os.makedirs(out / "runs" / name)
         for file, text in runs[name].items():
@@ -157,7 +159,7 @@ def test_the_committed_tables_rebuild_in_their_own_folder(tmp_path):
     QeRL (trainer) - NVFP4 + LoRA is -24.0 points, t -2.53, df 2.0, p 0.13, not a ranking; one QeRL seed
     collapsed, and only that one."""
     out = rebuild_committed_study("smollm2-table1", tmp_path)
-    assert json.loads((out / cmp.OUT_MANIFEST).read_text())["files"] == sorted(cmp.OUTPUTS)
+    assert json.loads((out / files.OUT_MANIFEST).read_text())["files"] == sorted(files.OUTPUTS)
     results = json.loads((out / "results.json").read_text())
     q = next(q for q in results["questions"] if (q["a"], q["b"]) == ("qerl", "nvfp4-lora"))["final_greedy"]
     assert q["diff"] == pytest.approx(-24.0) and q["t"] == pytest.approx(-2.527, abs=1e-3)
@@ -179,44 +181,44 @@ def test_the_committed_tables_rebuild_in_their_own_folder(tmp_path):
 def test_the_t_distribution_gives_known_two_sided_p_values(t, df, p):
     """Tables and closed forms: df 1 is Cauchy (1 - 2 atan|t| / pi), df 2 is 1 - |t| / sqrt(2 + t^2), a huge
     df is the normal distribution."""
-    assert cmp.t_two_sided_p(t, df) == pytest.approx(p, abs=2e-6)
-    assert cmp.t_cdf(t, df) + cmp.t_cdf(-t, df) == pytest.approx(1.0)
+    assert stats.t_two_sided_p(t, df) == pytest.approx(p, abs=2e-6)
+    assert stats.t_cdf(t, df) + stats.t_cdf(-t, df) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("df, q", [(1, 12.706205), (2, 4.302653), (2.5, 3.57465), (4, 2.776445), (30, 2.042272)])
 def test_the_t_quantile_inverts_the_cdf(df, q):
     """The 97.5% quantiles of a t table; df 2.5 (the fractional df Welch gives) by integrating the density."""
-    assert cmp.t_quantile(0.975, df) == pytest.approx(q, abs=1e-4 if df == 2.5 else 1e-5)
-    assert cmp.t_quantile(0.025, df) == pytest.approx(-cmp.t_quantile(0.975, df))
-    assert cmp.t_cdf(cmp.t_quantile(0.9, df), df) == pytest.approx(0.9, abs=1e-9)
+    assert stats.t_quantile(0.975, df) == pytest.approx(q, abs=1e-4 if df == 2.5 else 1e-5)
+    assert stats.t_quantile(0.025, df) == pytest.approx(-stats.t_quantile(0.975, df))
+    assert stats.t_cdf(stats.t_quantile(0.9, df), df) == pytest.approx(0.9, abs=1e-9)
 
 
 def test_welch_gives_the_interval_and_p_and_ranks_only_below_005():
     # a = 1, 2, 3 and b = 4, 5, 6: diff -3, se sqrt(2/3), t -3.674, df 4, p 0.0213 (a t table)
-    w = cmp.welch(2.0, 1.0, 3, 5.0, 1.0, 3)
+    w = stats.welch(2.0, 1.0, 3, 5.0, 1.0, 3)
     assert w["diff"] == -3.0 and w["df"] == pytest.approx(4.0) and w["t"] == pytest.approx(-3.6742, abs=1e-4)
     assert w["p"] == pytest.approx(0.02131, abs=1e-4)
     assert w["ci"] == pytest.approx([-3 - 2.776445 * (2 / 3) ** 0.5, -3 + 2.776445 * (2 / 3) ** 0.5], abs=1e-4)
-    assert cmp.verdict("a", "b", w) == "b ends higher than a"
-    assert "[-5.3, -0.7], p 0.021" in cmp.contrast_text(w)
+    assert stats.verdict("a", "b", w) == "b ends higher than a"
+    assert "[-5.3, -0.7], p 0.021" in report.contrast_text(w)
     # the same means at twice the spread: p 0.14, no ranking (the old two-standard-error rule called it)
-    wide = cmp.welch(2.0, 2.0, 3, 5.0, 2.0, 3)
+    wide = stats.welch(2.0, 2.0, 3, 5.0, 2.0, 3)
     assert wide["t"] == pytest.approx(-1.837, abs=1e-3) and wide["p"] == pytest.approx(0.140, abs=1e-3)
-    assert cmp.verdict("a", "b", wide) == "not distinguishable"
+    assert stats.verdict("a", "b", wide) == "not distinguishable"
     # a lone seed, or no spread on either side: nothing to judge by, never a ranking
-    for w in (cmp.welch(2.0, 0.0, 1, 5.0, 1.0, 3), cmp.welch(2.0, 0.0, 3, 5.0, 0.0, 3)):
-        assert w["p"] is None and w["ci"] is None and cmp.verdict("a", "b", w) == "not distinguishable"
+    for w in (stats.welch(2.0, 0.0, 1, 5.0, 1.0, 3), stats.welch(2.0, 0.0, 3, 5.0, 0.0, 3)):
+        assert w["p"] is None and w["ci"] is None and stats.verdict("a", "b", w) == "not distinguishable"
 
 
 def test_a_collapse_is_a_run_below_its_start_or_with_shrunk_completions():
     """The committed collapsed seed (smollm2-table1 qerl-s2: 11% -> 7.5%, 31.5 -> 2.8 tokens) trips both rules; a
     healthy SmolLM2 run shortens its answers to a third (32 -> 10.5 tokens) and trips neither."""
-    both = cmp.collapse(0.11, 0.075, 31.5, 2.8)
+    both = stats.collapse(0.11, 0.075, 31.5, 2.8)
     assert "ended below its start (7.5% < 11.0%)" in both and "shrank to 2.8 tokens from 31.5" in both
-    assert cmp.collapse(0.11, 0.49, 32.0, 10.5) is None
-    assert cmp.collapse(0.11, 0.30, 30.0, 7.0) == "completions shrank to 7.0 tokens from 30.0"
-    assert cmp.collapse(0.11, 0.30, 30.0, 7.5) is None  # exactly a quarter is not under it
-    assert cmp.collapse(0.20, 0.19, None, None) == "ended below its start (19.0% < 20.0%)"  # no lengths logged
+    assert stats.collapse(0.11, 0.49, 32.0, 10.5) is None
+    assert stats.collapse(0.11, 0.30, 30.0, 7.0) == "completions shrank to 7.0 tokens from 30.0"
+    assert stats.collapse(0.11, 0.30, 30.0, 7.5) is None  # exactly a quarter is not under it
+    assert stats.collapse(0.20, 0.19, None, None) == "ended below its start (19.0% < 20.0%)"  # no lengths logged
 
 
 def test_a_resumed_study_with_other_05_flags_is_refused_before_training(tmp_path):
@@ -251,32 +253,32 @@ def sleeper(*argv):
 def test_a_second_copy_reuses_only_a_verified_snapshot(tmp_path):
     runs_root = str(tmp_path / "runs")
     os.makedirs(runs_root)
-    snap, md5, made = cmp.prepare_code(runs_root)
-    assert made and md5 == cmp.tree_hash(snap)
-    record = os.path.join(snap, cmp.SNAPSHOT_RECORD)
+    snap, md5, made = runner.prepare_code(runs_root)
+    assert made and md5 == runner.tree_hash(snap)
+    record = os.path.join(snap, runner.SNAPSHOT_RECORD)
     other = sleeper("bench/compare_methods.py")
     unrelated = sleeper("something_else.py")
     try:
         time.sleep(0.2)
         as_made_by = lambda owner: open(record, "w").write(json.dumps({"md5": md5, "owner": owner}))  # noqa: E731
-        as_made_by(cmp.process_identity(other.pid))
-        assert cmp.prepare_code(runs_root) == (snap, md5, False)  # the first copy's, untouched: reused
+        as_made_by(runner.process_identity(other.pid))
+        assert runner.prepare_code(runs_root) == (snap, md5, False)  # the first copy's, untouched: reused
         with open(os.path.join(snap, "common.py"), "a") as f:
             f.write("\nimport os; os.system('echo planted')\n")
         with pytest.raises(ValueError, match=f"changed since process {other.pid} made it"):
-            cmp.prepare_code(runs_root)
+            runner.prepare_code(runs_root)
         # a record naming PID 1 (always alive) or another program is no live copy: never reused, and what its
         # record does not vouch for is not even removed
-        for owner in (cmp.process_identity(1), cmp.process_identity(unrelated.pid), [other.pid, "1"]):
+        for owner in (runner.process_identity(1), runner.process_identity(unrelated.pid), [other.pid, "1"]):
             as_made_by(owner)
             with pytest.raises(ValueError, match="was not made by a running copy of this script"):
-                cmp.prepare_code(runs_root)
+                runner.prepare_code(runs_root)
         assert "planted" in open(os.path.join(snap, "common.py")).read()
         # an untouched snapshot of a copy that has gone is made again, from this checkout
         shutil.copy(os.path.join(ROOT, "common.py"), os.path.join(snap, "common.py"))
-        as_made_by(cmp.process_identity(unrelated.pid))
-        assert cmp.prepare_code(runs_root) == (snap, md5, True)
-        assert cmp.read_record(snap)["owner"] == cmp.process_identity(os.getpid())
+        as_made_by(runner.process_identity(unrelated.pid))
+        assert runner.prepare_code(runs_root) == (snap, md5, True)
+        assert runner.read_record(snap)["owner"] == runner.process_identity(os.getpid())
     finally:
         for p in (other, unrelated):
             p.kill()
@@ -288,10 +290,10 @@ def test_a_snapshot_changed_during_the_study_is_not_run(tmp_path, monkeypatch):
     out = tmp_path / "cmp"
     marker = tmp_path / "second-run-started"
 
-    def command(args, method, seed, run_dir, code_dir=cmp.ROOT):  # each "run" adds a module to the snapshot
+    def command(args, method, seed, run_dir, code_dir=studies.ROOT):  # each "run" adds a module to the snapshot
         return [sys.executable, "-c", f"open({os.path.join(code_dir, 'torch.py')!r}, 'w');"
                 f"open({str(marker)!r}, 'a').write('x')"]
-    monkeypatch.setattr(cmp, "run_command", command)
+    monkeypatch.setattr(runner, "run_command", command)
     with pytest.raises(ValueError, match="changed since this invocation checked it"):
         cmp.main(["--methods", "lora", "--steps", "1", "--seeds", "0", "1", "--parallel", "1", "--eval-size", "2",
                   "--out", str(out)])
@@ -303,12 +305,12 @@ def test_a_snapshot_changed_during_the_study_is_not_run(tmp_path, monkeypatch):
 def test_ctrl_c_or_kill_stops_the_runs_and_exits_128_plus_the_signal(tmp_path, monkeypatch, capsys, signum, code):
     out = tmp_path / "cmp"
     started = []
-    monkeypatch.setattr(cmp, "run_command", lambda *a, **k: [sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(runner, "run_command", lambda *a, **k: [sys.executable, "-c", "import time; time.sleep(60)"])
 
     def tick(seconds):  # the first second of the wait loop: the signal arrives
         started.extend(p for p in os.listdir(out / "runs") if p.endswith(".claim"))
         raise cmp.common.Interrupted(signum=signum)
-    monkeypatch.setattr(cmp.time, "sleep", tick)
+    monkeypatch.setattr(runner.time, "sleep", tick)
     capsys.readouterr()
     assert cmp.common.run_cli(cmp.main, ["--methods", "lora", "--steps", "1", "--seeds", "0", "--eval-size", "2",
                                          "--out", str(out)]) == code
