@@ -11,7 +11,13 @@ buffers. This module holds what its layers inherit beyond that, none of which ch
 - `FrozenQuantLinear._apply`: model.to(torch.bfloat16) casts every floating buffer; a quantized layer's
   must keep their dtypes (fp8 scales; a bf16 global scale would shift every weight).
 - `FrozenQuantLinear._from_linear`: a layer from quantized buffers, each checked against the format's.
+- `kernel_module`: the Triton kernels of kernels/ (the fast NVFP4 product), imported by file path.
 """
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -83,3 +89,20 @@ def keep_dequantized(model, enabled=True):
         if isinstance(m, FrozenQuantLinear):
             m.kept = {} if enabled else None
     return model
+
+
+# Hugging Face's `kernels` package (which transformers >= 5.25 imports) has our folder's import name. So kernels/
+# has no __init__.py (a namespace portion, which yields to HF's regular package) and its modules load by file
+# path under the private name qerl_kernels: no code imports `kernels` by name.
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def kernel_module(name, root=ROOT, package="qerl_kernels"):
+    """`root`/kernels/<name>.py as module `package`.<name>, imported once (relative imports stay in that folder).
+    nvfp4_matmul.py is part one (the format, the general kernel), nvfp4_decode.py part two (the decode kernel and
+    the entry point `nvfp4_matmul`). Both need triton (no macOS/Windows wheels): without it, an ImportError."""
+    if package not in sys.modules:
+        spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
+        spec.submodule_search_locations = [os.path.join(root, "kernels")]
+        sys.modules[package] = importlib.util.module_from_spec(spec)
+    return importlib.import_module(f"{package}.{name}")

@@ -1,4 +1,4 @@
-"""Speed of the fused NVFP4 matmul (`kernels.nvfp4_matmul`) against its two alternatives on a GPU.
+"""Speed of the fused NVFP4 matmul (kernels/nvfp4_decode.py) against its two alternatives on a GPU.
 
 For y = x @ W.T with x in bf16 and W of shape [N, K], three ways are timed with triton.testing.do_bench:
   nvfp4    the fused kernel: packed 4-bit weight, dequantized tile by tile in registers;
@@ -24,6 +24,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+quant_engine = importlib.import_module("quant_engine")  # loads kernels/ by path (HF's `kernels` shares its name)
 
 # -----------------------------------------------------------------------------
 # Shapes: (name, N = out_features, K = in_features)
@@ -87,23 +88,16 @@ class _NoLaunch:
 
 
 def _stubbed_kernels(root, name):
-    """Load `root`/kernels/ as package `name` (its own copy, beside any other checkout's), every
-    Triton kernel in it a no-op. Works for one kernel file or several."""
-    import importlib.util
-
+    """Load `root`/kernels/nvfp4_decode.py (the entry point) under package `name` (its own copy, beside
+    any other checkout's), every Triton kernel of every kernels/ module it imports a no-op."""
     import triton
-    pkg_dir = os.path.join(root, "kernels")
-    spec = importlib.util.spec_from_file_location(name, os.path.join(pkg_dir, "__init__.py"),
-                                                  submodule_search_locations=[pkg_dir])
-    pkg = importlib.util.module_from_spec(spec)
-    sys.modules[name] = pkg  # before running it: its relative imports look it up
-    spec.loader.exec_module(pkg)
+    entry = quant_engine.kernel_module("nvfp4_decode", root, package=name)
     for mod_name, mod in list(sys.modules.items()):
-        if mod_name == name or mod_name.startswith(name + "."):
+        if mod_name.startswith(name + "."):
             for attr, obj in list(vars(mod).items()):
                 if isinstance(obj, triton.runtime.jit.KernelInterface):
                     setattr(mod, attr, _NoLaunch())
-    return pkg
+    return entry
 
 
 def bench_host(args):
@@ -194,9 +188,9 @@ def main(argv=None):
     parser.add_argument("--compare-root", default=None,
                         help="with --host: also time the kernels/ of another checkout (e.g. an older commit)")
     args = parser.parse_args(argv)
-    if args.compare_root and not os.path.isfile(os.path.join(args.compare_root, "kernels", "__init__.py")):
-        raise ValueError(f"--compare-root {args.compare_root} has no kernels/__init__.py: give a checkout of this "
-                         f"repository")
+    if args.compare_root and not os.path.isfile(os.path.join(args.compare_root, "kernels", "nvfp4_decode.py")):
+        raise ValueError(f"--compare-root {args.compare_root} has no kernels/nvfp4_decode.py: give a checkout of "
+                         f"this repository")
     if args.host:
         return bench_host(args)
 
@@ -204,8 +198,9 @@ def main(argv=None):
         print("bench_kernel: needs a CUDA GPU (the kernel's CPU path is Triton's interpreter, which is "
               "for testing, not timing); nothing to do")
         return 0
-    from kernels import HAS_TRITON, nvfp4_matmul
-    if not HAS_TRITON:
+    try:
+        nvfp4_matmul = quant_engine.kernel_module("nvfp4_decode").nvfp4_matmul
+    except ImportError:
         print("bench_kernel: needs triton (pip install triton); nothing to do")
         return 0
     from triton.testing import do_bench

@@ -149,7 +149,8 @@ part_log() {
 NCU_PY='
 import sys, torch
 sys.path.insert(0, ".")
-from kernels import nvfp4_matmul
+from quant_engine import kernel_module
+nvfp4_matmul = kernel_module("nvfp4_decode").nvfp4_matmul
 g = torch.Generator().manual_seed(0)
 packed = torch.randint(0, 256, (8192, 4096), generator=g, dtype=torch.uint8).cuda()
 scale = (torch.rand(8192, 512, generator=g) * 300 + 16).to(torch.float8_e4m3fn).cuda()

@@ -39,10 +39,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-# The package attribute `kernels.nvfp4_matmul` is the entry point (a function that shadows the
-# submodule of the same name), so the modules come from the import system.
-general = importlib.import_module("kernels.nvfp4_matmul")  # part one: the general kernel
-decode = importlib.import_module("kernels.nvfp4_decode")  # part two: the decode kernel
+quant_engine = importlib.import_module("quant_engine")  # loads kernels/ by path (HF's `kernels` shares its name)
+general = quant_engine.kernel_module("nvfp4_matmul")  # part one: the general kernel
+decode = quant_engine.kernel_module("nvfp4_decode")  # part two: the decode kernel
 
 N = K = 8192  # the problem the signature is built for
 ISSUE_LIMIT = 132 * 4 * 1.98e9 * 32 / (4.8e12 / 0.5625)  # thread instructions per weight at 4.8 TB/s

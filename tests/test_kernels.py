@@ -10,19 +10,20 @@ which the interpreter cannot run, is executed by a small emulator below over eve
 """
 import importlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
-from kernels import nvfp4_matmul  # noqa: E402
-
-# The package attribute `kernels.nvfp4_matmul` is the function (it shadows the submodule of the
-# same name), so fetch the modules themselves from the import system.
-kmod = importlib.import_module("kernels.nvfp4_matmul")  # part one: the general kernel
-dmod = importlib.import_module("kernels.nvfp4_decode")  # part two: the decode kernel, the weight cache
+quant_engine = importlib.import_module("quant_engine")  # loads kernels/ by path (HF's `kernels` shares its name)
+kmod = quant_engine.kernel_module("nvfp4_matmul")  # part one: the general kernel
+dmod = quant_engine.kernel_module("nvfp4_decode")  # part two: the decode kernel, the weight cache
+nvfp4_matmul = dmod.nvfp4_matmul  # the entry point the stages call
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # -----------------------------------------------------------------------------
 # Plain-torch reference: build packed NVFP4 tensors, and dequantize them
@@ -337,6 +338,36 @@ def test_01_quantize_output_feeds_the_kernel():
     ref = x @ q.dequantize_nvfp4(packed, scale, gs)[:, :70].T
     x, packed, scale, gs = to_device(x, packed, scale, gs)
     torch.testing.assert_close(nvfp4_matmul(x, packed, scale, gs).cpu(), ref, rtol=1e-5, atol=1e-5)
+
+
+STAGE_ON_THE_KERNEL = """
+import importlib, torch
+q = importlib.import_module("01_quantize")
+q.NVFP4Linear.kernel_on_cpu = True  # the Triton kernel, through the interpreter
+assert q.nvfp4_kernel() is not None, "the kernel did not load"
+lin = torch.nn.Linear(40, 24)
+m, x = q.NVFP4Linear.from_linear(lin), torch.randn(3, 40)
+ref = torch.nn.functional.linear(x, m.dequantized_weight(), lin.bias.detach())
+torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)
+"""
+HF_KERNELS = """
+from kernels import CUDAProperties
+assert CUDAProperties is object
+"""
+
+
+@pytest.mark.parametrize("hf_first", [False, True], ids=["stage-first", "hf-first"])
+def test_stage_kernel_and_hf_kernels_package_in_one_process(tmp_path, hf_first):
+    # Hugging Face's `kernels` package (transformers >= 5.25 imports it) has our folder's name. A
+    # process started at the root (the root first on sys.path, HF's package later, as site-packages
+    # is) runs 01's kernel path and imports HF's package, in either order.
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("CUDAProperties = object\n")
+    code = HF_KERNELS + STAGE_ON_THE_KERNEL if hf_first else STAGE_ON_THE_KERNEL + HF_KERNELS
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_tutorial_main_checks_the_general_kernel_against_the_reference():
