@@ -2,8 +2,9 @@
 
 QeRL keeps the frozen base model in NVFP4 (4-bit E2M1 values, an FP8 E4M3 scale per 16 inputs, an FP32
 scale per tensor): rollouts get cheaper, and the rounding noise raises policy entropy, which the paper finds
-helps exploration. Both formats are written byte for byte as compressed-tensors `nvfp4-pack-quantized` and
-bitsandbytes `quantize_4bit(nf4)` write them, so a checkpoint written here loads in compressed-tensors and vLLM.
+helps exploration. Both formats are byte for byte what compressed-tensors `nvfp4-pack-quantized` and
+bitsandbytes `quantize_4bit(nf4)` produce; NVFP4 is also written as a checkpoint (--out), which loads in
+compressed-tensors and vLLM.
 
     python 01_quantize.py                                  # demo: bits, bytes, error, time per format
     python 01_quantize.py --model DIR --out DIR [--force]  # HF folder -> compressed-tensors NVFP4 folder
@@ -324,12 +325,12 @@ keep_dequantized = quant_engine.keep_dequantized  # a CPU's frozen base: each 4-
 
 @functools.cache
 def nvfp4_kernel():
-    """kernels.nvfp4_matmul when Triton is usable, else None (imported lazily: CPU-only installs work)."""
+    """kernels/nvfp4_decode.py's nvfp4_matmul when Triton is usable, else None (imported lazily: CPU-only installs
+    work)."""
     try:
-        from kernels import HAS_TRITON, nvfp4_matmul
+        return quant_engine.kernel_module("nvfp4_decode").nvfp4_matmul
     except ImportError:
         return None
-    return nvfp4_matmul if HAS_TRITON else None
 
 
 def fast_forward(layer, x):                                              # (..., in) -> (..., out)
@@ -362,6 +363,21 @@ def _check_method(method):
         raise ValueError(f"unknown NVFP4 method {method!r}: choose one of {', '.join(NVFP4_METHODS)}")
 
 
+def _check_copied_file_inside(model_dir, name):
+    """A tokenizer file is copied into the output byte for byte, never parsed: one that is a link must lead
+    inside the model folder, or into the blobs of the Hugging Face cache entry the folder is a snapshot of
+    (models--ORG--NAME/snapshots/REV/tokenizer.json -> ../../blobs/SHA). A link to anywhere else (a planted
+    one to ~/.ssh/id_rsa, say) would copy that file into an output meant to be shared."""
+    real, home = os.path.realpath(os.path.join(model_dir, name)), os.path.realpath(model_dir)
+    snapshots, entry = os.path.dirname(home), os.path.dirname(os.path.dirname(home))
+    inside = [home]
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(entry).startswith("models--"):
+        inside.append(os.path.join(entry, "blobs"))
+    if not any(real.startswith(folder + os.sep) for folder in inside):
+        raise ValueError(f"{os.path.join(model_dir, name)} is a link to {real}, outside the model folder; 01 copies "
+                         f"it into its output as it is: put the file itself in {model_dir}, or remove the link")
+
+
 def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
     """quantize_checkpoint's checks, before any tensor is read -> (config, weight_map, has_index, device)."""
     if fmt != "nvfp4":
@@ -373,6 +389,7 @@ def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
     for name in TOKENIZER_FILES:  # copied beside the weights: a pipe or a device there is refused, not skipped
         if os.path.lexists(os.path.join(model_dir, name)):
             common.check_regular(os.path.join(model_dir, name))
+            _check_copied_file_inside(model_dir, name)
     common.check_out_dir(out_dir, [model_dir], force=force,
                          ours=lambda f: common.output_files(f, QUANTIZE_COMMAND) is not None, command=QUANTIZE_COMMAND)
     return config, weight_map, has_index, common.pick_device(device)
@@ -418,23 +435,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 def _plan_shards(model_dir, weight_map, config):
     """-> (headers {shard: {tensor: info}}, where {tensor: shard}, fused groups {gid: [weight names]}).
     Every header, size and shape is checked here, before anything is written."""
-    shards = sorted(set(weight_map.values()))
-    headers = {s: common.read_safetensors_header(os.path.join(model_dir, s))[0] for s in shards}
-    where = {k: s for s in shards for k in headers[s]}
+    headers = common.read_weight_headers(model_dir, weight_map)  # each sound, each weight's dtype one to quantize
+    where = {k: s for s in headers for k in headers[s]}
     for k, s in where.items():
         want, got = _expected_shape(k, config), tuple(headers[s][k]["shape"])
         if want is not None and got != want:
             raise ValueError(f"{os.path.join(model_dir, s)}: tensor {k} has shape {got}, config.json implies {want}")
-    missing = sorted(set(weight_map) - set(where))
-    if missing:
-        raise ValueError(f"the index lists tensors that no shard holds, e.g. {missing[0]}")
     groups = {}
     for k in sorted(where):
         info, parts = headers[where[k]][k], k.split(".")
         if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEAR_NAMES and len(info["shape"]) == 2:
-            if info["dtype"] not in ("F32", "BF16", "F16"):  # copied as it is, nothing could load the result
-                raise ValueError(f"{os.path.join(model_dir, where[k])}: {k} has dtype {info['dtype']}; a projection "
-                                 f"weight to quantize must be F32, BF16 or F16")
             if info["shape"][1] % NVFP4_BLOCK:
                 raise ValueError(f"{k}: in_features {info['shape'][1]} is not a multiple of 16, "
                                  "which compressed-tensors checkpoints need")
@@ -442,17 +452,27 @@ def _plan_shards(model_dir, weight_map, config):
     return headers, where, groups
 
 
+def _read_input(path, names):
+    """{name: tensor} from the input shard `path`. Its header passed read_safetensors_header's checks, so this
+    should not fail; if safetensors still refuses the file, the line names this INPUT file (a SafetensorError
+    raised while write_output writes would be reported as the output folder's)."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {k: f.get_tensor(k) for k in names}
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"{path}: cannot read this input file ({e}); the file is corrupt, download or write it "
+                         f"again") from None
+
+
 def _shard_tensors(model_dir, s, plan, device, log, progress, method="rtn"):
     """Output shard s as {name: tensor}: its other tensors as they are, its weights quantized one fused
     group at a time (progress: [weights done, weights in all])."""
-    from safetensors import safe_open
     (headers, where, groups), tensors = plan, {}
     quant = {k for members in groups.values() for k in members}
-    with safe_open(os.path.join(model_dir, s), framework="pt") as f:
-        for k, info in headers[s].items():
-            if k not in quant:
-                tensors[k] = f.get_tensor(k)
-                log(f"copy   {k} | dtype {info['dtype']} | shape {'x'.join(map(str, info['shape']))}")
+    tensors.update(_read_input(os.path.join(model_dir, s), [k for k in headers[s] if k not in quant]))
+    for k in tensors:
+        log(f"copy   {k} | dtype {headers[s][k]['dtype']} | shape {'x'.join(map(str, headers[s][k]['shape']))}")
     for members in groups.values():
         # The group's global scale needs every member's amax: read the group together (a member
         # stored in another shard is read again there).
@@ -460,8 +480,7 @@ def _shard_tensors(model_dir, s, plan, device, log, progress, method="rtn"):
             continue
         ws = {}
         for k in members:
-            with safe_open(os.path.join(model_dir, where[k]), framework="pt") as f:
-                ws[k] = f.get_tensor(k).to(device)
+            ws[k] = _read_input(os.path.join(model_dir, where[k]), [k])[k].to(device)
             _check_weight(ws[k], k)  # before the group scale: an Inf would make it 0 and blame a sibling
         gs = nvfp4_global_scale(ws.values(), method)
         for k in (k for k in members if where[k] == s):

@@ -412,7 +412,7 @@ def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temper
     return lp.view(B, T) * m, ent.view(B, T) * m if entropy else None  # (B, T) each
 
 
-# ============ Part 2: plumbing (options, HF loader, random model, memory estimate, command line) ============
+# ============ Part 2: plumbing (options, HF loader, random model, command line) ============
 
 # ---------------------------------------------------------------------------------------------------
 # Options the method calls by name: llama3 RoPE scaling (rope_inv_freq), top-k / top-p (sample_next)
@@ -460,6 +460,7 @@ def load_model(path, quant="none", dtype=None, device=None, method="rtn"):
     cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
     common.check_config_fits_weights(str(path), raw, weight_map)  # 2 layers said, 4 stored: not a truncated model
     quant, prequantized = _load_format(path, raw, quant, method)
+    common.read_weight_headers(str(path), weight_map)  # every header sound, every weight a dtype we compute with
     tokenizer = hf_files.load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
     hf_files.check_vocab(tokenizer, cfg.vocab_size, path)
     device = common.pick_device(device)

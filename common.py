@@ -19,6 +19,7 @@ import shutil
 import signal
 import stat
 import sys
+import tempfile
 import threading
 
 import torch
@@ -56,22 +57,53 @@ def model_device(model):
 
 def free_memory(device):
     """Bytes a new allocation can still take on `device` (None where unknown): the GPU's free memory plus
-    what torch's caching allocator holds unused; on the CPU, the RAM Linux calls available (MemAvailable),
-    within the container's cgroup limit if it has one."""
+    what torch's caching allocator holds unused; on the CPU, the least that cpu_memory_limits leaves."""
     device = torch.device(device)
     if device.type == "cuda":
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + cached
-    try:
-        with open("/proc/meminfo") as f:
-            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        if os.path.isfile("/sys/fs/cgroup/memory.max"):
-            with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+    return min(cpu_memory_limits().values(), default=None)
+
+
+CGROUP = "/sys/fs/cgroup"  # the container's own cgroup: v2's files at its root, v1's memory controller in memory/
+# (limit, usage, the usage's reclaimable page cache in memory.stat) of cgroup v2, then v1; "max": no limit
+CGROUP_FILES = (("memory.max", "memory.current", "inactive_file"),
+                ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "total_inactive_file"))
+
+
+def _read_numbers(path, keys):
+    """{key: int} of the `key value` lines of a /proc or cgroup file (kB units stay as written)."""
+    with open(path) as f:
+        return {words[0]: int(words[1]) for words in map(str.split, f) if words and words[0] in keys}
+
+
+def cpu_memory_limits():
+    """{what: bytes it leaves} for every limit on this process's CPU memory that can be read: the RAM Linux
+    calls available (MemAvailable), the cgroup's limit (a container's: v2 memory.max, v1 memory.limit_in_bytes)
+    less its usage (less the page cache it can drop, as the kubelet counts), and `ulimit -v` (RLIMIT_AS) less
+    the address space this process maps already. Each one refuses an allocation on its own."""
+    limits = {}
+    with contextlib.suppress(OSError, KeyError, ValueError):
+        limits["RAM available"] = _read_numbers("/proc/meminfo", ["MemAvailable:"])["MemAvailable:"] * 1024
+    for limit_file, usage_file, cache in CGROUP_FILES:
+        with contextlib.suppress(OSError, ValueError):
+            with open(os.path.join(CGROUP, limit_file)) as f:
                 limit = f.read().strip()
-                free = free if limit == "max" else min(free, int(limit) - int(g.read()))
-    except (OSError, StopIteration, ValueError):
-        return None
-    return free
+            if limit == "max" or int(limit) >= 2 ** 60:  # v1 writes "no limit" as a number near 2^63
+                continue
+            with open(os.path.join(CGROUP, usage_file)) as f:
+                used = int(f.read())
+            with contextlib.suppress(OSError, ValueError):
+                used -= _read_numbers(os.path.join(CGROUP, os.path.dirname(usage_file), "memory.stat"),
+                                      [cache]).get(cache, 0)
+            limits["memory left in this container's limit (cgroup)"] = max(int(limit) - used, 0)
+            break
+    address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if address_space != resource.RLIM_INFINITY:
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            mapped = _read_numbers("/proc/self/status", ["VmSize:"])["VmSize:"] * 1024
+            limits["address space left under `ulimit -v` (RLIMIT_AS)"] = max(address_space - mapped, 0)
+    return limits
 
 
 # oneDNN, which runs torch's bf16 matmuls on a CPU, keeps a built kernel for every matmul shape it has met, in
@@ -82,6 +114,21 @@ def free_memory(device):
 ONEDNN_CACHE_VARS, ONEDNN_CACHE_ENTRIES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"), "128"
 for _name in ONEDNN_CACHE_VARS:
     os.environ.setdefault(_name, ONEDNN_CACHE_ENTRIES)
+
+
+def compile_cache_problem():
+    """Why torch.compile cannot run here, in a few words, or None: inductor writes the code it generates into
+    a cache folder (TORCHINDUCTOR_CACHE_DIR, else torchinductor_<user> in the temporary folder: TMPDIR, /tmp,
+    /var/tmp, the current folder), and with none writable dynamo fails at the first compiled call, at length."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "the temporary folder")  # inductor's rule, read here: an
+    try:  # import of inductor to ask it would fail as compile does
+        folder = folder if "TORCHINDUCTOR_CACHE_DIR" in os.environ else tempfile.gettempdir()
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:  # gettempdir's FileNotFoundError: no writable one among TMPDIR, /tmp, /var/tmp, here
+        return (f"inductor's cache folder {folder} is not writable ({e.strerror or e}); set TORCHINDUCTOR_CACHE_DIR "
+                f"(or TMPDIR) to a writable folder")
+    return None
 
 
 def peak_rss_bytes():
@@ -112,7 +159,9 @@ def check_memory_fits(need, device, what):
     `need` is an estimate in bytes, `what` names the request (the flags that set its size)."""
     free = free_memory(device)
     if free is not None and need > free:
-        where = "GPU memory free" if torch.device(device).type == "cuda" else "RAM available"
+        cpu = torch.device(device).type == "cpu"
+        where = next((k for k, v in cpu_memory_limits().items() if v == free), "RAM available") if cpu \
+            else "GPU memory free"
         raise ValueError(f"{what} needs about {need / 2 ** 30:.1f} GiB, and this machine has {free / 2 ** 30:.1f} GiB "
                          f"of {where}: lower those sizes")
 
@@ -421,8 +470,25 @@ def read_text(path, what=""):
         raise ValueError(f"cannot read {what}{path}: {e.strerror or e}") from None
 
 
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit: a longer header is refused before it is read
+
+
+def _unique_keys(pairs):
+    """json's object_pairs_hook: a name given twice is an error (json would keep the last one silently)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        raise ValueError(f"the name {next(k for k, _ in pairs if k in seen or seen.add(k))!r} appears twice in "
+                         f"its header")
+    return obj
+
+
 def read_safetensors_header(path):
-    """-> ({name: {dtype, shape, data_offsets}}, byte where the data starts)."""
+    """-> ({name: {dtype, shape, data_offsets}}, byte where the data starts). Checked as safetensors checks
+    before it reads a tensor, so that a bad file is one line naming it before any work (01 would otherwise
+    meet it mid-write): a header of at most MAX_HEADER_BYTES, each name once, string metadata, known dtypes,
+    and data_offsets that tile the data exactly, in shape x dtype bytes each (none negative, overlapping,
+    apart, past the end, nor bytes left after the last)."""
     try:
         f = open_regular(path)  # a pipe or a device: check_regular's line
     except OSError as e:
@@ -433,11 +499,15 @@ def read_safetensors_header(path):
             n = int.from_bytes(f.read(8), "little")
             if not 2 <= n <= size - 8:  # random bytes: a "header length" of exabytes
                 raise ValueError(f"header length {n} does not fit a {size}-byte file")
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
+            if n > MAX_HEADER_BYTES:
+                raise ValueError(f"its header is {n} bytes, over the {MAX_HEADER_BYTES} safetensors reads")
+            header = json.loads(f.read(n), object_pairs_hook=_unique_keys)
+        metadata = header.pop("__metadata__", {})
+        if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+            raise ValueError("its __metadata__ must map names to strings")
         for k, v in header.items():
             if v["dtype"] not in ST_DTYPE_BYTES:
-                raise ValueError(f"unsupported dtype {v['dtype']}")
+                raise ValueError(f"tensor {k} has dtype {v['dtype']}, which this reader does not know")
             shape, offsets = v.get("shape"), v.get("data_offsets")  # JSON: anything may be any type
             if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and
                     isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
@@ -447,11 +517,22 @@ def read_safetensors_header(path):
         raise ValueError(f"{path} is not a readable safetensors file (its header nests too deeply)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
-    for k, v in header.items():  # checked before anything is written: a cut-off download fails here
-        b, e = v["data_offsets"]
-        if e - b != ST_DTYPE_BYTES[v["dtype"]] * math.prod(v["shape"]) or 8 + n + e > size:
+    end = 0  # checked before anything is written: a cut-off download fails here
+    for k, v in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"]):
+        (b, e), nbytes = v["data_offsets"], ST_DTYPE_BYTES[v["dtype"]] * math.prod(v["shape"])
+        if b < 0 or e - b != nbytes or b != end:
+            where = "is negative" if b < 0 else f"overlaps the tensor before it (which ends at {end})" if b < end \
+                else f"leaves a gap after the tensor before it (which ends at {end})" if b > end \
+                else f"spans {e - b} bytes, while shape {v['shape']} of {v['dtype']} is {nbytes}"
+            raise ValueError(f"{path}: tensor {k}'s data_offsets [{b}, {e}] {where}; the header is corrupt, "
+                             f"download or write the file again")
+        if 8 + n + e > size:
             raise ValueError(f"{path}: tensor {k} needs bytes {8 + n + b}..{8 + n + e} but the file has {size}; "
                              f"the file is truncated or corrupt, download it again")
+        end = e
+    if 8 + n + end != size:
+        raise ValueError(f"{path} holds {size - 8 - n - end} bytes after its last tensor, which its header does "
+                         f"not describe; the file is corrupt, download or write it again")
     return header, 8 + n
 
 
@@ -467,6 +548,10 @@ def safetensors_problem(path):
 
 def find_weight_files(model_dir):
     """-> (config, {tensor name: shard file name}, has_index); one clear error for a bad folder."""
+    if os.path.exists(model_dir) and not os.path.isdir(model_dir):
+        what = "a file" if os.path.isfile(model_dir) else _kind(os.stat(model_dir).st_mode)
+        raise ValueError(f"{model_dir} is {what}, not a folder: a model is a Hugging Face folder (config.json, "
+                         f"*.safetensors, tokenizer.json); pass the model's folder, not a file")
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model folder not found: {model_dir}")
     if not os.path.lexists(os.path.join(model_dir, "config.json")):
@@ -494,6 +579,43 @@ def find_weight_files(model_dir):
     return config, weight_map, has_index
 
 
+FLOAT_DTYPES = ("F32", "BF16", "F16")  # a weight or a bias: what torch computes with, as stored
+# A compressed-tensors NVFP4 layer's own tensors (01_quantize.py's output): 4-bit codes two to a byte, FP8 block
+# scales, an FP32 tensor scale (and vLLM's activation scale, which 03 skips)
+NVFP4_DTYPES = {"weight_packed": ("U8",), "weight_scale": ("F8_E4M3",), "weight_global_scale": ("F32",),
+                "input_global_scale": ("F32",)}
+
+
+def _listed_tensor(model_dir, header, name, shard):
+    """header[name], or one line saying that the index puts `name` in a shard that does not hold it."""
+    if name not in header:
+        raise ValueError(f"{os.path.join(model_dir, 'model.safetensors.index.json')} puts {name} in {shard}, which "
+                         f"does not hold it: fix the index, or download the folder again")
+    return header[name]
+
+
+def read_weight_headers(model_dir, weight_map):
+    """Every shard's header, checked (read_safetensors_header), before any tensor is read -> {shard: header}.
+    Each tensor the index lists must be in its shard, and each weight stored in a dtype the stages compute
+    with: a weight or a bias in FLOAT_DTYPES, an NVFP4 layer's tensors in NVFP4_DTYPES. Without this an I32
+    norm gain was copied by 01 and a traceback in 03, and an F64 projection a dtype clash at its first matmul.
+    Other tensors (a rotary inv_freq some exports keep) are never computed with, and pass. 01 and 03 (so 04
+    and 05, which load through 03) call it."""
+    headers = {s: read_safetensors_header(os.path.join(model_dir, s))[0] for s in sorted(set(weight_map.values()))}
+    for name, shard in weight_map.items():
+        _listed_tensor(model_dir, headers[shard], name, shard)
+    for shard, header in headers.items():
+        for name, info in header.items():
+            leaf = name.rpartition(".")[2]
+            allowed = NVFP4_DTYPES.get(leaf) or (FLOAT_DTYPES if leaf in ("weight", "bias") else None)
+            if allowed and info["dtype"] not in allowed:
+                what = f"an NVFP4 {leaf}" if leaf in NVFP4_DTYPES else f"a {leaf}"
+                raise ValueError(f"{os.path.join(model_dir, shard)}: tensor {name} has dtype {info['dtype']}, but "
+                                 f"{what} must be {'one of ' * (len(allowed) > 1)}{', '.join(allowed)}: convert the "
+                                 f"checkpoint (its export or its header is wrong)")
+    return headers
+
+
 def check_config_fits_weights(model_dir, config, weight_map):
     """config.json's sizes against the weights it sits beside (dict config; the embedding's shape from its
     safetensors header, the layer indices, lm_head): a config that disagrees is one line naming both, before an
@@ -501,7 +623,8 @@ def check_config_fits_weights(model_dir, config, weight_map):
     where = os.path.join(model_dir, "config.json")
     name = "model.embed_tokens.weight"
     if name in weight_map:
-        shape = read_safetensors_header(os.path.join(model_dir, weight_map[name]))[0][name]["shape"]
+        shape = _listed_tensor(model_dir, read_safetensors_header(os.path.join(model_dir, weight_map[name]))[0],
+                               name, weight_map[name])["shape"]
         said = [config.get("vocab_size", shape[0]), config.get("hidden_size", shape[-1])]  # what it states
         if shape != said:
             raise ValueError(f"{where} says vocab_size {config.get('vocab_size')} and hidden_size "
@@ -588,7 +711,7 @@ def refuse_links(folder, names, what="this command"):
 # Command lines. Every stage parses with ArgumentParser (a bad flag: one line, exit 2), declares each
 # number's range with `number` (what makes no sense is refused before any work), guards what it writes
 # with `check_out_dir` (or its path rules alone, `check_out_path`), and ends in `run_cli` (an expected
-# error: one line, exit 1; Ctrl-C, SIGTERM, SIGHUP: exit 128 + the signal's number).
+# error: one line, exit 1; Ctrl-C, SIGTERM, SIGHUP, SIGUSR1: exit 128 + the signal's number).
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -671,7 +794,9 @@ def error_line(e):
     return str(e) or type(e).__name__
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; Slurm or Kubernetes; a closed terminal
+# Ctrl-C; Slurm or Kubernetes; a closed terminal; the warning Slurm sends before its time limit when asked to
+# (`#SBATCH --signal=SIGUSR1@90`, as PyTorch Lightning's Slurm support has it), whose default action is to kill
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -730,6 +855,61 @@ class ClosedPipeGuard:
         return getattr(self.stream, name)
 
 
+class StdoutGuard:
+    """sys.stdout under run_cli: a write that fails names standard output, which the OSError itself does not
+    (`[Errno 28] No space left on device` for `> out.log` on a full disk): an OSError naming it, or, for a
+    character its encoding cannot write, a ValueError naming PYTHONIOENCODING. A closed pipe stays
+    BrokenPipeError, for run_cli and ClosedPipeGuard."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        return self._do(self.stream.write, text)
+
+    def flush(self):
+        return self._do(self.stream.flush)
+
+    def _do(self, fn, *args):
+        try:
+            return fn(*args)
+        except BrokenPipeError:
+            raise
+        except UnicodeEncodeError as e:  # the text around it, which often holds the path or flag it came from
+            around = e.object[max(e.start - 40, 0):e.end + 20].strip()
+            raise ValueError(f"standard output cannot write {e.object[e.start:e.end]!r} (in {around!r}) in its "
+                             f"encoding, {e.encoding} (PYTHONIOENCODING or the locale chose it): set "
+                             f"PYTHONIOENCODING=utf-8 (utf-8:surrogateescape for a name not valid UTF-8)") from None
+        except OSError as e:
+            silence_stdout()  # what is still buffered goes nowhere, instead of failing again at exit
+            raise OSError(e.errno, f"{e.strerror or e} (is it redirected to a full disk?): free space there, or send "
+                          f"the output elsewhere", "standard output") from None
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...: the stream's own
+        return getattr(self.stream, name)
+
+
+# What to lower when a stage runs out of memory, by its file (run_cli's line); others: "the sizes it was given"
+MEMORY_FLAGS = {"03_rollout.py": "--num-samples or --max-new-tokens",
+                "04_aqn.py": "--prompts, --samples or --max-new-tokens (or --dtypes bfloat16 alone)",
+                "05_grpo.py": "--batch, --group, --max-new-tokens, --eval-chunk or --micro-batch (or add "
+                              "--grad-checkpoint)"}
+
+
+def out_of_memory_line(e, command):
+    """run_cli's line for an allocation that failed (MemoryError, torch.OutOfMemoryError, the CPU allocator's
+    RuntimeError) in `command` (a file name), or None for another error: the size asked, what to lower."""
+    text = str(e)
+    if not (isinstance(e, MemoryError) or isinstance(e, getattr(torch, "OutOfMemoryError", MemoryError))
+            or "can't allocate memory" in text or "out of memory" in text.lower()):
+        return None
+    size = re.search(r"allocate (\d+) bytes", text)
+    size = f"{int(size.group(1)) / 2 ** 30:.2f} GiB" if size else (re.findall(r"allocate ([\d.]+ \w+)", text) or [None])[0]
+    lower = MEMORY_FLAGS.get(command, "the sizes it was given")
+    return (f"error: out of memory{f' (an allocation of {size} failed)' if size else ''}: lower {lower}, or give "
+            f"it more memory (RAM, the container's limit, `ulimit -v`)")
+
+
 def say_error(line):
     """One line on stderr in one write: torchrun's ranks share the stream, and print's separate write of the
     newline let two ranks' lines run into one ("interruptedinterrupted | ...")."""
@@ -739,13 +919,26 @@ def say_error(line):
 
 def run_cli(main, argv=None):
     """Run a stage's main(argv): an expected error prints `error: ...` on one line and returns 1; Ctrl-C,
-    SIGTERM or SIGHUP prints `interrupted` (with the signal's name and the exception's message, e.g. how
-    to resume) and returns 128 + the signal's number (130, 143, 129); a closed standard output (`| head`)
-    returns 141, as a shell reports SIGPIPE."""
+    SIGTERM, SIGHUP or SIGUSR1 prints `interrupted` (with the signal's name and the exception's message, e.g.
+    how to resume) and returns 128 + the signal's number (130, 143, 129, 138); a closed standard output (`| head`)
+    returns 141, as a shell reports SIGPIPE; a failed allocation (out of memory) is one line naming the flags
+    to lower, and a failed write to standard output one naming it."""
     main_thread = threading.current_thread() is threading.main_thread()  # only it can take signals
     previous = {s: signal.signal(s, raise_interrupted) for s in STOP_SIGNALS[1:]} if main_thread else {}
+    stdout = sys.stdout
+    if stdout is not None and not isinstance(stdout, StdoutGuard):  # None: started with `>&-`, print writes nothing
+        sys.stdout = StdoutGuard(stdout)
     try:
-        return main(argv) or 0
+        code = main(argv) or 0
+        if sys.stdout is not None:  # what is still buffered fails here, in one line, not at the interpreter's exit
+            sys.stdout.flush()
+        return code
+    except (MemoryError, RuntimeError) as e:  # RuntimeError: torch's allocators; any other is a bug, raised
+        line = out_of_memory_line(e, os.path.basename(getattr(getattr(main, "__code__", None), "co_filename", "")))
+        if line is None:
+            raise
+        say_error(line)
+        return 1
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
         name = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
@@ -760,5 +953,6 @@ def run_cli(main, argv=None):
         say_error(f"error: {error_line(e)}")
         return 1
     finally:
+        sys.stdout = stdout
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -5,7 +5,8 @@ Every function here is a no-op in a plain single-process run, so 05's loop reads
 
 No rank waits long for another (each evaluates its share), so every collective has a short timeout
 (--dist-timeout): a rank that hangs or dies ends the job in minutes with one line naming it (PeerError), not
-after gloo's default of hours or with its traceback. Imports no stage.
+after gloo's default of hours or with its traceback. torchrun's variables in a process torchrun did not
+start (left in a shell) are one line at once (launch), not a wait for ranks that never come. Imports no stage.
 """
 import datetime
 import os
@@ -20,12 +21,40 @@ class PeerError(ValueError):
 
 
 TIMEOUT_S = [600.0]  # the collectives' timeout (05's --dist-timeout), set by init
+MIN_TIMEOUT_MIN, MAX_TIMEOUT_MIN = 0.1, 1440.0  # --dist-timeout's range in minutes: 6 s (a test's) to a day
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # what torchrun gives each process it starts, read here
+TORCHRUN_VARS = (*LAUNCH_VARS, "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")  # to unset
+
+
+def launch():
+    """(rank, world size) as the launcher set them; (0, 1) for a plain `python 05_grpo.py`. torchrun's
+    variables in a process torchrun did not start (it also sets TORCHELASTIC_RUN_ID), say left in a shell by
+    an earlier job, would have this process wait for ranks that never come (WORLD_SIZE=2), or train unheard
+    (RANK=1 prints nothing); they, and a set torchrun would not write, are one line, before any wait."""
+    given = {k: os.environ[k] for k in LAUNCH_VARS if k in os.environ}
+    shown = " ".join(f"{k}={v}" for k, v in given.items())
+    try:
+        rank, world, local = (int(given.get(k, d)) for k, d in zip(LAUNCH_VARS, ("0", "1", "0")))
+    except ValueError:
+        raise ValueError(f"{shown}: torchrun's variables are whole numbers; unset them for one process, or "
+                         f"launch with torchrun") from None
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        if (rank, world, local) == (0, 1, 0):  # a single process, however it is spelled
+            return 0, 1
+        left = " ".join(k for k in TORCHRUN_VARS if k in os.environ)
+        raise ValueError(f"{shown} is set, but torchrun did not start this process (no TORCHELASTIC_RUN_ID): "
+                         f"left over from another job? For one process: unset {left}; for several: torchrun "
+                         f"--nproc_per_node N 05_grpo.py ...")
+    if len(given) < len(LAUNCH_VARS) or not 0 <= rank < world or local < 0:
+        raise ValueError(f"torchrun's variables disagree ({shown or 'none of ' + ', '.join(LAUNCH_VARS)}): "
+                         f"launch with torchrun alone, without setting them by hand")
+    return rank, world
 
 
 def init(device, timeout_s=600.0):
     """(rank, world_size, device). Joins the process group when torchrun started us (WORLD_SIZE > 1), every
     collective then timing out after timeout_s; on CUDA each rank takes the GPU of its LOCAL_RANK."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if launch()[1] == 1:
         return 0, 1, device
     if device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
@@ -69,8 +98,13 @@ def _failed(e):
 def _collective(fn, *a, **kw):
     SEEN[0] += 1
     store = _store()
-    if store is not None:
-        store.set(f"qerl_seen_{dist.get_rank()}", str(SEEN[0]))
+    try:
+        if store is not None:
+            store.set(f"qerl_seen_{dist.get_rank()}", str(SEEN[0]))
+    except RuntimeError:  # DistNetworkError: torchrun holds the store, so torchrun itself is gone
+        raise PeerError(f"rank {dist.get_rank()}: torchrun, which holds the ranks' store, is gone (killed, or "
+                        f"stopped by a signal it does not pass on: see --signals-to-handle); the job ends here "
+                        f"(resume from the last checkpoint)") from None
     try:
         return fn(*a, **kw)
     except RuntimeError as e:  # DistBackendError: a timeout, or a peer gone

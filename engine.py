@@ -17,6 +17,8 @@ import numbers
 import torch
 import torch.nn as nn
 
+import common
+
 # ---------------------------------------------------------------------------------------------------
 # Attention for a CPU decode step
 
@@ -38,6 +40,9 @@ def compiled_decode_step(device, decode_step):
     """`decode_step` through torch.compile, built once per mode: on CUDA "reduce-overhead" replays each step
     as one CUDA graph; on a CPU inductor fuses it into generated C++ loops."""
     mode = "reduce-overhead" if device.type == "cuda" else None
+    if (mode, decode_step) not in _compiled_steps and (problem := common.compile_cache_problem()):
+        print(f"note | --compile: {problem}: the decode steps run eager (the same numbers, slower)")
+        _compiled_steps[mode, decode_step] = decode_step
     if (mode, decode_step) not in _compiled_steps:
         compiled = torch.compile(decode_step, mode=mode, dynamic=False)
         # One graph per (batch, cache length, sampling settings); dynamo's default allows only 8.

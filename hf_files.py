@@ -5,8 +5,9 @@ Engine code beneath the stages (it imports no stage): 03's `ModelConfig.from_dic
 checks, the readers and `load_tokenizer`; 03, 04 and 05 write prompts with `chat_prompt`. Every bad field or
 file is one line naming the file, the problem and what to do (tests/test_bad_inputs.py holds the cases).
 """
+import json
 import math
-import re
+from collections import Counter
 from pathlib import Path
 
 import tokenizers
@@ -172,22 +173,25 @@ class Tokenizer:
 
 def load_tokenizer(path, config=None):
     """The folder's tokenizer.json -> Tokenizer, its EOS and pad ids from generation_config.json, else from
-    `config` (config.json's dict)."""
+    `config` (config.json's dict). The tokenizer is checked as the project uses it (check_tokenizer), and
+    the chat template must be ChatML, the one format chat_prompt writes."""
     path = Path(path)
-    if not (path / "tokenizer.json").exists():
-        raise FileNotFoundError(f"{path / 'tokenizer.json'} not found: the model folder needs a tokenizer.json "
+    file = path / "tokenizer.json"
+    if not file.exists():
+        raise FileNotFoundError(f"{file} not found: the model folder needs a tokenizer.json "
                                 "(the `tokenizers` format Hugging Face saves)")
     gen_file = path / "generation_config.json"  # its ids win over config.json's
     try:  # read here, as a regular file only (a pipe would block the Rust reader for good), then parsed
-        with common.open_regular(path / "tokenizer.json", "rb") as f:
+        with common.open_regular(file, "rb") as f:
             text = f.read().decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path / 'tokenizer.json'} cannot be read ({e}); write or download it again") from None
+        raise ValueError(f"{file} cannot be read ({e}); write or download it again") from None
     try:
         tok = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises its own Exception subclass on a corrupt file
-        raise ValueError(f"{path / 'tokenizer.json'} is not a readable tokenizer ({str(e)[:120]}); write or "
+        raise ValueError(f"{file} is not a readable tokenizer ({str(e)[:120]}); write or "
                          "download it again") from None
+    check_tokenizer(tok, json.loads(text), file)  # valid JSON: the Rust reader just read it
     gen = {**(config or {}), **(common.read_json(gen_file) if gen_file.exists() else {})}
     eos, pad = gen.get("eos_token_id"), gen.get("pad_token_id")
     eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
@@ -197,23 +201,106 @@ def load_tokenizer(path, config=None):
         raise ValueError(f"{gen_file if gen_file.exists() else path / 'config.json'}: eos_token_id must be a token id or "
                          f"a list of them and pad_token_id a token id (or null), got {gen.get('eos_token_id')!r} and "
                          f"{pad!r}")
-    return Tokenizer(tok, eos, pad, template_default_system(path / "tokenizer_config.json"))
+    template, where = chat_template(path)
+    if template is not None and "<|im_start|>" not in template:
+        raise ValueError(f"{where}: the chat template is not ChatML (it never writes <|im_start|>), and ChatML is the "
+                         "only prompt format this project writes; use a ChatML model (Qwen2.5, SmolLM2)")
+    return Tokenizer(tok, eos, pad, default_system(template))
 
 
-# A ChatML template that fills in a system message when there is none holds it as a literal
-# '<|im_start|>system\n...<|im_end|>' (Qwen2.5: "You are Qwen, ...", SmolLM2: "You are a helpful AI
-# assistant named SmolLM, ..."); the block that prints the user's own system message has a quote there.
-_DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system(?:\n|\\n)([^'\"]+?)<\|im_end\|>")
+_NOTED = set()  # notes already printed: 05 loads the tokenizer twice, and says each once
+
+
+def note(line):
+    if line not in _NOTED:
+        _NOTED.add(line)
+        print(line)
+
+
+# A prompt as the project writes them: ChatML turns, digits, a decimal point, the answer tags
+PROBE = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 12 + 3.5?<|im_end|>\n" \
+        "<|im_start|>assistant\n<think> 12 + 3.5 = 15.5 </think> <answer> 15.5 </answer>"
+
+
+def check_tokenizer(tok, spec, file):
+    """What tokenizer.json (`spec`, its JSON) may do to the project's prompts, checked once at load: ids that
+    disagree with the file or name two tokens, no ChatML tokens, or a model that cannot encode are errors;
+    truncation, padding and BPE dropout are turned off (a note); a post-processor that adds tokens anywhere but before the prompt
+    is an error; one that adds tokens before it (BOS, as Llama 3's), or a normalizer that changes the
+    prompt's text, is a note naming the file."""
+    vocab, owner = spec["model"].get("vocab"), {}  # Unigram's vocab is a list: ids are its positions
+    for token, i in vocab.items() if isinstance(vocab, dict) else ():
+        if owner.setdefault(i, token) != token:
+            raise ValueError(f"{file} gives id {i} to two tokens, {owner[i]!r} and {token!r}: the file is damaged; "
+                             "write or download it again")
+    for added in spec.get("added_tokens") or ():  # the library renumbers an added token whose id is taken
+        if tok.token_to_id(added["content"]) != added["id"]:
+            raise ValueError(f"{file} lists {added['content']!r} as id {added['id']}, but that id is taken or "
+                             f"skips ahead, and the tokenizer gives it {tok.token_to_id(added['content'])}: the "
+                             "file is damaged; write or download it again")
+    off = [k for k in ("truncation", "padding") if getattr(tok, k)]  # a prompt cut to max_length, or padded
+    if getattr(tok.model, "dropout", None):  # BPE dropout splits every prompt at random: a training trick
+        tok.model.dropout, off = None, [*off, "dropout"]
+    if off:
+        tok.no_truncation()
+        tok.no_padding()
+        note(f"note | {file}: turned off its {', '.join(off)}: prompts are encoded whole, the same every time")
+    for special in ("<|im_start|>", "<|im_end|>"):
+        if len(tok.encode(special, add_special_tokens=False).ids) != 1 or tok.token_to_id(special) is None:
+            raise ValueError(f"{file} has no {special} token: the project writes ChatML prompts, which this "
+                             "model would read as plain text; use a ChatML model (Qwen2.5, SmolLM2)")
+    try:
+        bare, full = tok.encode(PROBE, add_special_tokens=False).ids, tok.encode(PROBE).ids
+        back = tok.decode(bare, skip_special_tokens=False)
+    except Exception as e:  # tokenizers raises a bare Exception: a WordLevel model without its [UNK], say
+        raise ValueError(f"{file} cannot encode a prompt ({str(e)[:120]}); its model is broken: write or download "
+                         "it again") from None
+    if full[len(full) - len(bare):] != bare:  # tokens added after or inside the prompt (an EOS at its end)
+        extra = [tok.id_to_token(i) for i in (Counter(full) - Counter(bare)).elements()]
+        raise ValueError(f"{file}: its post-processor adds {extra} to every prompt, not only before it: the model "
+                         "would read them before its turn; remove the post_processor")
+    if len(full) > len(bare):
+        note(f"note | {file}: its post-processor starts every prompt with "
+             f"{tok.decode(full[:len(full) - len(bare)], skip_special_tokens=False)!r}")
+    if back != PROBE:
+        i = next(k for k, (a, b) in enumerate(zip(PROBE + "\0", back + "\1")) if a != b)
+        note(f"note | {file}: its normalizer or pre-tokenizer changes the text of prompts "
+             f"({PROBE[max(0, i - 12):i + 12]!r} reads back as {back[max(0, i - 12):i + 12]!r})")
+
+
+def chat_template(folder):
+    """(the chat template of a model folder, the file holding it): tokenizer_config.json's chat_template,
+    else chat_template.jinja (where newer transformers save it); (None, None) without one."""
+    config_file, jinja = Path(folder) / "tokenizer_config.json", Path(folder) / "chat_template.jinja"
+    template = common.read_json(config_file).get("chat_template") if config_file.exists() else None
+    if isinstance(template, str):
+        return template, config_file
+    return (common.read_text(jinja, "chat template "), jinja) if jinja.exists() else (None, None)
+
+
+def default_system(template):
+    """The system message a ChatML chat template writes when the conversation has none, or None.
+
+    Such a template holds it as a literal '<|im_start|>system\\n...<|im_end|>' (Qwen2.5: "You are Qwen,
+    ...", SmolLM2: "You are a helpful AI assistant named SmolLM, ..."); the block that prints the user's own
+    system message has a quote there. The first such block with no quote in it is the message: found by
+    scanning (the regex this replaced backtracked quadratically, a minute on a 371 KiB template)."""
+    head = "<|im_start|>system"
+    for piece in (template or "").split("<|im_end|>")[:-1]:  # the text before each <|im_end|>
+        tail = piece[max(piece.rfind("'"), piece.rfind('"')) + 1:]  # a message holds no quote
+        i = tail.find(head)
+        while i >= 0:
+            i += len(head)
+            for newline in ("\n", "\\n"):  # a newline, or the two characters \n of a Jinja string
+                if tail.startswith(newline, i) and len(tail) > i + len(newline):
+                    return tail[i + len(newline):]
+            i = tail.find(head, i)
+    return None
 
 
 def template_default_system(config_file):
-    """The default system message of tokenizer_config.json's chat template, or None."""
-    config_file = Path(config_file)
-    if not config_file.exists():
-        return None
-    template = common.read_json(config_file).get("chat_template")
-    found = _DEFAULT_SYSTEM.search(template) if isinstance(template, str) else None
-    return found.group(1) if found else None
+    """The default system message of the chat template beside tokenizer_config.json (default_system), or None."""
+    return default_system(chat_template(Path(config_file).parent)[0])
 
 
 def chat_prompt(user, system=None):

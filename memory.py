@@ -28,6 +28,20 @@ def generate_memory(cfg, rows, prompt_len, max_new_tokens, dtype_bytes):
     return kv_cache + prefill + sampler + outputs
 
 
+def exploration_memory(cfg, rows, max_new_tokens, b, prompt_len=64):
+    """About the bytes 04's measurement allocates, for `rows` rows (prompts x samples) at b bytes per number:
+    its three models (the base; NF4 and NVFP4 keep each decoder weight in 4.5 bits, 4-bit codes and a scale
+    per 16 or 64, and the embeddings as the base does), one generate() (04's `a+b-c=?` prompts are under
+    prompt_len tokens in a chat template), and the KL's five (rows, N, V) fp32 tensors (both log-softmaxes,
+    exp, difference, product)."""
+    C, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    decoder = cfg.num_hidden_layers * C * (2 * q_out + 2 * kv_out + 3 * I)  # numbers in the quantized Linears
+    embeddings = V * C * (1 if cfg.tie_word_embeddings else 2)
+    models = (3 * embeddings + decoder) * b + 2 * decoder * 4.5 / 8
+    return int(models + generate_memory(cfg, rows, prompt_len, max_new_tokens, b) + 5 * rows * max_new_tokens * V * 4)
+
+
 UPDATE_MEMORY_CPU = 2 ** 30  # --micro-batch auto on a CPU: the update's activations within 1 GiB
 
 
