@@ -268,10 +268,28 @@ def count_parameters(model):
 
 def _saved_modules(model, names):
     """{"<module path>.<param>": Parameter} of every module whose leaf name is in `names` (PEFT's
-    modules_to_save: trained in full next to the adapters, e.g. the RMSNorm gains)."""
+    modules_to_save: trained in full next to the adapters, e.g. the RMSNorm gains). A LoRA layer and the
+    modules inside it (its frozen "base") are never among them: PEFT has no such module to save."""
+    inside = {id(sub) for m in model.modules() if isinstance(m, LoRALinear) for sub in m.modules()}
     return {f"{path}.{k}": p for path, m in model.named_modules()
-            if path and path.rsplit(".", 1)[-1] in names and not isinstance(m, LoRALinear)
+            if path and path.rsplit(".", 1)[-1] in names and id(m) not in inside
             for k, p in m.named_parameters(recurse=False)}
+
+
+def _trained_in_full(model):
+    """The leaf names of the modules whose own parameters train beside the LoRA layers (05 --train-norms)."""
+    inside = {id(sub) for m in model.modules() if isinstance(m, LoRALinear) for sub in m.modules()}
+    return sorted({path.rsplit(".", 1)[-1] for path, m in model.named_modules() if path and id(m) not in inside
+                   and any(p.requires_grad for p in m.parameters(recurse=False))})
+
+
+def _layer_settings(layers):
+    """The adapter_config.json fields every LoRA layer shares: r, lora_alpha, lora_dropout, use_rslora."""
+    hyper = {(m.r, m.alpha, m.lora_dropout.p if isinstance(m.lora_dropout, nn.Dropout) else 0.0,
+              m.use_rslora) for _, m in layers}
+    if len(hyper) != 1:  # PEFT would need rank_pattern/alpha_pattern for this; we never do it
+        raise ValueError(f"the LoRA layers disagree on (r, alpha, dropout, rslora): {sorted(hyper)}")
+    return dict(zip(("r", "lora_alpha", "lora_dropout", "use_rslora"), *hyper))
 
 
 def save_adapter(model, folder, base_model_name_or_path="", modules_to_save=None):
@@ -283,11 +301,7 @@ def save_adapter(model, folder, base_model_name_or_path="", modules_to_save=None
         raise ValueError("save_adapter: the model has no LoRA layers; call add_lora(model, ...) first")
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"save_adapter: {folder} is a file, not a folder: choose a folder name for the adapter")
-    hyper = {(m.r, m.alpha, m.lora_dropout.p if isinstance(m.lora_dropout, nn.Dropout) else 0.0,
-              m.use_rslora) for _, m in layers}
-    if len(hyper) != 1:  # PEFT would need rank_pattern/alpha_pattern for this; we never do it
-        raise ValueError(f"save_adapter: LoRA layers disagree on (r, alpha, dropout, rslora): {sorted(hyper)}")
-    (r, alpha, dropout, use_rslora), = hyper
+    settings = _layer_settings(layers)
     tensors = {f"{PEFT_PREFIX}{name}.{part}.weight": getattr(m, part).detach().float().cpu().contiguous()
                for name, m in layers for part in ("lora_A", "lora_B")}  # PEFT's inner nn.Linear is ".weight"
     modules_to_save = sorted(modules_to_save) if modules_to_save else None
@@ -299,9 +313,9 @@ def save_adapter(model, folder, base_model_name_or_path="", modules_to_save=None
                              f"module with parameters in {type(model).__name__}")
         tensors.update({f"{PEFT_PREFIX}{k}": p.detach().cpu().contiguous() for k, p in full.items()})
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
-        "lora_dropout": dropout, "target_modules": sorted({n.rsplit(".", 1)[-1] for n, _ in layers}),
-        "bias": "none", "use_rslora": use_rslora, "base_model_name_or_path": base_model_name_or_path,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", **settings,
+        "target_modules": sorted({n.rsplit(".", 1)[-1] for n, _ in layers}),
+        "bias": "none", "base_model_name_or_path": base_model_name_or_path,
         # Defaults spelled out so that PEFT reads exactly what this file implements:
         "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": modules_to_save, "init_lora_weights": True,
         "layers_to_transform": None, "layers_pattern": None, "revision": None, "use_dora": False,
@@ -312,32 +326,60 @@ def save_adapter(model, folder, base_model_name_or_path="", modules_to_save=None
     return folder
 
 
+# adapter_config.json fields that change what an adapter computes, which load_adapter does not implement, with
+# PEFT's defaults: an adapter with another value is refused
+UNSUPPORTED_FIELDS = {"use_dora": False, "bias": "none", "rank_pattern": {}, "alpha_pattern": {},
+                      "fan_in_fan_out": False, "layers_to_transform": None, "layers_pattern": None,
+                      "layer_replication": None, "lora_bias": False, "exclude_modules": None,
+                      "trainable_token_indices": None, "target_parameters": None, "use_qalora": False,
+                      "megatron_config": None}
+
+
+def check_config_fits(model, cfg, folder):
+    """An adapter's config against a model that already has LoRA layers: the file's target_modules, r,
+    lora_alpha, lora_dropout, use_rslora and modules_to_save must be the model's (its layers', and the modules
+    it trains in full), else one ValueError naming the field and both values."""
+    layers = _lora_layers(model)
+    wrapped, saved = sorted({n.rsplit(".", 1)[-1] for n, _ in layers}), cfg["target_modules"]
+    if sorted([saved] if isinstance(saved, str) else saved) != wrapped:
+        raise ValueError(f"adapter in {folder} targets {saved} but the model's LoRA layers wrap {wrapped}: "
+                         f"call add_lora with targets={saved}")
+    file = {"r": cfg["r"], "lora_alpha": cfg["lora_alpha"], "lora_dropout": cfg.get("lora_dropout", 0.0),
+            "use_rslora": cfg.get("use_rslora", False), "modules_to_save": sorted(cfg.get("modules_to_save") or [])}
+    for k, v in {**_layer_settings(layers), "modules_to_save": _trained_in_full(model)}.items():
+        if file[k] != v:
+            what = "trains in full beside its LoRA layers" if k == "modules_to_save" else "has LoRA layers of"
+            raise ValueError(f"{os.path.join(folder, CONFIG_NAME)}: {k} is {file[k]!r}, but the model it loads into "
+                             f"{what} {v!r}: the adapter was made with other settings, or edited")
+
+
 def load_adapter(model, folder):
-    """Load a PEFT-layout adapter into `model` (wrapping it first with the saved r/alpha/targets
-    if it has no LoRA layers yet). Mismatches raise one clear ValueError. Returns the model."""
+    """Load a PEFT-layout adapter into `model`: a model without LoRA layers is wrapped first as the file says
+    (r, alpha, targets...); one with them must match the file (check_config_fits). Mismatches raise one clear
+    ValueError. Returns the model."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"adapter folder {folder!r} does not exist (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
     for f in (CONFIG_NAME, WEIGHTS_NAME):
         if not os.path.exists(os.path.join(folder, f)):
             raise FileNotFoundError(f"adapter folder {folder!r} has no {f}: is it a PEFT LoRA adapter folder?")
         common.check_regular(os.path.join(folder, f))  # a pipe would block the reader: one line instead
-    cfg = common.read_json(os.path.join(folder, CONFIG_NAME))
-    if (cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("bias", "none") != "none"
-            or cfg.get("rank_pattern") or cfg.get("alpha_pattern")):
-        raise ValueError(f"{folder}: only plain LoRA adapters (peft_type LORA; no DoRA, bias, rank_pattern or "
-                         f"alpha_pattern) are supported, got peft_type={cfg.get('peft_type')!r}")
+    path = os.path.join(folder, CONFIG_NAME)
+    cfg = common.read_json(path)
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"{folder}: only plain LoRA adapters are supported, got peft_type={cfg.get('peft_type')!r}")
+    for k, default in UNSUPPORTED_FIELDS.items():  # read as plain LoRA, such an adapter would compute another function
+        if cfg.get(k) not in (default, None, "", [], {}):
+            raise ValueError(f"{path}: {k} is {cfg[k]!r}, which load_adapter does not implement (plain LoRA only, "
+                             f"{k} {default!r}): load this adapter with PEFT")
     bad = _bad_config_fields(cfg)
     if bad:
-        raise ValueError(f"{os.path.join(folder, CONFIG_NAME)}: missing or malformed {', '.join(bad)}")
-    if not _lora_layers(model):
+        raise ValueError(f"{path}: missing or malformed {', '.join(bad)}")
+    if _lora_layers(model):  # the model's own layers say what the adapter must be (05's --resume: its run's)
+        check_config_fits(model, cfg, folder)
+    else:
         add_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], targets=cfg["target_modules"],
                  dropout=cfg.get("lora_dropout", 0.0), use_rslora=cfg.get("use_rslora", False))
     layers = dict(_lora_layers(model))
-    wrapped = sorted({n.rsplit(".", 1)[-1] for n in layers})
-    saved = cfg["target_modules"]
-    if sorted([saved] if isinstance(saved, str) else saved) != wrapped:
-        raise ValueError(f"adapter in {folder} targets {saved} but the model's LoRA layers wrap {wrapped}: "
-                         f"call add_lora with targets={saved}")
     tensors = _read_adapter_tensors(os.path.join(folder, WEIGHTS_NAME))
     full = _saved_modules(model, cfg.get("modules_to_save") or [])  # trained in full: loaded as they are
     problems = [f"adapter has no {PEFT_PREFIX}{k} for modules_to_save" for k in full if PEFT_PREFIX + k not in tensors]
@@ -363,9 +405,6 @@ def load_adapter(model, folder):
         for name, m in layers.items():
             m.lora_A.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"])
             m.lora_B.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"])
-            # The adapter's function is (A, B, scaling): take alpha/rsLoRA from the file too.
-            m.alpha, m.use_rslora = cfg["lora_alpha"], cfg.get("use_rslora", False)
-            m.scaling = m.alpha / math.sqrt(m.r) if m.use_rslora else m.alpha / m.r
         for k, p in full.items():
             p.copy_(tensors[PEFT_PREFIX + k])  # exact when the model holds them in the saved dtype
     return model

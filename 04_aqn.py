@@ -27,33 +27,38 @@ sampled token, of fp32 / NF4 / NVFP4 and of base / NVFP4 under AQN, on the bundl
 Measured tables and what they show: docs/aqn.md.
 """
 import contextlib
+import dataclasses
 import importlib
 import math
 import os
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 import common  # the project's plumbing (imports no stage)
 import hf_files
+import memory
 
 quantize = importlib.import_module("01_quantize")
+lora = importlib.import_module("02_lora")
 rollout = importlib.import_module("03_rollout")
 
 # -----------------------------------------------------------------------------
 # The noise schedule. Training splits into K equal intervals ("stages"): stage 0 carries quantization
 # noise only (sigma = 0), stages 1..K-1 decay from sigma_start to sigma_end, the last one exactly
-# sigma_end. The linear, cosine and log kinds (the paper's scheduler ablation) map u = (k - 1) / (K - 2)
-# in [0, 1] between the two.
+# sigma_end. The linear, cosine and log kinds (our own forms for the paper's scheduler ablation, Fig. 9,
+# which shows only their curves) map u = (k - 1) / (K - 2) in [0, 1] between the two.
+# docs/figures/aqn_schedule.png draws each kind over the default run.
 
 def _u(k, K):
     return (k - 1) / max(K - 2, 1)  # 0 at stage 1, 1 at the last stage
 
 
 DECAYS = {  # kind -> sigma at stage k = 1 .. K-1 of K, from s0 (sigma_start) to s1 (sigma_end)
-    "exp": lambda k, K, s0, s1: s0 * (s1 / s0) ** _u(k, K),  # the paper's
+    "exp": lambda k, K, s0, s1: s0 * (s1 / s0) ** _u(k, K),  # the official code's (Eq. 8 divides by K - 1)
     "linear": lambda k, K, s0, s1: s0 + (s1 - s0) * _u(k, K),
     "cosine": lambda k, K, s0, s1: s1 + (s0 - s1) * 0.5 * (1 + math.cos(math.pi * _u(k, K))),
     # falls fastest early, like exp, but linearly in log(1 + stage) rather than in stage
@@ -90,11 +95,11 @@ def _standard_normal(w, generator):
     return torch.randn(w.shape, generator=generator, device=device, dtype=torch.float32)  # (C,)
 
 
-# The kinds of AQN noise. A kind is a function (w, sigma, generator) -> Z: w is one norm's gains (C,),
-# sigma the step's noise level (> 0), and Z the noise added to them, an fp32 (C,) tensor on any device
-# (aqn_noise moves it to w's). It draws only from `generator` (None: torch's global one), once per call:
-# aqn_noise calls it once per norm, in aqn_norms' order, once per step, so a seed fixes every draw.
-# Another kind is one more entry (noise proportional to each gain would scale the draw by |w|).
+# The kinds of AQN noise. A kind is a function (w, sigma, generator) -> Z: w is one tensor of the noise's
+# site (SITES below; a norm's gains (C,) by default), sigma the step's noise level (> 0), and Z the noise
+# added to it, an fp32 tensor of w's shape on any device (aqn_noise moves it to w's). It draws only from
+# `generator` (None: torch's global one), once per call: aqn_noise calls it once per tensor, in the site's
+# order, once per step, so a seed fixes every draw. Another kind is one more entry, as "relative" below is.
 NOISES = {
     "absolute": lambda w, sigma, gen: _standard_normal(w, gen) * sigma,  # Z ~ N(0, sigma^2): the paper's
     # Z_i ~ N(0, (sigma w_i)^2): input column i of the next Linear is scaled by 1 + sigma * N(0, 1) whatever the
@@ -112,25 +117,92 @@ def aqn_norms(model):
     return [(f"model.layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(layers) for n in AQN_NORMS]
 
 
+# -----------------------------------------------------------------------------
+# Where the noise lands (05 --aqn-site). A site names the tensors AQN perturbs and how: find(model) -> [(tensor
+# name, its module)] in draw order; weight(module), the tensor a kind sizes Z on (its w); add(module, Z) -> (the
+# perturbation as it landed: what the model now computes with minus the clean tensor, a function undoing it
+# exactly). Another site is one more entry. Noise must reach what the sampler runs: 05 samples on a CPU with
+# merged weights W + s B A (02 lora_merged), built when that block is entered, so a LoRA site writes the
+# matrices themselves before the merge, and refuses to act inside one (its noise would miss the merged copy).
+
+@dataclasses.dataclass(frozen=True)
+class NoiseSite:
+    help: str  # for 05's --aqn-site
+    find: Callable  # model -> [(tensor name, module)], in draw order
+    weight: Callable  # module -> the tensor Z is drawn for
+    add: Callable  # (module, Z) -> (landed perturbation, undo)
+
+
+def _norm_gains(model):
+    return [(f"{name}.weight", norm) for name, norm in aqn_norms(model)]
+
+
+def _add_to_gain(norm, z):
+    """03's RMSNorm adds `noise` to its gain in fp32, (w + Z) * rmsnorm(x) rounded once: the gains themselves
+    are never written (a bf16 gain near 1 would round a draw of 5e-4 away; trained gains come back exactly)."""
+    norm.noise = z
+    w = norm.weight.detach().float()
+    return (w + z) - w, lambda: setattr(norm, "noise", None)
+
+
+def _lora_matrices(attr):
+    """find(model) for a site on every LoRA layer's `attr` (lora_A or lora_B)."""
+    def find(model):
+        layers = [(f"{name}.{attr}", m) for name, m in model.named_modules() if isinstance(m, lora.LoRALinear)]
+        if not layers:
+            raise ValueError(f"AQN site on {attr} needs LoRA adapters (02 add_lora); {type(model).__name__} has none")
+        if any(m.merged is not None for _, m in layers):
+            raise ValueError(f"AQN noise on {attr} inside 02's lora_merged would miss the merged weights the model "
+                             f"runs: enter aqn_noise first, then lora_merged (as 05's sample_groups does)")
+        return layers
+    return find
+
+
+def _add_to_matrix(attr):
+    """add(module, Z) for a LoRA matrix: written in place (fp32), the clean copy put back on undo."""
+    @torch.no_grad()
+    def add(m, z):
+        p = getattr(m, attr)
+        clean = p.detach().clone()
+        p.add_(z.to(p.dtype))
+        return p.detach().float() - clean.float(), torch.no_grad()(lambda: p.copy_(clean))
+    return add
+
+
+SITES = {
+    "norms": NoiseSite("each decoder layer's two pre-norm gains, as the paper (multiplicative noise on the input "
+                       "columns of q/k/v and gate/up)", _norm_gains, lambda norm: norm.weight, _add_to_gain),
+    "lora-A": NoiseSite("every LoRA A matrix (02), before a CPU sampler merges them",
+                        _lora_matrices("lora_A"), lambda m: m.lora_A, _add_to_matrix("lora_A")),
+    "lora-B": NoiseSite("every LoRA B matrix (02), before a CPU sampler merges them",
+                        _lora_matrices("lora_B"), lambda m: m.lora_B, _add_to_matrix("lora_B")),
+}
+
+
 @contextlib.contextmanager
-def aqn_noise(model, sigma, generator=None, kind="absolute"):
-    """Draw Z (kind "absolute": Z ~ N(0, sigma^2)), one fp32 [hidden] vector per pre-norm, which stage 03's
-    RMSNorm adds to its gain in an fp32 product rounded once; on exit, even after an error, the norms are
-    noise-free again. The gains are never written (a bf16 gain near 1 would round a draw of 5e-4 away;
-    trained gains come back exactly). Yields {sigma, applied_std: the RMS of the Z really applied, num_norms}."""
-    _check_noise(sigma, kind)
-    norms = aqn_norms(model)
-    info = {"sigma": float(sigma), "applied_std": 0.0, "num_norms": len(norms)}
+def aqn_noise(model, sigma, generator=None, kind="absolute", site="norms"):
+    """Draw Z (kind "absolute": Z ~ N(0, sigma^2)), one fp32 tensor per tensor of the site (SITES; "norms": one
+    [hidden] vector per pre-norm, which stage 03's RMSNorm adds to its gain); on exit, even after an error, the
+    model is noise-free again, bit for bit. Yields {sigma, site, num_tensors, applied_std: the RMS of the
+    perturbation as it landed (the tensors the model computes with minus the clean ones), not of the draw}."""
+    _check_noise(sigma, kind, site)
+    where = SITES[site]
+    found = where.find(model)
+    info = {"sigma": float(sigma), "site": site, "applied_std": 0.0, "num_tensors": len(found)}
+    undo = []
     try:
         if sigma > 0:  # at 0 (stage 0) only the quantization noise acts: no draw, the model untouched
-            for _, norm in norms:
-                w = norm.weight  # (hidden,)
-                norm.noise = NOISES[kind](w, sigma, generator).to(w.device)  # (hidden,) fp32
-            info["applied_std"] = float(torch.cat([n.noise for _, n in norms]).double().pow(2).mean().sqrt())
+            landed = []
+            for _, m in found:
+                w = where.weight(m)
+                delta, restore = where.add(m, NOISES[kind](w, sigma, generator).to(w.device))
+                undo.append(restore)
+                landed.append(delta.reshape(-1))
+            info["applied_std"] = float(torch.cat(landed).double().pow(2).mean().sqrt())
         yield info
     finally:
-        for _, norm in norms:
-            norm.noise = None
+        for restore in reversed(undo):
+            restore()
 
 
 # -----------------------------------------------------------------------------
@@ -243,11 +315,13 @@ def _check_feedback(target_entropy, sigma_init, up, down, sigma_min, sigma_max):
         raise ValueError(f"FeedbackSigma needs up >= 1 and 0 < down <= 1 (got up={up}, down={down})")
 
 
-def _check_noise(sigma, kind):
+def _check_noise(sigma, kind, site="norms"):
     if not (sigma >= 0 and math.isfinite(sigma)):
         raise ValueError(f"AQN sigma must be a finite number >= 0, got {sigma}")
     if kind not in NOISES:
         raise ValueError(f"unknown AQN noise kind '{kind}'; choose one of {', '.join(NOISES)}")
+    if site not in SITES:
+        raise ValueError(f"unknown AQN noise site '{site}'; choose one of {', '.join(SITES)}")
 
 
 def _check_aqn_layers(model):
@@ -356,9 +430,16 @@ def main(argv=None):
     if args.schedule_only:
         print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
         return 0
-    common.find_weight_files(args.model)  # a missing or broken folder: one line, before any work
+    # a missing or broken folder, or a weight stored in a dtype 03 cannot load: one line, before any work
+    common.read_weight_headers(args.model, common.find_weight_files(args.model)[1])
     if args.threads:
         torch.set_num_threads(args.threads)
+    # the measurement's memory (three models, one sampling, the KL), before any model loads
+    cfg = rollout.ModelConfig.from_dict(common.find_weight_files(args.model)[0], os.path.join(args.model, "config.json"))
+    need = memory.exploration_memory(cfg, args.prompts * args.samples, args.max_new_tokens,
+                                     max(getattr(torch, d).itemsize for d in args.dtypes))
+    common.check_memory_fits(need, "cpu", f"--prompts {args.prompts} x --samples {args.samples} with "
+                             f"--max-new-tokens {args.max_new_tokens}")
     print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
     print()
     for dname in args.dtypes:

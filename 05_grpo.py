@@ -2,15 +2,18 @@
 
 QeRL trains reasoning with RL while the base model stays frozen in NVFP4 and only LoRA adapters learn:
 the 4-bit base makes sampling (most of a step) cheap, and its rounding noise, plus AQN's scheduled noise
-on the RMSNorm gains, raises sampling entropy, which helps exploration. One step (`train`'s loop): B prompts
-x G samples drawn under AQN -> rewards -> group-normalised advantages -> clipped surrogate on the clean
-policy, pi_old as --pi-old reads it (PI_OLD) -> AdamW on the adapters. docs/figures/grpo_step.png draws it.
+on the RMSNorm gains, raises sampling entropy, which helps exploration. (Why it should: noise on the weights
+is noise on the logits, and averaged over it a softmax of noisy logits is flatter than the clean one; the paper
+measures the rise, docs/aqn.md ours.) One step (`train`'s loop): B prompts x G samples drawn under AQN ->
+rewards -> group-normalised advantages -> clipped surrogate on the clean policy, pi_old as --pi-old reads it
+(PI_OLD) -> AdamW on the adapters. docs/figures/grpo_step.png draws it; `--show-step` works one group by hand.
 
 Run it (2 CPU cores, about 5 min, at most 9 by its --time-budget 540: the bundled tiny model learns synthetic
 arithmetic; the numbers are in README's "Results" section and docs/experiments.md):
     python 05_grpo.py
     python 05_grpo.py --quant none --no-aqn --steps 200 --out runs/lora-only
     python 05_grpo.py --resume runs/qerl/checkpoint-000200
+    python 05_grpo.py --show-step   # one sampled group's rewards, advantages, ratios and loss, by hand (3 s)
     python 05_grpo.py --task gsm8k --data train.jsonl --eval-data test.jsonl --model Qwen2.5-7B-Instruct
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 05_grpo.py --out runs/dp2   # data parallel
 Qwen2.5-7B + GSM8K on one GPU or eight: docs/scaling.md.
@@ -101,18 +104,22 @@ def merged_sampling_weights(model, enabled=True):
 
 
 def sample_groups(model, tok, prompts, step, sigma, *, rank=0, group=8, max_new_tokens=42, temperature=1.0,
-                  seed=0, compiled=False, noise="absolute"):
-    """`group` completions of each prompt (token id lists), drawn under AQN noise `sigma` -> (stage 03's
-    Rollout, rows prompt-major; the RMS of the noise really applied)."""
+                  seed=0, compiled=False, noise="absolute", site="norms", draw=0):
+    """`group` completions of each prompt (token id lists), drawn under AQN noise `sigma` (kind `noise`, on the
+    tensors of `site`: 04 NOISES, SITES) -> (stage 03's Rollout, rows prompt-major; the RMS of the noise as it
+    landed). `draw` numbers the samplings of one step (--dynamic-sampling's rounds): each its own completions,
+    all under the step's one noise draw."""
     # One generator per step, derived from (seed, step): a resumed run samples what an uninterrupted one would.
     device, gen_seed = common.model_device(model), seed * 1_000_003 + step
     gen = torch.Generator(device=device).manual_seed(gen_seed)
-    with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen, kind=noise) as applied, \
+    # The noise first, then the merge: merged weights are built from the noisy LoRA matrices (a LoRA site)
+    with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen, kind=noise, site=site) as applied, \
             merged_sampling_weights(model, merge_for_sampling(device)):
         # aqn_noise drew the noise from `gen` on entering: every rank seeded it alike, so every rank perturbs the
-        # model alike. Rank 0 samples on from that stream, the others (torchrun) from streams of their own.
-        if rank > 0:
-            gen = torch.Generator(device=device).manual_seed(gen_seed + rank * 2 ** 40)
+        # model alike. Rank 0's first draw samples on from that stream, the others (torchrun ranks, later draws)
+        # from streams of their own (draw 0 is the seed of before draws existed).
+        if rank > 0 or draw > 0:
+            gen = torch.Generator(device=device).manual_seed(gen_seed + rank * 2 ** 40 + draw * 2 ** 50)
         samples = rollout.generate(model, prompts, num_samples=group, max_new_tokens=max_new_tokens,
                                    temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=gen,
                                    tokenizer=tok, compiled=compiled)
@@ -145,6 +152,56 @@ def group_advantages(rewards, group, scale_std=True, eps=1e-4):
         std = r.std(dim=1, keepdim=True) if group > 1 else torch.zeros_like(r[:, :1])  # (B, 1)
         adv = adv / (std + eps)
     return adv.reshape(-1)  # (B*G,)
+
+
+def refill_flat_groups(args, task, model, tok, step, sigma, rank, world, problems, samples, rewards, correct):
+    """DAPO's dynamic sampling (--dynamic-sampling N): a group whose G rewards all tie has zero advantage and
+    trains nothing, so up to N more rounds replace such groups with groups whose rewards differ, and the batch
+    keeps its size. Round r samples (draw r, under the step's one noise draw) this rank's share of the step's
+    next --batch problems, problems(seed, step, B (r + 1))[B r:] (prefix-stable, so fresh ones), as many as it
+    has flat groups; a group still flat after N rounds stays. Every draw is a function of (seed, step, r): a
+    resumed run refills as an uninterrupted one. -> (problems, samples, rewards, correct) of the batch that
+    trains, and {ds_rounds: rounds taken (the most of any rank), ds_flat_before: flat groups before refilling}."""
+    G, B = args.group, args.batch
+
+    def flat_of(r):  # rewards (n*G,) -> n bools: whether each group's rewards all tie
+        return (r.view(-1, G).std(1) == 0).tolist()
+    flat = [g for g, f in enumerate(flat_of(rewards)) if f]  # this rank's flat groups, to replace in order
+    picks, problems, flat_before, rounds = [(samples, g) for g in range(len(problems))], list(problems), len(flat), 0
+    while flat and rounds < args.dynamic_sampling:
+        rounds += 1
+        more = distributed.shard(task.problems(args.seed, step, B * (rounds + 1))[B * rounds:], rank, world)
+        more = more[:len(flat)]
+        new, _ = sample_groups(model, tok, [tok.encode(task.prompt(p)) for p in more], step, sigma, rank=rank,
+                               seed=args.seed, group=G, max_new_tokens=args.max_new_tokens, draw=rounds,
+                               temperature=args.temperature, compiled=args.compile, noise=args.aqn_scale,
+                               site=args.aqn_site)
+        for g, is_flat in enumerate(flat_of(score(task, more, new.texts, G)[0])):
+            if not is_flat:
+                slot = flat.pop(0)
+                picks[slot], problems[slot] = (new, g), more[g]
+    if rounds:  # the trained batch: its groups in slot order, scored once more as one batch
+        samples = take_groups(picks, G, tok.pad_token_id)
+        rewards, correct = score(task, problems, samples.texts, G)
+    record = {"ds_rounds": int(distributed.global_sum([rounds], op="max")[0]),
+              "ds_flat_before": int(distributed.global_sum([flat_before])[0])}
+    return problems, samples, rewards, correct, record
+
+
+@torch.inference_mode()
+def take_groups(picks, group, pad_id):
+    """One Rollout of whole groups, picks[i] = (a Rollout, a group index in it), its tensors padded to the longest
+    completion (completion_ids with pad_id, the rest with 0: outside the mask)."""
+    T = max(r.completion_ids.shape[1] for r, _ in picks)
+    rows = [(r, slice(g * group, (g + 1) * group)) for r, g in picks]
+
+    def cat(field, value=0):
+        parts = [getattr(r, field)[s] for r, s in rows]  # (G, T_r) each
+        return torch.cat([torch.nn.functional.pad(t, (0, T - t.shape[1]), value=value) for t in parts])  # (N, T)
+    return rollout.Rollout(prompt_ids=[p for r, s in rows for p in r.prompt_ids[s]],
+                           completion_ids=cat("completion_ids", pad_id or 0), completion_mask=cat("completion_mask"),
+                           logprobs=cat("logprobs"), entropy=cat("entropy"),
+                           texts=[t for r, s in rows for t in r.texts[s]])
 
 # -----------------------------------------------------------------------------
 # The loss
@@ -200,7 +257,9 @@ def grpo_loss(logp, old_logp, adv, mask, options=LossOptions(), *, weight=None, 
     logp (N, T) current policy, with gradients; old_logp (N, T) pi_old's (PI_OLD); adv (N,); mask (N, T) 1 on
     completion tokens; weight (N, T) a per-token factor on the surrogate from the pi_old reading (None: 1);
     ref_logp (N, T) the reference policy (for options.beta > 0); entropy (N, T) with gradients (for
-    options.entropy_coef > 0); max_new_tokens, denom: see aggregate."""
+    options.entropy_coef > 0); max_new_tokens, denom: see aggregate.
+    With old_logp = logp.detach() (--pi-old trainer at --mu 1) the ratio is 1 and never clipped, so the
+    gradient is -mean_t A grad log pi_theta: REINFORCE with the group's mean reward as baseline."""
     eps_low, eps_high = options.eps_low, options.eps_high
     mask = mask.float()
     ratio = torch.exp(logp - old_logp)  # (N, T) pi_theta / pi_old per token
@@ -232,7 +291,8 @@ def grpo_loss(logp, old_logp, adv, mask, options=LossOptions(), *, weight=None, 
 # pi_old, read by name (--pi-old). A reading is a function of a micro-batch's log-probs (N, T) each:
 # current (the policy being trained, detached), sampler (recorded while sampling, under AQN), before (the policy
 # before this batch's first optimizer step, or None), and the UpdateOptions -> (pi_old (N, T), a per-token
-# weight on the surrogate (N, T), detached, or None).
+# weight on the surrogate (N, T), detached, or None). The sampler's reading (q) cancels AQN's noise in
+# expectation, up to the clip: E_{y~q}[(pi_theta / q) A] = E_{y~pi_theta}[A]; the trainer's leaves it in.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +349,7 @@ class UpdateOptions:
     pi_old: str = "trainer"  # a key of PI_OLD
     tis_cap: float = 2.0  # the IS weights' truncation (tis) or mask (tis-mask) threshold; ms-swift's default
     mu: int = 1  # optimizer steps on each batch
-    micro_batch: int | str = 0  # rows per forward/backward (0: all kept rows at once; "auto": within a memory budget)
+    micro_batch: int | str = "auto"  # rows per forward/backward ("auto": within a memory budget; 0: all kept rows)
     grad_clip: float = 1.0  # max gradient norm
     no_std_scale: bool = False  # advantages r - mean only (Dr. GRPO)
 
@@ -407,23 +467,27 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewar
 
 @torch.inference_mode()
 def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512, compiled=False):
-    """Greedy pass@1; with k > 0 also pass@1 (mean over the k samples) and pass@k (any of k correct) at
-    `temperature`. Returns counts and rates; under torchrun the counts of every rank's problems, summed."""
+    """Greedy pass@1 and the greedy completions' mean task.reward (partial credit: a format bonus, a near
+    answer); with k > 0 also pass@1 (mean over the k samples) and pass@k (any of k correct) at `temperature`.
+    Returns counts and rates; under torchrun the counts (and reward sums) of every rank's problems, summed."""
     prompts, n, device = [tok.encode(task.prompt(p)) for p in problems], len(problems), common.model_device(model)
 
-    def solved(num_samples, temperature, gen):  # generate() over chunks of rows (memory)
+    def solved(num_samples, temperature, gen):  # generate() over chunks of rows (memory): the texts, their hits
         texts, step = [], max(1, chunk // num_samples)
         for i in range(0, n, step):
             texts += rollout.generate(model, prompts[i:i + step], num_samples=num_samples, max_new_tokens=max_new_tokens,
                                       temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=gen,
                                       tokenizer=tok, compiled=compiled).texts
-        return [[task.correct(p, texts[i * num_samples + j]) for j in range(num_samples)] for i, p in enumerate(problems)]
+        return texts, [[task.correct(p, texts[i * num_samples + j]) for j in range(num_samples)]
+                       for i, p in enumerate(problems)]
 
     with merged_sampling_weights(model, merge_for_sampling(device)):
-        greedy = sum(h[0] for h in solved(1, 0.0, None))
-        hits = solved(k, temperature, torch.Generator(device=device).manual_seed(seed)) if k > 0 else []
-    n, greedy, sampled, passed = map(int, distributed.global_sum([n, greedy, sum(map(sum, hits)), sum(map(any, hits))]))
-    res = {"n": n, "greedy_correct": greedy, "greedy": greedy / max(n, 1)}
+        texts, hits = solved(1, 0.0, None)
+        greedy, reward = sum(h[0] for h in hits), sum(map(task.reward, problems, texts))
+        hits = solved(k, temperature, torch.Generator(device=device).manual_seed(seed))[1] if k > 0 else []
+    reward, *counts = distributed.global_sum([reward, n, greedy, sum(map(sum, hits)), sum(map(any, hits))])
+    n, greedy, sampled, passed = map(int, counts)
+    res = {"n": n, "greedy_correct": greedy, "greedy": greedy / max(n, 1), "greedy_reward": reward / max(n, 1)}
     if k > 0:
         res.update({"k": k, "sample_correct": sampled, "pass_k_correct": passed, "pass@1": sampled / max(k * n, 1),
                     f"pass@{k}": passed / max(n, 1)})
@@ -442,6 +506,9 @@ def train(args, task=None):
     rank, world, device = distributed.init(str(common.pick_device(args.device)), 60 * args.dist_timeout)  # torchrun
     # --resume: the checkpoint and its hyper-parameters; then every check before any work (Part 2)
     ckpt, state, task, dtype_why = check_run(args, task, world, device)
+    finished = checkpoints.finished_run(args, ckpt, state)  # a resume of a finished run adds nothing
+    if finished is not None:
+        return finished
     model, tok, params, opt = build_policy(args, device)
     feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
         else None
@@ -449,7 +516,7 @@ def train(args, task=None):
     loss_options, update_options = LossOptions.from_args(args), UpdateOptions.from_args(args)
     sampling = dict(group=args.group, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
 
-    with runs.RunLog(args, rank, start, t_start, model, world, dtype_why) as log, \
+    with runs.RunLog(args, rank, start, t_start, model, world, dtype_why, parser_defaults()) as log, \
             runs.StopAtStepEnd(runs.StopAtStepEnd.REPEAT_S if world > 1 else 0.0) as stop:
         def held_out(step, k):  # greedy, and pass@k for k > 0; torchrun: each rank its share, the counts summed
             if not args.eval_size:
@@ -482,10 +549,15 @@ def train(args, task=None):
             problems = distributed.shard(task.problems(args.seed, step, args.batch), rank, world)
             prompts = [tok.encode(task.prompt(p)) for p in problems]
             samples, sigma_applied = sample_groups(model, tok, prompts, step, sigma, rank=rank, seed=args.seed,
-                                                   compiled=args.compile, noise=args.aqn_scale, **sampling)
+                                                   compiled=args.compile, noise=args.aqn_scale, site=args.aqn_site,
+                                                   **sampling)
             clock.lap("sample")
             rewards, correct = score(task, problems, samples.texts, args.group)  # (N,), a count
             clock.lap("score")
+            refilled = {}  # --dynamic-sampling: flat groups replaced; every statistic below is the trained batch's
+            if args.dynamic_sampling:
+                problems, samples, rewards, correct, refilled = refill_flat_groups(
+                    args, task, model, tok, step, sigma, rank, world, problems, samples, rewards, correct)
             mask = samples.completion_mask.float().clone()  # (N, T) plain copies: inference-mode tensors cannot train
             truncated = truncated_rows(samples.completion_ids, mask, tok.eos_token_ids)  # (N,) cut off, no EOS
             loss_mask = mask * (~truncated).float()[:, None] if args.mask_truncated else mask  # (N, T)
@@ -497,7 +569,7 @@ def train(args, task=None):
             # kl_after: how far the update moved the policy from the sampler; "diverged" when something is not finite
             checked = check_step(step + 1, model, params, samples, loss_mask, report, args.temperature)  # Part 2
             rec = runs.step_record(step + 1, samples, mask, truncated, rewards, correct, report, clock,
-                                   sigma=sigma, sigma_applied=sigma_applied, **checked)
+                                   sigma=sigma, sigma_applied=sigma_applied, **refilled, **checked)
             if feedback is not None:
                 feedback.update(rec["entropy"])  # the same global entropy on every rank: sigma stays in step
             log.step(rec, lr=lr)  # the log line; a step that diverged ends the run here (the last checkpoint stays)
@@ -530,9 +602,15 @@ def check_run(args, task, world, device):
     --dtype auto chose its dtype). --resume takes the run's hyper-parameters from its checkpoint; then every
     check: the flags, the run folder, the task and its data, every prompt within the context, --batch within
     the task, the memory."""
+    for flag, fix in (("resume", "the run (or checkpoint) folder to continue, or drop --resume for a new run"),
+                      ("out", "a folder, or drop --out for runs/<timestamp>")):
+        value = getattr(args, flag)
+        if value is not None and not value.strip():  # '' (an unset shell variable) would read as "not given"
+            raise ValueError(f"--{flag} {value!r} names no folder: give {fix}")
     ckpt, state = checkpoints.resume_args(args, parser_defaults())
     if ckpt:
         check_resumed_args(args)
+        checkpoints.check_saved_args(ckpt, state)
         if getattr(args, "world_size", world) != world:  # args.json records it (a run before that: unknown)
             print(f"note | resuming a run of {args.world_size} rank(s) on {world}: each rank's share of the groups "
                   f"and its sampling stream change, so the run goes on validly but not as the uninterrupted one")
@@ -569,10 +647,18 @@ def check_sizes(args, task, world, device):
     largest = max(phases, key=phases.get)
     what = largest if phases[largest] > adapters else f"--lora-r {args.lora_r}'s adapters"
     common.check_memory_fits(adapters + phases[largest], device, f"this run (mostly {what})")
-    given = len(task.problems(args.seed, 0, args.batch))  # drawn after the memory check bounded --batch
+    wanted = args.batch * (1 + args.dynamic_sampling)  # --dynamic-sampling's rounds draw on from the batch
+    try:  # drawn after the memory check bounded --batch
+        given = len(task.problems(args.seed, 0, wanted))
+    except tasks.TooFewProblems as e:
+        given = e.given
     if given < args.batch:
         raise ValueError(f"--batch {args.batch} is more than --task {args.task} gives a step ({given} problems): "
                          f"lower --batch to {given} or less")
+    if given < wanted:
+        raise ValueError(f"--dynamic-sampling {args.dynamic_sampling} draws up to {wanted} problems a step (--batch "
+                         f"{args.batch} a round), more than --task {args.task} gives ({given}): lower "
+                         f"--dynamic-sampling to {given // args.batch - 1} or less")
     return why
 
 
@@ -604,6 +690,7 @@ MAX_EVAL_SIZE = 100_000  # every evaluation samples each held-out problem (greed
 READ_WHEN = {
     "aqn_kind": (lambda a: a.aqn, "--aqn"),
     "aqn_scale": (lambda a: a.aqn, "--aqn"),
+    "aqn_site": (lambda a: a.aqn, "--aqn"),
     "sigma_start": (lambda a: a.aqn and a.aqn_kind != "none", "--aqn with an --aqn-kind other than none"),
     "sigma_end": (lambda a: a.aqn and a.aqn_kind in aqn.DECAYING_KINDS, "--aqn with a decaying --aqn-kind"),
     "num_stages": (lambda a: a.aqn and a.aqn_kind in aqn.DECAYING_KINDS, "--aqn with a decaying --aqn-kind"),
@@ -689,6 +776,94 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL = os.path.join(ROOT, "assets", "tiny-qwen")
 
 
+@torch.no_grad()
+def show_step(args, shown=4):
+    """--show-step: one sampled group of the fresh policy (adapters B = 0) worked by hand, at the first step
+    with AQN noise: rewards, advantages, and for `shown` tokens of its best and worst row the log-probs,
+    ratio, surrogate and share of the loss under pi_old's two readings. Every number is 05's own (sample_groups,
+    score, group_advantages, PI_OLD, grpo_loss, 03's sequence_logprobs); printed, and returned as a dict
+    (tests/test_show_step.py recomputes it)."""
+    if args.loss_agg != "token-mean" or args.beta or args.entropy_coef:
+        raise ValueError("--show-step works the default loss (token-mean, no KL, no entropy bonus): drop "
+                         "--loss-agg, --beta and --entropy-coef")
+    task, device = tasks.make_task(args, parser_defaults()), common.pick_device(args.device)
+    model, tok, _, _ = build_policy(args, device)
+    feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
+        else None
+    step = next((s for s in range(args.steps) if step_sigma(args, s, feedback) > 0), 0)  # the first noisy one
+    sigma, G = step_sigma(args, step, feedback), args.group
+    # the step's batch, sampled as train samples it; the first group whose rewards differ (the others carry no signal)
+    problems = task.problems(args.seed, step, args.batch)
+    samples, _ = sample_groups(model, tok, [tok.encode(task.prompt(p)) for p in problems], step, sigma,
+                               seed=args.seed, group=G, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, noise=args.aqn_scale, site=args.aqn_site)
+    rewards, _ = score(task, problems, samples.texts, G)  # (B*G,)
+    flat = rewards.view(-1, G).std(1) == 0  # (B,)
+    if flat.all():
+        raise ValueError(f"--show-step: every group of step {step}'s {len(problems)} problems has equal rewards (no "
+                         f"signal to show): raise --batch or try another --seed")
+    g = int((~flat).nonzero()[0])
+    rows = slice(g * G, (g + 1) * G)
+    r, adv = rewards[rows], group_advantages(rewards, G, not args.no_std_scale)[rows]  # (G,) each
+    ids, mask = samples.completion_ids[rows].clone(), samples.completion_mask[rows].float().clone()  # (G, T) each
+    logp, _ = rollout.sequence_logprobs(model, samples.prompt_ids[rows], ids, mask, temperature=args.temperature,
+                                        entropy=False)  # (G, T) the clean policy, as the update computes it
+    logp, sampler = logp.float(), samples.logprobs[rows].float().clone()  # (G, T): sampler, under AQN
+    loss_options, n = LossOptions.from_args(args), float(mask.sum())
+    # pi_old as each reading gives it at --mu 1 (no `before`), and each loss: the token mean of -surrogate
+    old = {name: PI_OLD[name].read(logp, sampler, None, UpdateOptions.from_args(args))[0]
+           for name in ("trainer", "sampler")}
+    loss = {name: float(grpo_loss(logp, o, adv, mask, loss_options)[0]) for name, o in old.items()}
+    picked = []  # (row, t): in the best and the worst row, the tokens where sampler and policy differ most
+    for i in sorted({int(adv.argmax()), int(adv.argmin())}):
+        gap = ((logp[i] - sampler[i]).abs() * mask[i]).masked_fill(mask[i] == 0, -1)  # (T,)
+        picked += [(i, t) for t in sorted(gap.topk(min(shown, int(mask[i].sum()))).indices.tolist())]
+    tokens = []
+    for i, t in picked:  # grpo_loss on this one token alone: its -surrogate, and whether the clip set it
+        one = torch.zeros_like(mask)
+        one[i, t] = 1
+        (l_tr, _), (l_s, s_stats) = (grpo_loss(logp, old[k], adv, one, loss_options) for k in ("trainer", "sampler"))
+        tokens.append({"row": i, "t": t, "token": tok.decode([int(ids[i, t])], skip_special_tokens=False),
+                       "adv": float(adv[i]), "logp": float(logp[i, t]), "sampler": float(sampler[i, t]),
+                       "ratio": float(torch.exp(logp[i, t] - sampler[i, t])), "clipped": s_stats["clip"] > 0,
+                       "surrogate": -float(l_s), "share_trainer": float(l_tr) / n, "share_sampler": float(l_s) / n})
+    out = {"step": step, "sigma": sigma, "group": g, "problem": task.prompt(problems[g]), "rewards": r.tolist(),
+           "mean": float(r.mean()), "std": float(r.std()), "adv": adv.tolist(), "n_tokens": int(n), "loss": loss,
+           "tokens": tokens, "logp": logp, "sampler_logp": sampler, "mask": mask}
+    eps_low, eps_high = loss_options.eps_low, loss_options.eps_high
+    noise = f"the first with AQN noise: sigma {sigma:.2e}" if sigma else "no AQN noise: q and pi_theta differ by rounding"
+    print(f"GRPO, one group by hand: step {step} of {args.steps} ({noise}), the fresh policy (adapters B = 0) on "
+          f"{os.path.basename(os.path.normpath(args.model))}, --quant {args.quant}")
+    print(f"problem {g} of the step's {len(problems)} (the first whose {G} rewards differ), the prompt the model "
+          f"sees:\n   {out['problem']!r}")
+    print("1. its G completions and rewards r (05 score: 1 if correct, +0.1 if format_ok):")
+    for i, (text, v) in enumerate(zip(samples.texts[rows], out["rewards"])):
+        print(f"   row {i} | r {v:g} | {text!r}")
+    print(f"2. mean {out['mean']:.4f}, std {out['std']:.4f} (unbiased); advantages A = (r - mean) / (std + 1e-4) "
+          f"(05 group_advantages):\n   " + " ".join(f"{a:+.4f}" for a in out["adv"]))
+    print("3. per token: log pi_theta, the clean policy the update differentiates (03 sequence_logprobs), and\n"
+          "   log q, the sampler's, recorded under AQN. pi_old: --pi-old trainer (the default, the official code)\n"
+          "   reads log pi_theta detached: ratio 1, surrogate A, share -A / N. --pi-old sampler reads log q:\n"
+          f"   ratio pi_theta / q, clipped to [1 - eps_low, 1 + eps_high] = [{1 - eps_low:g}, {1 + eps_high:g}] "
+          "on the side A pushes,\n   surrogate min(ratio A, clip(ratio) A), share -surrogate / N. "
+          f"N = {int(n)} tokens in this group; {shown} tokens of\n   the best and the worst row, where q and "
+          "pi_theta differ most:")
+    print(f"{'row':>4} | {'t':>3} | {'token':<10} | {'A':>7} | {'log pi_theta':>12} | {'log q':>8} | {'ratio':>7} | "
+          f"{'clip':>4} | {'surrogate':>9} | {'share trainer':>13} | {'share sampler':>13}")
+    for k in tokens:
+        print(f"{k['row']:>4} | {k['t']:>3} | {repr(k['token'])[:10]:<10} | {k['adv']:>+7.4f} | {k['logp']:>12.5f} | "
+              f"{k['sampler']:>8.5f} | {k['ratio']:>7.5f} | {'yes' if k['clipped'] else 'no':>4} | "
+              f"{k['surrogate']:>+9.5f} | {k['share_trainer']:>+13.3e} | {k['share_sampler']:>+13.3e}")
+    print(f"4. loss = the sum of every token's share (05 grpo_loss, token-mean over this group alone; a run divides "
+          f"by the step's\n   kept tokens): --pi-old trainer {round(loss['trainer'], 6) + 0.0:+.6f}, --pi-old sampler "
+          f"{round(loss['sampler'], 6) + 0.0:+.6f}\n   (the trainer's is 0 when the rows are equally long, as the A sum to 0; "
+          "its gradient is not)")
+    print("   At --mu 1 the trainer's ratio is 1: nothing is clipped, and the gradient is REINFORCE's,\n"
+          "   -mean_t A grad log pi_theta, with the group's mean reward as baseline. The sampler's ratio cancels\n"
+          "   the noise in expectation, E_{y~q}[(pi_theta/q) A] = E_{y~pi_theta}[A], at a cost in variance.")
+    return out
+
+
 def build_parser():
     N = common.number  # each number's allowed range: what makes no sense is refused before any work
     p = common.ArgumentParser(description="GRPO with LoRA on a quantized base and AQN (QeRL). The first group "
@@ -719,9 +894,12 @@ def build_parser():
                    help="system prompt: the paper's instruction, none, or auto (the instruction unless "
                    "config.json says \"qerl_prompt\": \"bare\", as the bundled model's does)")
     a = p.add_argument_group("AQN, more")
-    a.add_argument("--aqn-kind", default="exp", choices=aqn.SIGMA_KINDS, help="the schedule (exp: the paper's)")
+    a.add_argument("--aqn-kind", default="exp", choices=aqn.SIGMA_KINDS, help="the schedule (exp: the official code's "
+                   "geometric decay; linear, cosine, log: our forms of the paper's ablation)")
     a.add_argument("--aqn-scale", default="absolute", choices=list(aqn.NOISES), help="how a noise draw is sized "
                    "(04 NOISES): absolute, Z ~ N(0, sigma^2) as the paper; relative, Z_i ~ N(0, (sigma w_i)^2)")
+    a.add_argument("--aqn-site", default="norms", choices=list(aqn.SITES), help="where the noise lands (04 SITES): "
+                   + "; ".join(f"{k}: {v.help}" for k, v in aqn.SITES.items()))
     a.add_argument("--target-entropy", type=N(above=0), default=0.15, help="aqn-kind feedback: entropy to hold")
     a.add_argument("--train-norms", action="store_true", help="train the RMSNorm gains of every decoder layer "
                    "(input/post-attention, fp32) with the adapters; saved as PEFT modules_to_save")
@@ -733,12 +911,17 @@ def build_parser():
     g.add_argument("--eps-high", type=N(float, 0), default=LossOptions.eps_high)
     g.add_argument("--loss-agg", default=LossOptions.loss_agg, choices=LOSS_AGGS)
     g.add_argument("--no-std-scale", action="store_true", help="advantage r - mean only (Dr. GRPO)")
-    g.add_argument("--mu", type=N(int, 1), default=UpdateOptions.mu, help="policy updates per batch")
+    # PPO-style reuse takes a few passes (TRL's num_iterations, PPO's 3-10 epochs); past 16 the batch is far
+    # off-policy (the clip zeroes most tokens) and one step's updates alone can outlast --time-budget
+    g.add_argument("--mu", type=N(int, 1, 16), default=UpdateOptions.mu, help="policy updates per batch (<= 16)")
     g.add_argument("--tis-cap", type=N(above=1), default=UpdateOptions.tis_cap, help="--pi-old tis: the IS weight "
                    "pi_trainer / pi_sampler is truncated here (tis-mask: tokens beyond it leave the loss); every reading "
                    "logs the fraction beyond it (is_beyond_cap)")
     g.add_argument("--beta", type=N(float, 0), default=LossOptions.beta, help="k3 KL to the base (reference) policy")
     g.add_argument("--entropy-coef", type=N(float, 0), default=LossOptions.entropy_coef, help="entropy bonus coefficient")
+    g.add_argument("--dynamic-sampling", type=N(int, 0, 16), default=0, help="DAPO's dynamic sampling: up to N more "
+                   "rounds of problems a step replace the groups whose rewards all tie (0: off; the step's statistics "
+                   "describe the trained batch, its record says ds_rounds and ds_flat_before)")
     g.add_argument("--mask-truncated", action="store_true", help="completions cut off at --max-new-tokens "
                    "(no EOS) leave the loss; their rewards still count in their group's advantages")
     g.add_argument("--warmup", type=N(int, 0), default=10, help="warmup steps")
@@ -754,14 +937,15 @@ def build_parser():
                    help="NVFP4 rounding: rtn (compressed-tensors) or 4over6 (per block, max -> 6 or 4)")
     m.add_argument("--compile", action="store_true", help="sample with stage 03's torch.compile'd decode step "
                    "(compiles once per batch/length bucket: tens of seconds on a CPU; pays off on long runs and GPUs)")
-    m.add_argument("--micro-batch", type=lambda v: v if v == "auto" else N(int, 0)(v), default="auto",
+    m.add_argument("--micro-batch", type=lambda v: v if v == "auto" else N(int, 0)(v), default=UpdateOptions.micro_batch,
                    help="rows per forward/backward of the update, gradients accumulated before the one optimizer "
                    "step (0: all rows at once; auto: as many as keep the update's activations within "
                    f"{memory.UPDATE_MEMORY_CPU // 2 ** 20} MiB on a CPU, half the free memory on a GPU)")
     m.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per decoder layer "
                    "in the update (less memory, one more forward)")
-    m.add_argument("--dist-timeout", type=N(above=0), default=10.0, help="torchrun: minutes a rank waits for the "
-                   "others at a collective before the job ends with a line naming the missing rank")
+    m.add_argument("--dist-timeout", type=N(float, distributed.MIN_TIMEOUT_MIN, distributed.MAX_TIMEOUT_MIN),
+                   default=10.0, help="torchrun: minutes a rank waits for the others at a collective before the job "
+                   "ends with a line naming the missing rank")
     m.add_argument("--gpu-path", action="store_true", help="on the CPU, run what CUDA runs: NVFP4Linear through "
                    "the Triton kernel (interpreted), no merged sampling weights, bfloat16 by default")
     o = p.add_argument_group("evaluation and the run folder")
@@ -779,6 +963,8 @@ def build_parser():
     o.add_argument("--stop-at", type=N(int, 0), default=0, help="stop after this step with a checkpoint, as if "
                    "interrupted (for testing --resume)")
     o.add_argument("--quiet", action="store_true", help="no per-step lines")
+    o.add_argument("--show-step", action="store_true", help="train nothing: work one sampled group through "
+                   "the rewards, advantages, ratio and loss by hand, and print it (a few seconds)")
     return p
 
 
@@ -794,7 +980,10 @@ def parser_defaults():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))  # torchrun's: rank 0 alone prints; errors still reach stderr
+    if args.show_step:
+        show_step(args)
+        return
+    rank = distributed.launch()[0]  # torchrun's: rank 0 alone prints; errors still reach stderr
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull if rank > 0 else sys.stdout):
         train(args)
 

@@ -7,6 +7,7 @@ Imports no stage.
 """
 import errno
 import hashlib
+import math
 import os
 import pickle
 import random
@@ -23,13 +24,22 @@ INHERITED_RUNTIME_ARGS = ("time_budget", "eval_every", "save_every", "quiet", "m
                           "compile")  # a resume keeps these unless given again
 
 
+# Saved arguments args.json may hold otherwise: the paths as given (the run record checks them) and the number
+# of ranks (a resume may change it)
+NOT_RECORDED = ("model", "data", "eval_data", "world_size")
 RUN_FILES = ("args.json", "metrics.jsonl", "summary.json")  # what a run writes in its folder, beside its checkpoints
 CHECKPOINT_FILES = ("trainer_state.pt", "adapter_config.json", "adapter_model.safetensors")  # what a checkpoint holds
 
 
+def checkpoint_step(name):
+    """The step a checkpoint-NNNNNN folder's name gives (ASCII digits), else None."""
+    found = re.fullmatch(r"checkpoint-([0-9]+)", name)
+    return int(found.group(1)) if found else None
+
+
 def is_run_file(name):
     """Whether `name` in a run folder is one of the files a run writes."""
-    return name in RUN_FILES or bool(re.fullmatch(r"checkpoint-\d+", name))
+    return name in RUN_FILES or checkpoint_step(name) is not None
 
 
 def check_run_links(folder):
@@ -124,6 +134,11 @@ def resume_args(args, defaults):
     ckpt = args.resume
     if not os.path.lexists(os.path.join(ckpt, "trainer_state.pt")):  # a run folder: its latest checkpoint
         found = latest_checkpoint(ckpt)
+        ran = sorted(n for n in os.listdir(ckpt) if is_run_file(n)) if os.path.isdir(ckpt) else []
+        if not found and ran:  # a run that died before its first checkpoint: --out refuses the folder too
+            raise FileNotFoundError(f"--resume {ckpt!r}: no checkpoint there: its run ({', '.join(ran)}) stopped "
+                                    f"before its first checkpoint, so nothing can be continued; start a new run "
+                                    f"with another --out, or delete those files to reuse {ckpt}")
         if not found:
             raise FileNotFoundError(f"--resume {ckpt!r}: no checkpoint there (expected a checkpoint-NNNNNN folder "
                                     f"with trainer_state.pt, or a run folder containing one)")
@@ -151,6 +166,10 @@ def resume_args(args, defaults):
     if type(step) is not int or not 0 <= step <= args.steps:  # 10**18 would skip the loop and report success
         raise ValueError(f"--resume: {file} says step {step!r}, outside 0..{args.steps} (the run's --steps): the "
                          f"checkpoint is damaged; resume from another checkpoint")
+    named = checkpoint_step(os.path.basename(os.path.normpath(ckpt)))
+    if named is not None and named != step:  # a renamed checkpoint would be taken for another step's
+        raise ValueError(f"--resume: {file} says step {step}, but its folder's name says {named}: the checkpoint "
+                         f"was renamed or edited; resume from another checkpoint")
     return ckpt, state
 
 
@@ -178,45 +197,114 @@ def check_run_record(args, ckpt, state, defaults):
     return {"model": model, **{k: run[k] for k in ("data", "eval_data") if run.get(k)}}
 
 
+def check_saved_args(ckpt, state):
+    """--resume: the hyper-parameters the checkpoint gives (each within its flag's range: an edited lr of 1e6
+    is) are those its run recorded in args.json; one line naming the first that differs."""
+    args_json = os.path.join(os.path.dirname(os.path.abspath(ckpt)), "args.json")
+    folder = common.read_json(args_json) if os.path.lexists(args_json) else {}  # a run before args.json: unchecked
+    for k, v in state["args"].items():
+        if k in folder and k not in (*RUNTIME_ARGS, *NOT_RECORDED) and folder[k] != v:
+            raise ValueError(f"--resume: {os.path.join(ckpt, 'trainer_state.pt')} says --{k.replace('_', '-')} {v!r}, "
+                             f"but its run's args.json says {folder[k]!r}: one of them was edited; resume from a "
+                             f"checkpoint that agrees with args.json")
+
+
 def latest_checkpoint(folder):
-    """The run folder's newest checkpoint-NNNNNN (None if it has none)."""
-    found = sorted(d for d in os.listdir(folder) if re.fullmatch(r"checkpoint-\d+", d)) if os.path.isdir(folder) else []
-    return os.path.join(folder, found[-1]) if found else None
+    """The run folder's checkpoint-NNNNNN of the highest step, by number (checkpoint-2 is older than
+    checkpoint-000004; of two names for one step, the one a run writes); None if it has none."""
+    names = [d for d in os.listdir(folder) if checkpoint_step(d) is not None] if os.path.isdir(folder) else []
+    newest = max(names, key=lambda d: (checkpoint_step(d), d == f"checkpoint-{checkpoint_step(d):06d}"), default=None)
+    return os.path.join(folder, newest) if newest else None
+
+
+def finished_run(args, ckpt, state):
+    """--resume of a run that ended at its last step with its final evaluation (its summary.json says it was
+    stopped by "steps"): nothing to add (no step, evaluation, checkpoint or log line); the summary, as the run
+    wrote it, is printed and returned. Else None: a run stopped at its last step by a signal or --stop-at
+    resumes to its final evaluation, once."""
+    if not state or state["step"] != args.steps:
+        return None
+    file = os.path.join(os.path.dirname(os.path.abspath(ckpt)), "summary.json")
+    try:
+        summary = common.read_json(file)
+    except ValueError:  # missing or damaged: the resume writes it again
+        return None
+    if summary.get("steps_done") != args.steps or summary.get("stopped_by") != "steps":
+        return None
+    print(f"resume | {ckpt} is step {args.steps} of --steps {args.steps}: the run is finished, nothing to add (to "
+          f"train further, start a new run)")
+    gain = summary.get("greedy_gain")
+    print(f"summary | steps {args.steps} | stopped by steps" +
+          (f" | greedy {100 * gain:+.1f} points" if isinstance(gain, float) else "") + f" | {file}")
+    return summary
 
 
 def restore(ckpt, state, load_adapter, opt, feedback):
-    """Load a checkpoint's adapter (load_adapter(folder)), optimizer, controller and RNG states; returns its step."""
+    """Load a checkpoint's adapter (load_adapter(folder), which checks its config against the model's), AdamW's
+    per-parameter state (adam_state), the controller and RNG states; returns its step."""
     try:
         load_adapter(ckpt)
     except ValueError as e:  # a truncated adapter file, say: 02's line, naming the file and a tensor
         raise ValueError(f"--resume: {e} (resume from another checkpoint)") from None
+    file = os.path.join(ckpt, "trainer_state.pt")
+    moments = adam_state(file, state.get("optimizer"), opt, state["step"] * state["args"].get("mu", 1))
     try:
-        opt.load_state_dict(state["optimizer"])
+        # AdamW's settings (lr, betas, eps, weight decay, maximize...) stay those build_policy made from the run's
+        # arguments: only the per-parameter moments and step counts come from the file
+        opt.load_state_dict({"state": moments, "param_groups": opt.state_dict()["param_groups"]})
         if feedback is not None and state.get("feedback"):
             feedback.load_state_dict(state["feedback"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"--resume: {os.path.join(ckpt, 'trainer_state.pt')} does not fit this run's optimizer or "
-                         f"generators ({type(e).__name__}): the checkpoint is damaged; resume from another "
-                         f"checkpoint") from None
+        raise ValueError(f"--resume: {file} does not fit this run's optimizer or generators ({type(e).__name__}): "
+                         f"the checkpoint is damaged; resume from another checkpoint") from None
     check_finite_state(ckpt, opt)
     print(f"resume | {ckpt} | step {state['step']} | hyper-parameters from the checkpoint")
     return state["step"]
 
 
+def adam_state(file, saved, opt, max_steps):
+    """--resume: trainer_state.pt's AdamW state, checked against this run's optimizer -> {parameter index:
+    {step, exp_avg, exp_avg_sq}}. One line naming the first bad value (adam_problem)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = saved.get("state") if isinstance(saved, dict) else None
+    bad = None if isinstance(state, dict) else "it holds no AdamW state"
+    for i, one in (state or {}).items():
+        bad = bad or adam_problem(i, one, params, max_steps)
+    if bad:
+        raise ValueError(f"--resume: {file}: {bad}: the checkpoint is damaged; resume from another checkpoint")
+    return {i: {"step": torch.tensor(float(one["step"]), dtype=torch.float32), "exp_avg": one["exp_avg"],
+                "exp_avg_sq": one["exp_avg_sq"]} for i, one in state.items()}
+
+
+def adam_problem(i, one, params, max_steps):
+    """What is wrong with AdamW's state `one` of parameter index `i` (None: nothing): the index one of the run's
+    parameters; each moment finite and of its parameter's shape, every second moment >= 0 (its square root
+    divides the step); the step count a whole number in 0..max_steps (the run's steps x --mu)."""
+    at = f"parameter {i}"
+    if type(i) is not int or not 0 <= i < len(params):
+        return f"AdamW's state names {at}, but the run has {len(params)}"
+    if not (isinstance(one, dict) and all(torch.is_tensor(one.get(k)) for k in ("step", "exp_avg", "exp_avg_sq"))):
+        return f"AdamW's state of {at} is not the tensors step, exp_avg and exp_avg_sq"
+    step = one["step"]
+    n = float(step) if step.numel() == 1 and not step.is_complex() else float("nan")
+    if not (math.isfinite(n) and n == int(n) and 0 <= n <= max_steps):
+        return f"AdamW's step count of {at} is not a whole number in 0..{max_steps} ({step.flatten()[:1].tolist()})"
+    for key in ("exp_avg", "exp_avg_sq"):
+        t = one[key]
+        if t.shape != params[i].shape or not t.is_floating_point():
+            return f"AdamW's {key} ({at}) is {t.dtype} {list(t.shape)}, not of its parameter's {list(params[i].shape)}"
+        if not bool(torch.isfinite(t).all()):
+            return f"AdamW's {key} holds a non-finite value ({at})"
+        if key == "exp_avg_sq" and bool((t < 0).any()):
+            return f"AdamW's exp_avg_sq (a second moment) holds a negative value ({at})"
+    return None
+
+
 def check_finite_state(ckpt, opt):
-    """--resume: what a run would continue from is sound: every trained tensor and AdamW moment finite, and
-    every second moment >= 0 (its square root divides the step). One line naming the first bad tensor."""
-    names = {id(p): f"parameter {i}" for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            bad = None if bool(torch.isfinite(p).all()) else "the adapter (or a trained norm) holds a non-finite value"
-            for key, t in opt.state.get(p, {}).items():
-                if bad is None and torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    bad = f"AdamW's {key} holds a non-finite value"
-                if bad is None and key == "exp_avg_sq" and bool((t < 0).any()):
-                    bad = "AdamW's exp_avg_sq (a second moment) holds a negative value"
-            if bad:
-                raise ValueError(f"--resume: {ckpt}: {bad} ({names[id(p)]}): the checkpoint is damaged; resume from "
-                                 f"another checkpoint")
+    """--resume: every trained tensor (the adapter, trained norms) finite. One line naming the first bad one."""
+    for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
+        if not bool(torch.isfinite(p).all()):
+            raise ValueError(f"--resume: {ckpt}: the adapter (or a trained norm) holds a non-finite value (parameter "
+                             f"{i}): the checkpoint is damaged; resume from another checkpoint")

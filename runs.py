@@ -45,8 +45,9 @@ class RunLog:
     """What a run prints and what rank 0 writes: metrics.jsonl, args.json, summary.json."""
     NO_SIGNAL_STEPS = 20  # steps in a row without signal before the warning
 
-    def __init__(self, args, rank, start, t_start, model, world, dtype_why=""):
+    def __init__(self, args, rank, start, t_start, model, world, dtype_why="", defaults=None):
         self.args, self.rank, self.t_start, self.flat_steps, self.start = args, rank, t_start, 0, start
+        self.defaults = defaults or {}  # the parser's: a divergence names the flags this run changed
         self.metrics = os.path.join(args.out, "metrics.jsonl")
         self.opened, self.steps_logged, self.made, self.recent = False, 0, [], []  # recent: s/step of each step
         self.far_steps = []  # the steps whose update moved the policy beyond DIVERGED_KL
@@ -114,7 +115,7 @@ class RunLog:
 
     def eval(self, res, step, k, seconds):
         res.update(step=step, seconds=seconds, time=time.time() - self.t_start)
-        line = f"eval | step {step} | n {res['n']} | greedy {res['greedy']:.3f}"
+        line = f"eval | step {step} | n {res['n']} | greedy {res['greedy']:.3f} | reward {res['greedy_reward']:.3f}"
         line += f" | pass@1 {res['pass@1']:.3f} | pass@{k} {res[f'pass@{k}']:.3f}" if k else ""
         print(line + f" | {seconds:.1f}s", flush=True)
         self._append({"eval": res})
@@ -135,17 +136,27 @@ class RunLog:
         if rec.get("diverged"):  # the last good checkpoint stays; this run's state is not saved
             found = checkpoints.latest_checkpoint(self.args.out)
             hint = f"its last good checkpoint, {os.path.basename(found)}, stays" if found else "it saved no checkpoint"
-            raise ValueError(f"step {rec['step']}: {rec['diverged']}: the run diverged and stops; {hint}; run again "
-                             f"with a lower --lr (or --sigma-start)")
+            raise ValueError(f"step {rec['step']}: {rec['diverged']}: the run diverged and stops; {hint}; "
+                             f"{self.divergence_fix()}")
         if rec["kl_after"] > DIVERGED_KL:
             self.far_steps.append(rec["step"])
             print(f"warning | step {rec['step']} | kl_after {rec['kl_after']:.3g} > {DIVERGED_KL:g}: the update moved "
-                  f"the policy far from the one that sampled (likely divergence: lower --lr)", flush=True)
+                  f"the policy far from the one that sampled (likely divergence: {self.divergence_fix()})", flush=True)
         if self.flat_steps == self.NO_SIGNAL_STEPS:
             never = rec["acc"] < 0.5
             print(f"warning | {self.flat_steps} steps in a row without signal: the base {'never' if never else 'always'}"
                   f" solves this task (acc {rec['acc']:.2f}), so GRPO learns nothing; try an "
                   f"{'easier' if never else 'harder'} task or another base", flush=True)
+
+    def divergence_fix(self):
+        """What to change after a divergence: the flags of DIVERGENCE_FLAGS this run set away from their defaults
+        (--lr when none); a resumed run took them from its checkpoint, so a new run is how to change them."""
+        flags = [k for k in DIVERGENCE_FLAGS if k in self.defaults and getattr(self.args, k) != self.defaults[k]]
+        named = " or ".join(f"--{k.replace('_', '-')} (now {getattr(self.args, k):g})" for k in flags or ["lr"])
+        if not self.args.resume:
+            return f"run again with a lower {named}"
+        return (f"lower {named}: a resume keeps the checkpoint's values, so start a new run with lower ones (or, if "
+                f"the checkpoint's state is at fault, resume from an earlier checkpoint)")
 
     def summary(self, done, stopped, first_eval, last_eval, last_ckpt):
         if stopped == "time budget" and not self.steps_logged:  # then the run folder's files go (__exit__)
@@ -162,11 +173,13 @@ class RunLog:
             s["greedy_gain"] = last_eval["greedy"] - first_eval["greedy"]
             gain = (f" | greedy {first_eval['greedy']:.3f} -> {last_eval['greedy']:.3f} "
                     f"({100 * s['greedy_gain']:+.1f} points)")
+            if "greedy_reward" in first_eval:  # a run resumed from an older checkpoint has no first reward
+                gain += f" | reward {first_eval['greedy_reward']:.3f} -> {last_eval['greedy_reward']:.3f}"
         far = self.far_steps
         print(f"summary | steps {done} | stopped by {why}{gain} | wall {s['wall_s']:.0f}s | out {self.args.out}"
               + (f" | LIKELY DIVERGED: {len(far)} step(s) moved the policy beyond kl_after {DIVERGED_KL:g} (first: "
                  f"step {far[0]})" if far else ""))
-        if self.rank == 0 and self.steps_logged:
+        if self.rank == 0 and (self.steps_logged or (self.opened and self.start)):  # a resume's final evaluation
             common.write_json(os.path.join(self.args.out, "summary.json"), clean(s))
         return s
 
@@ -222,6 +235,9 @@ class StopAtStepEnd:
         return False
 
 
+# The flags whose raised values can make an update too large (what a divergence names, RunLog.divergence_fix)
+DIVERGENCE_FLAGS = ("lr", "sigma_start", "beta", "entropy_coef", "lora_alpha", "mu")
+
 # A step whose update moves the policy more than this from the one that sampled (kl_after, nats per token) is
 # named a likely divergence. Measured 2026-12-02: the bundled model's default run stays below 0.03 (60 steps) and
 # SmolLM2's documented QeRL run below 0.17 (60 steps, AQN noise included); --lr 1e3 passes 1 in its first update.
@@ -249,6 +265,10 @@ def check_run_folder(args, ckpt=None):
     held = sorted(os.listdir(args.out)) if os.path.isdir(args.out) else []
     run = [n for n in held if is_run_file(n)]  # what a run would overwrite
     own = ckpt is not None and os.path.realpath(os.path.dirname(os.path.abspath(ckpt))) == os.path.realpath(args.out)
+    if run and not own and not any(checkpoints.checkpoint_step(n) is not None for n in run):
+        raise ValueError(f"--out {args.out} already holds a run ({', '.join(run[:3])}) that stopped before its first "
+                         f"checkpoint: --resume has nothing to continue there; delete those files to reuse "
+                         f"{args.out}, or choose a new --out")
     if run and not own:
         raise ValueError(f"--out {args.out} already holds a run ({', '.join(run[:3])}): continue it with --resume "
                          f"{args.out} (without --out), or choose a new --out")

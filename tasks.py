@@ -41,8 +41,9 @@ class Task:
                   that every prompt of `held` and `train` fits the model's context before any work.
       problems(seed, step, n)   the step's n training problems (dicts, whatever keys the task's own
                   methods need). A pure function of (seed, step), so a resumed run draws what an
-                  uninterrupted one would. It returns at least n problems whenever n is no more than
-                  the task's size (05 refuses a --batch larger than len(problems(seed, 0, batch))).
+                  uninterrupted one would, and prefix-stable: the first k of n are problems(seed, step, k)
+                  (05's --dynamic-sampling draws a step's further problems so). Never silently short: n
+                  problems, or TooFewProblems when the task cannot give n (05 refuses such a --batch).
       prompt(problem) -> str    the whole prompt text, chat template included, that the model continues.
       correct(problem, completion) -> bool   whether a completion (decoded text, or None) solves it:
                   what accuracy and pass@k count.
@@ -70,6 +71,26 @@ class Task:
         return float(self.correct(problem, completion))
 
 
+class TooFewProblems(ValueError):
+    """problems(seed, step, n) for an n beyond what the task gives a step; `given` is the most it can."""
+
+    def __init__(self, what, n, given):
+        super().__init__(f"{what} gives at most {given} problems a step, not {n}")
+        self.given = given
+
+
+def distinct_draws(pool, n, rng):
+    """n distinct items of pool in a seeded order, each the next uniform index not yet drawn: prefix-stable in n,
+    and the very picks of random.sample(pool, n) wherever that draws so (n below ~86 for a pool of 803)."""
+    taken, out = set(), []
+    while len(out) < n:
+        j = rng.randrange(len(pool))
+        if j not in taken:
+            taken.add(j)
+            out.append(pool[j])
+    return out
+
+
 # -----------------------------------------------------------------------------
 # The paper's answer format: <think> reasoning </think> <answer> number </answer>
 
@@ -80,18 +101,23 @@ PAPER_INSTRUCTION = ("Solve the following math problem step by step. The reasoni
                      "<think> reasoning process here </think> <answer> answer here </answer>.")
 EVAL_SEED, EVAL_POOL = 1234, 2000  # the held-out stream; its first EVAL_POOL questions never train
 FORMAT_REWARD = 0.1
+# A number longer than this (commas dropped) is no answer a policy is graded on: parse_number reads it as
+# none, which bounds the work a completion can ask for, and a gold answer that long is refused at load.
+MAX_NUMBER_CHARS = 100
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-# exactly one think block then one answer block (whitespace allowed between and around)
+# exactly one think block then one answer block (whitespace allowed between and around); linear: the
+# tempered dots stop at the first tag, so a failed match gives back each character once
 _FORMAT = re.compile(r"\s*<think>((?!</?think>).)*</think>\s*<answer>((?!</?answer>).)*</answer>\s*", re.S)
 _EOS_STRINGS = ("<|im_end|>", "<|endoftext|>")
 
 
 def parse_number(text):
-    """The last number in `text` as an exact Fraction ("1,234.50" -> 2469/2), or None."""
+    """The last number in `text` as an exact Fraction ("1,234.50" -> 2469/2), or None (also when it is
+    longer than MAX_NUMBER_CHARS)."""
     found = _NUMBER.findall(text or "")
+    number = found[-1].replace(",", "") if found else ""
     try:
-        return Fraction(found[-1].replace(",", "")) if found else None
+        return Fraction(number) if 0 < len(number) <= MAX_NUMBER_CHARS else None
     except (ValueError, ZeroDivisionError):
         return None
 
@@ -105,8 +131,12 @@ def _strip_eos(completion):  # a sampler may or may not decode the stop token
 
 def answer_block(completion):
     """The text inside the last <answer>...</answer> of a completion (stop tokens removed), or None."""
-    blocks = _ANSWER.findall(_strip_eos(completion))
-    return blocks[-1] if blocks else None
+    # Blocks left to right, each from an <answer> to the first </answer> after it; scanned with find (a
+    # lazy regex rescans the rest of the text from every unclosed <answer>: quadratic)
+    text, block, end = _strip_eos(completion), None, 0
+    while (start := text.find("<answer>", end)) >= 0 and (end := text.find("</answer>", start + 8)) >= 0:
+        block, end = text[start + 8:end], end + 9
+    return block
 
 
 def extract_answer(completion):
@@ -252,41 +282,65 @@ def _gsm8k_problem(line):
     return {"question": row["question"].strip(), "answer": _gold_number(gold)}
 
 
+# The other ways a gold answer may write a number: a sign, an exponent, a fraction
+_GOLD_FORMS = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE](?P<exp>[-+]?\d+))?|[-+]?\d+/\d+")
+
+
 def _gold_number(text):
     """A gold answer as the scorer reads numbers (parse_number: the digits as written, one sign): itself
     when it is one such number, else 1e5, 1/2 or a Unicode minus (−7) rewritten as one (100000, 0.5, -7).
-    Anything else would be scored as its last digits (1e5 as 5): an error."""
+    Anything else would be scored as its last digits (1e5 as 5), and a number over MAX_NUMBER_CHARS
+    written out never: an error."""
     text = text.replace("\u2212", "-")
+    form = _GOLD_FORMS.fullmatch(text) if len(text) <= MAX_NUMBER_CHARS else None  # the regex: short text only
+    if len(text) > MAX_NUMBER_CHARS or (form and abs(int(form["exp"] or 0)) > MAX_NUMBER_CHARS):
+        raise ValueError(_unscorable(text))  # before Fraction("1e100000000") would write out 10^100000000
     if _NUMBER.fullmatch(text):
         return text
     try:
-        value = Fraction(text)
-    except (ValueError, ZeroDivisionError):
+        value = Fraction(text) if form else None
+    except ZeroDivisionError:
+        value = None
+    if value is None:
         raise ValueError(f"the answer after '####' is {text!r}, not a number (write it as 42, -3.5, 1e5 or "
-                         f"1/2)") from None
+                         f"1/2)")
     for k in range(16):  # the fewest decimals that write it exactly
         scaled = value * 10 ** k
         if scaled.denominator == 1:
             digits = str(abs(scaled.numerator)).rjust(k + 1, "0")
-            return ("-" if value < 0 else "") + (f"{digits[:-k]}.{digits[-k:]}" if k else digits)
+            written = ("-" if value < 0 else "") + (f"{digits[:-k]}.{digits[-k:]}" if k else digits)
+            if len(written) > MAX_NUMBER_CHARS:
+                raise ValueError(_unscorable(text))
+            return written
     raise ValueError(f"the answer after '####' is {text!r}, which no decimal writes exactly (the scorer reads "
                      f"decimals): round it, e.g. {float(value):.6g}")
 
 
+def _unscorable(text):
+    return (f"the answer after '####' is {text[:20]!r}{'...' if len(text) > 20 else ''}, over {MAX_NUMBER_CHARS} "
+            "characters written out: the scorer reads no number that long, so it could never be scored; drop the line")
+
+
 def load_jsonl(path):
-    """Problems [{question, answer}] from a GSM8K-style JSONL file; malformed lines are skipped and
-    counted (one line of output), a file without one usable line is an error."""
+    """Problems [{question, answer}] from a GSM8K-style JSONL file; malformed lines, and lines holding bytes
+    that are not UTF-8, are skipped and counted (a line of output each), a file without one usable line is
+    an error."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file {path!r} not found (expected JSONL lines with 'question' and "
                                 f"'answer' ending in '#### <number>', or use --task arithmetic)")
-    text = common.read_text(path, "data file ")  # a pipe is refused; undecodable bytes -> a malformed line
-    parsed = []
+    text = common.read_text(path, "data file ")  # a pipe is refused; undecodable bytes -> U+FFFD
+    parsed, garbled = [], []
     for n, line in enumerate(text.split("\n"), 1):
+        if "\ufffd" in line:  # bytes that are not UTF-8 (or a converter's mark of them): a garbled question
+            garbled.append(n)
+            continue
         try:
             parsed += [(n, _gsm8k_problem(line))] if line.strip() else []
         except ValueError as e:  # a gold the scorer would misread
             raise ValueError(f"{path}:{n}: {e}") from None
     problems, bad = [dict(p, where=f"{path}:{n}") for n, p in parsed if p], [n for n, p in parsed if not p]
+    if garbled:
+        print(f"data | {path}:{garbled[0]}: bytes that are not UTF-8 (U+FFFD): skipped {len(garbled)} such line(s)")
     if bad:
         print(f"data | {path}: skipped {len(bad)} malformed line(s) (first at line {bad[0]}); kept {len(problems)}")
     if not problems:
@@ -321,13 +375,10 @@ class JsonlTask(AnswerTask):
     def from_args(cls, args, system):
         return cls(args.data, args.eval_data, args.eval_size, system)
 
-    def problems(self, seed, step, n):  # walk epoch-wise seeded shuffles of the file
-        out = []
-        for i in range(step * n, step * n + n):
-            epoch, j = divmod(i, len(self.train))
-            order = list(range(len(self.train)))
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)
-            out.append(self.train[order[j]])
+    def problems(self, seed, step, n):  # a seeded sample of the file each step; past its size, another round
+        rng, out = random.Random(seed * 1_000_003 + step), []
+        while len(out) < n:
+            out += distinct_draws(self.train, min(n - len(out), len(self.train)), rng)
         return out
 
 
@@ -368,7 +419,9 @@ class ChatArithmeticTask(AnswerTask):
         return float(self.correct(problem, completion))
 
     def problems(self, seed, step, n):  # a fresh seeded sample of the training problems each step
-        return random.Random(seed * 1_000_003 + step).sample(self.train, min(n, len(self.train)))
+        if n > len(self.train):
+            raise TooFewProblems("--task chat-arithmetic", n, len(self.train))
+        return distinct_draws(self.train, n, random.Random(seed * 1_000_003 + step))
 
 
 # -----------------------------------------------------------------------------

@@ -42,11 +42,11 @@ def test_task_registry_and_its_flags(tmp_path, monkeypatch, capsys):
     assert type(tasks.make_task(parse("--task", "gsm8k", "--data", data), grpo.parser_defaults())) is tasks.JsonlTask
     # --task's choices are the registry: an unknown name is argparse's error, and make_task's without the parser
     with pytest.raises(SystemExit):
-        parse("--task", "mnist")
-    assert "invalid choice: 'mnist'" in capsys.readouterr().err
+        parse("--task", "no-such-task")
+    assert "invalid choice: 'no-such-task'" in capsys.readouterr().err
     args = parse()
-    args.task = "mnist"
-    with pytest.raises(ValueError, match=r"unknown task 'mnist': choose one of arithmetic, gsm8k"):
+    args.task = "no-such-task"
+    with pytest.raises(ValueError, match=r"unknown task 'no-such-task': choose one of arithmetic, gsm8k"):
         tasks.make_task(args, grpo.parser_defaults())
     # --data belongs to gsm8k, and gsm8k needs it: each a one-line error from train, before the model loads
     with pytest.raises(ValueError, match=r"^--data is the file of --task gsm8k, but the task is arithmetic: add "
@@ -198,6 +198,7 @@ def test_evaluate_counts(monkeypatch):
     monkeypatch.setattr(grpo.rollout, "generate", fake_generate)
     res = grpo.evaluate(torch.nn.Linear(1, 1), Tok(), tasks.ArithmeticTask(eval_size=0), problems, 8, k=4)
     assert res["n"] == 3 and res["greedy_correct"] == 2 and res["greedy"] == pytest.approx(2 / 3)
+    assert res["greedy_reward"] == pytest.approx(2 / 3)  # AnswerTask's: 1 if right; no <think>, no format bonus
     assert res["sample_correct"] == 5 and res["pass@1"] == pytest.approx(5 / 12)
     assert res["pass_k_correct"] == 2 and res["pass@4"] == pytest.approx(2 / 3)
 
@@ -453,13 +454,13 @@ def test_unknown_quant_name_is_an_error_in_every_stage(capsys):
     quantize = importlib.import_module("01_quantize")
     for parser in (grpo.build_parser(), rollout.build_parser()):  # --quant's choices are 01's registry
         with pytest.raises(SystemExit):
-            parser.parse_args(["--quant", "mxfp4"])
-        assert "invalid choice: 'mxfp4'" in capsys.readouterr().err
+            parser.parse_args(["--quant", "no-such-format"])
+        assert "invalid choice: 'no-such-format'" in capsys.readouterr().err
         assert parser.parse_args(["--quant", "nf4"]).quant == "nf4"
-    with pytest.raises(ValueError, match="quant must be one of none, nvfp4, nf4, got 'mxfp4'"):
-        rollout.load_model(grpo.TINY_MODEL, quant="mxfp4")
-    with pytest.raises(ValueError, match="unknown weight format 'mxfp4'"):
-        quantize.quantize_model(rollout.load_model(grpo.TINY_MODEL)[0], fmt="mxfp4")
+    with pytest.raises(ValueError, match="quant must be one of none, nvfp4, nf4.*, got 'no-such-format'"):
+        rollout.load_model(grpo.TINY_MODEL, quant="no-such-format")
+    with pytest.raises(ValueError, match="unknown weight format 'no-such-format'"):
+        quantize.quantize_model(rollout.load_model(grpo.TINY_MODEL)[0], fmt="no-such-format")
 
 
 def test_quant_method_reaches_the_loaded_weights(tmp_path):
@@ -677,6 +678,25 @@ def test_pi_old_trainer_at_mu_1_is_the_plain_policy_gradient(lora_policy, monkey
     reset(params, start)
 
 
+@pytest.mark.parametrize("reading", list(grpo.PI_OLD))  # the registry: a new reading gets this test
+def test_every_pi_old_reading_is_the_plain_policy_gradient_when_the_sampler_is_the_policy(lora_policy, reading):
+    """A reading answers the sampler being another policy than the trainer's: when the sampler's log-probs are
+    the policy's own (no noise) at --mu 1, every reading gives the plain policy-gradient step."""
+    model, params, start = lora_policy
+    prompt_ids, ids, mask, _, rewards = update_batch(model.config.vocab_size)
+    with torch.no_grad():
+        on_policy, _ = rollout.sequence_logprobs(model, prompt_ids, ids, mask)  # (N, T)
+    batch = prompt_ids, ids, mask, on_policy.float() * mask, rewards
+    want = plain_policy_gradient_step(model, params, batch, group=4, lr=0.2)
+    args = parse("--group", 4, "--max-new-tokens", 9, "--grad-clip", 1e9, "--pi-old", reading)
+    grpo.policy_update(model, torch.optim.SGD(params, lr=0.2), params, *batch, **grpo.update_options(args))
+    got = [p.detach() - p0 for p, p0 in zip(params, start)]
+    reset(params, start)
+    assert max(float(d.abs().max()) for d in want) > 1e-3
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
 def test_pi_old_trainer_at_mu_2_is_the_policy_before_the_first_step(lora_policy, monkeypatch):
     model, params, start = lora_policy
     prompt_ids, ids, mask, sampler_logp, rewards = batch = update_batch(model.config.vocab_size)
@@ -849,11 +869,39 @@ def test_a_new_task_trains_through_the_interface_alone(tmp_path):
     summary = grpo.train(tiny_args(out, "--steps", "2", "--eval-k", "0"), task=task)
     steps, evals = step_rows(out)
     assert [r["step"] for r in steps] == [1, 2]
-    assert len(task.calls) == 2 * 3 * 4 and all("operands" in p for p in task.calls)  # B x G rows a step
-    assert task.calls[0] == task.problems(0, 0, 3)[0]  # the step's problems: a pure function of (seed, step)
+    # each held-out evaluation (before step 1 and after step 2) also scores its greedy completions: their mean
+    # reward is the eval's greedy_reward; the training steps' calls lie between
+    assert task.calls[:6] == task.held and task.calls[-6:] == task.held
+    train_calls = task.calls[6:-6]
+    assert len(train_calls) == 2 * 3 * 4 and all("operands" in p for p in train_calls)  # B x G rows a step
+    assert train_calls[0] == task.problems(0, 0, 3)[0]  # the step's problems: a pure function of (seed, step)
     for r in steps:  # rewards are this task's: 0 or 1 per row, no format bonus; acc counts its `correct`
         assert r["reward"] == pytest.approx(r["acc"])
     assert [e["n"] for e in evals] == [6, 6] and summary["steps_done"] == 2  # the task's held-out set
+
+
+class PartialCreditTask(SumTask):
+    """SumTask with a reward known by hand whatever the completion: a + b's last digit / 10."""
+    def reward(self, problem, completion):
+        return sum(problem["operands"]) % 10 / 10
+
+
+def test_evaluation_reports_the_mean_reward_beside_exact_accuracy(tmp_path, capsys):
+    # Partial credit visible: each evaluation's greedy_reward, the mean task.reward of the greedy completions,
+    # is in the dict evaluate returns, metrics.jsonl's eval rows, the eval and summary lines and summary.json.
+    task = PartialCreditTask()
+    want = sum(sum(p["operands"]) % 10 for p in task.held) / 10 / len(task.held)
+    assert 0 < want < 1
+    out = tmp_path / "credit"
+    summary = grpo.train(tiny_args(out, "--steps", "1", "--eval-k", "0", "--max-new-tokens", "8"), task=task)
+    _, evals = step_rows(out)
+    saved = json.load(open(out / "summary.json"))
+    assert [e["step"] for e in evals] == [0, 1]
+    for res in (*evals, summary["first_eval"], summary["final_eval"], saved["first_eval"], saved["final_eval"]):
+        assert res["greedy_reward"] == pytest.approx(want)
+    printed = capsys.readouterr().out
+    assert printed.count(f" | reward {want:.3f} | ") == 2  # the two eval lines
+    assert f"| reward {want:.3f} -> {want:.3f} |" in printed
 
 
 def test_steps_without_signal_are_reported(tmp_path, monkeypatch, capsys):
@@ -949,7 +997,7 @@ def test_a_damaged_checkpoint_is_refused_on_resume(tmp_path, monkeypatch):
     from safetensors.torch import save_file
     rewards = iter([1.0, 0.0] * 100)  # every group has signal: the step updates, and AdamW has moments
     monkeypatch.setattr(tasks.AnswerTask, "reward", lambda self, problem, text: next(rewards))
-    grpo.train(tiny_args(tmp_path / "run", "--steps", "1", "--eval-size", "0", "--save-every", "1"))
+    grpo.train(tiny_args(tmp_path / "run", "--steps", "2", "--stop-at", "1", "--eval-size", "0"))  # unfinished
 
     def damaged(name, edit):
         run = tmp_path / name

@@ -121,6 +121,7 @@ def check_contract(task, n, steps=range(12), seeds=(0, 5)):
     again = [(seed, step, task.problems(seed, step, n)) for seed in seeds for step in reversed(steps)]
     for seed, step, drawn in again:  # the same problems whatever was drawn before: no hidden state
         assert drawn == task.problems(seed, step, n) and len(drawn) == n
+        assert task.problems(seed, step, n // 2) == drawn[:n // 2]  # prefix-stable in n
         assert not {p["question"] for p in drawn} & held, (seed, step)
     assert task.problems(seeds[0], 0, n) != task.problems(seeds[0], 1, n)  # the steps differ
     assert task.problems(seeds[0], 0, n) != task.problems(seeds[1], 0, n)  # the seeds differ
@@ -141,7 +142,7 @@ def test_the_shipped_tasks_meet_the_contract(tmp_path):
     held = write_jsonl(tmp_path / "e.jsonl", rows[:2] + [{"question": "fresh", "answer": "#### 1"}])
     gsm8k = make("--task", "gsm8k", "--data", write_jsonl(tmp_path / "d.jsonl", rows), "--eval-data", held)
     assert len(gsm8k.held) == 3 and len(gsm8k.train) == 28
-    check_contract(gsm8k, 8, steps=range(20))  # 20 steps of 8 walk ~6 epochs of the file
+    check_contract(gsm8k, 8, steps=range(20))  # 20 steps of 8 from a file of 28
     chat = make("--task", "chat-arithmetic", "--eval-size", "200")
     assert len(chat.held) == 200 and len(chat.train) == 803
     check_contract(chat, 16)
@@ -235,9 +236,9 @@ def test_jsonl_splits_hold_out_eval(tmp_path):
     train, held = task.train, task.held
     assert len(held) == 5 and len(train) == 15 and not hasattr(task, "exclude")  # a file's split is disjoint
     assert not {p["question"] for p in held} & {p["question"] for p in train}
-    # every training problem is visited once per epoch, in a seeded order
-    seen = [p["question"] for s in range(5) for p in task.problems(0, s, 3)]
-    assert sorted(seen) == sorted(p["question"] for p in train)
+    # each step a seeded sample of the file, distinct problems up to its size, then another round
+    seen = [p["question"] for p in task.problems(0, 3, 20)]
+    assert sorted(seen[:15]) == sorted(p["question"] for p in train) and len(set(seen[15:])) == 5
     # --system: the paper's instruction as the system message, or none
     p = {"question": "Tom has 3 apples."}
     assert tasks.make_task(parse("--task", "gsm8k", "--data", tmp_path / "d.jsonl", "--system", "paper"),
