@@ -1,10 +1,12 @@
-"""The three figures of the docs, drawn from real numbers of this repository's code:
+"""The four figures of the docs, drawn from real numbers of this repository's code:
 
     nvfp4_block.png   one block of 16 weights through 01_quantize.quantize_nvfp4: codes, bytes, scales
+                      (the block `python 01_quantize.py --show-block` prints)
     grpo_step.png     one GRPO step of stage 05: the noisy sampler, the clean trainer, the update
     aqn_columns.png   AQN's noise on RMSNorm gains is noise on the next Linear's input columns (stage 04)
+    aqn_schedule.png  AQN's sigma per step of the default run, for each of 04's DECAYS
 
-    python docs/figures/make_figures.py      # writes the three PNGs beside this file (~5 s)
+    python docs/figures/make_figures.py      # writes the four PNGs beside this file (~5 s)
 
 matplotlib is an optional extra, as for bench/plot_run.py: `.venv/bin/pip install matplotlib==3.10.7`.
 """
@@ -38,15 +40,15 @@ def cell(ax, x, y, w, h, text, color, size=10, family=None):
 
 
 def nvfp4_block(path):
-    """a. A seeded (8, 64) weight through quantize_nvfp4; row 0's first block of 16, stage by stage."""
-    W = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)) * 0.02  # (out, in), weight-like sizes
-    packed, scale, gs = quantize.quantize_nvfp4(W)  # (8, 32) uint8, (8, 4) fp8, (1,) fp32
+    """a. 01's --show-block weight, (4, 64) seed 0, through quantize_nvfp4; row 0's first block of 16, stage by stage."""
+    W = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 0.02  # (out, in): 01 show_block's weight
+    packed, scale, gs = quantize.quantize_nvfp4(W)  # (4, 32) uint8, (4, 4) fp8, (1,) fp32
     w = W[0, :16]  # (16,)
     byts = packed[0, :8]  # (8,)
     codes = torch.stack((byts & 0xF, byts >> 4), -1).reshape(16)  # (16,) even element in the low nibble
     s, g = float(scale[0, 0].float()), float(gs)
     decoded = quantize.dequantize_nvfp4(packed, scale, gs)[0, :16]  # (16,)
-    assert torch.equal(decoded, quantize.E2M1_VALUES[codes.long()] * s / g)  # W = e2m1(code) * s / g
+    assert torch.equal(decoded, quantize.E2M1_VALUES[codes.long()] * (scale[0, 0].float() / gs))  # e2m1(code) * s / g
 
     fig, ax = plt.subplots(figsize=(13, 5.6))
     ax.set_xlim(-4.6, 19.6), ax.set_ylim(-0.9, 6.4), ax.axis("off")
@@ -77,7 +79,8 @@ def nvfp4_block(path):
     err = float((decoded - w).abs().max())
     ax.text(8, -0.45, f"storage: 16 x 4 bits + 8 bits = 72 bits = 4.5 bits per weight (+ 32 bits per tensor)."
             f"  Largest error in this block: {err:.4f}", ha="center", fontsize=10)
-    ax.set_title("NVFP4 (01_quantize.quantize_nvfp4 on a seeded weight):  W = e2m1(code) x e4m3(s) / g", fontsize=13)
+    ax.set_title("NVFP4 (01_quantize.quantize_nvfp4 on --show-block's weight):  W = e2m1(code) x e4m3(s) / g",
+                 fontsize=13)
     fig.savefig(path)
     plt.close(fig)
 
@@ -96,7 +99,7 @@ def arrow(ax, a, b, text="", style="-", rad=0.0, dx=0.0, dy=0.0, ha="center", co
 
 
 def grpo_step(path):
-    """b. One step of 05_grpo.grpo_step: sample under AQN, score, then update the clean policy."""
+    """b. One step of 05_grpo.train's loop: sample under AQN, score, then update the clean policy."""
     fig, ax = plt.subplots(figsize=(13.5, 5.6))
     ax.set_xlim(-0.2, 14.8), ax.set_ylim(-0.45, 5.0), ax.axis("off")
     ax.add_patch(plt.Rectangle((-0.15, 2.7), 14.9, 2.2, facecolor="#fdf4f2", edgecolor="none"))
@@ -131,7 +134,7 @@ def grpo_step(path):
     arrow(ax, (13.55, bot - h - 0.08), (4.05, bot - h - 0.08), rad=-0.08)
     ax.text(8.8, -0.2, "next step: the updated LoRA (sampler and trainer are one model, with and without noise)",
             ha="center", fontsize=9.5)
-    ax.set_title("One GRPO step in QeRL (05_grpo.grpo_step): noise only where it samples, the update on the "
+    ax.set_title("One GRPO step in QeRL (05_grpo.train's loop): noise only where it samples, the update on the "
                  "clean policy", fontsize=12.5)
     fig.savefig(path)
     plt.close(fig)
@@ -180,8 +183,41 @@ def aqn_columns(path, layer=0, sigma=1e-2, rows=32):
     plt.close(fig)
 
 
+def aqn_schedule(path, steps=750, s0=1e-2, s1=5e-4, K=10):
+    """d. 04_aqn.sigma_schedule at every step of the default run (05's --steps, --sigma-*, --num-stages), per kind."""
+    x = list(range(steps)) + [steps]  # the last point closes the last step's stair
+    fig, axs = plt.subplots(1, 2, figsize=(13, 4.6))
+    colors = {"exp": "#c0504d", "linear": "#4a7ab5", "cosine": "#7a5ab5", "log": "#5a9a5a"}
+    for ax, scale in zip(axs, ("linear", "log")):
+        for kind in aqn.DECAYS:
+            sig = [aqn.sigma_schedule(min(s, steps - 1), steps, s0, s1, K, kind) for s in x]
+            label = "exp (the default: the official code's)" if kind == "exp" else f"{kind} (our form)"
+            ax.plot(x, [v if v > 0 else float("nan") for v in sig], drawstyle="steps-post", color=colors[kind],
+                    lw=2.4 if kind == "exp" else 1.4, label=label)
+        # the paper's Eq. 8 divides by K - 1: its last stage stops one step short of s1
+        eq8 = [s0 * (s1 / s0) ** ((k - 1) / (K - 1)) if k else float("nan") for k in
+               (aqn.sigma_stage(min(s, steps - 1), steps, K) for s in x)]
+        ax.plot(x, eq8, drawstyle="steps-post", color="#777777", ls="--", lw=1.1, label="the paper's Eq. 8")
+        for k in range(1, K):
+            ax.axvline(-(-k * steps // K), color="#dddddd", lw=0.8, zorder=0)
+        ax.set_yscale(scale)
+        ax.set_xlim(0, steps)
+        ax.set_xlabel("step")
+        ax.set_title(f"{scale} axis", fontsize=11, loc="left")
+    axs[0].set_ylabel("σ (std of the draw Z on each gain)")
+    axs[0].set_ylim(0, s0 * 1.08)
+    axs[0].text(steps / K / 2, s0 * 0.5, "stage 0:\nσ = 0,\nrounding\nnoise only", ha="center", va="center",
+                fontsize=9)
+    axs[1].legend(fontsize=9, loc="lower left")
+    fig.suptitle(f"AQN's σ per step, the default run: {steps} steps, {K} stages, {s0:g} -> {s1:g} "
+                 "(04_aqn.sigma_schedule, one draw per step)", fontsize=12.5)
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main():
-    for name, draw in (("nvfp4_block", nvfp4_block), ("grpo_step", grpo_step), ("aqn_columns", aqn_columns)):
+    for name, draw in (("nvfp4_block", nvfp4_block), ("grpo_step", grpo_step), ("aqn_columns", aqn_columns),
+                       ("aqn_schedule", aqn_schedule)):
         out = os.path.join(HERE, f"{name}.png")
         draw(out)
         print(f"wrote {os.path.relpath(out, ROOT)}")
