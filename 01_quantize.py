@@ -27,7 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import common  # the project's plumbing (device, atomic IO, folder readers, command line): imports no stage
+import cli
+import devices
+import files
+import hf_files
 import quant_engine  # beneath the quantized Linears: the rebuilt-in-backward product, kept weights, dtype-keeping .to()
 
 # -----------------------------------------------------------------------------------------------------
@@ -343,7 +346,7 @@ def fast_forward(layer, x):                                              # (...,
 
 
 # -----------------------------------------------------------------------------------------------------
-# Checks (the project's plumbing, shared by every stage, is common.py)
+# Checks (the model folder's own checks are hf_files.py's; atomic writes and output folders, files.py's)
 
 
 def _check_weight(w, name, global_scale=None):
@@ -382,17 +385,17 @@ def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
     """quantize_checkpoint's checks, before any tensor is read -> (config, weight_map, has_index, device)."""
     if fmt != "nvfp4":
         raise ValueError(f"checkpoint format {fmt!r} not supported: only nvfp4 (compressed-tensors) is written")
-    config, weight_map, has_index = common.find_weight_files(model_dir)
+    config, weight_map, has_index = hf_files.find_weight_files(model_dir)
     if "quantization_config" in config:
         raise ValueError(f"{model_dir} is already quantized (its config.json has a quantization_config)")
-    common.check_config_fits_weights(model_dir, config, weight_map)  # the config is copied into the output as is
+    hf_files.check_config_fits_weights(model_dir, config, weight_map)  # the config is copied into the output as is
     for name in TOKENIZER_FILES:  # copied beside the weights: a pipe or a device there is refused, not skipped
         if os.path.lexists(os.path.join(model_dir, name)):
-            common.check_regular(os.path.join(model_dir, name))
+            files.check_regular(os.path.join(model_dir, name))
             _check_copied_file_inside(model_dir, name)
-    common.check_out_dir(out_dir, [model_dir], force=force,
-                         ours=lambda f: common.output_files(f, QUANTIZE_COMMAND) is not None, command=QUANTIZE_COMMAND)
-    return config, weight_map, has_index, common.pick_device(device)
+    files.check_out_dir(out_dir, [model_dir], force=force,
+                        ours=lambda f: files.output_files(f, QUANTIZE_COMMAND) is not None, command=QUANTIZE_COMMAND)
+    return config, weight_map, has_index, devices.pick_device(device)
 
 
 # The projections of a decoder layer, and the shapes config.json implies for its weights
@@ -435,7 +438,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 def _plan_shards(model_dir, weight_map, config):
     """-> (headers {shard: {tensor: info}}, where {tensor: shard}, fused groups {gid: [weight names]}).
     Every header, size and shape is checked here, before anything is written."""
-    headers = common.read_weight_headers(model_dir, weight_map)  # each sound, each weight's dtype one to quantize
+    headers = hf_files.read_weight_headers(model_dir, weight_map)  # each sound, each weight's dtype one to quantize
     where = {k: s for s in headers for k in headers[s]}
     for k, s in where.items():
         want, got = _expected_shape(k, config), tuple(headers[s][k]["shape"])
@@ -514,15 +517,15 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
             save_file(tensors, os.path.join(tmp, s), metadata={"format": "pt", "nvfp4_method": method})
             sizes.append(sum(t.numel() * t.element_size() for t in tensors.values()))
             new_map.update(dict.fromkeys(tensors, s))
-        common.write_json(os.path.join(tmp, "config.json"), dict(config, quantization_config=NVFP4_QUANT_CONFIG))
+        files.write_json(os.path.join(tmp, "config.json"), dict(config, quantization_config=NVFP4_QUANT_CONFIG))
         if has_index:
-            common.write_json(os.path.join(tmp, "model.safetensors.index.json"),
-                              {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(new_map.items()))})
+            files.write_json(os.path.join(tmp, "model.safetensors.index.json"),
+                             {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(new_map.items()))})
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(model_dir, name)):
                 shutil.copy2(os.path.join(model_dir, name), os.path.join(tmp, name))
 
-    out_dir = common.write_output(out_dir, write, QUANTIZE_COMMAND)
+    out_dir = files.write_output(out_dir, write, QUANTIZE_COMMAND)
     bytes_in = sum(v["data_offsets"][1] - v["data_offsets"][0] for h in headers.values() for v in h.values())
     bytes_out = sum(sizes)
     log(f"done | tensors {len(where)} | quantized {n_quant} | bytes {bytes_in / 1e6:.1f} MB -> "
@@ -592,7 +595,7 @@ def show_block(seed=0):
 
 
 def main(argv=None):
-    p = common.ArgumentParser(description="NVFP4/NF4 demo, or HF folder -> compressed-tensors NVFP4 checkpoint")
+    p = cli.ArgumentParser(description="NVFP4/NF4 demo, or HF folder -> compressed-tensors NVFP4 checkpoint")
     p.add_argument("--model", help="Hugging Face model folder (config.json + safetensors)")
     p.add_argument("--out", help="output folder for the quantized checkpoint")
     p.add_argument("--format", default="nvfp4", choices=["nvfp4"], help="checkpoint format")
@@ -600,7 +603,7 @@ def main(argv=None):
                    help="NVFP4 rounding: rtn (compressed-tensors) or 4over6 (per block, max -> 6 or 4)")
     p.add_argument("--force", action="store_true", help="replace --out if it is an earlier output of this command")
     p.add_argument("--device", default=None, help="where to quantize (default: cuda if available, else cpu)")
-    p.add_argument("--seed", type=common.number(int, 0, common.MAX_SEED), default=0, help="demo and --show-block seed")
+    p.add_argument("--seed", type=cli.number(int, 0, cli.MAX_SEED), default=0, help="demo and --show-block seed")
     p.add_argument("--show-block", action="store_true", help="print one 16-weight block quantized step by step")
     args = p.parse_args(argv)
     if args.show_block:
@@ -616,4 +619,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

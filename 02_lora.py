@@ -27,7 +27,10 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-import common  # the project's plumbing (device, atomic IO, command line): imports no stage
+import cli
+import devices
+import files
+import hf_files
 
 quantize = importlib.import_module("01_quantize")
 
@@ -54,7 +57,7 @@ class LoRALinear(nn.Module):
         # fp32 adapters whatever the activations: an Adam step of lr 1e-5 is a relative change that
         # bf16's 8 significand bits would round away. Initialised on the CPU, so one seeded generator
         # gives the same adapter on any device.
-        device = common.model_device(base)
+        device = devices.model_device(base)
         A = torch.empty(r, base.in_features, dtype=torch.float32)  # (r, in)
         # Kaiming-uniform with a=sqrt(5) is nn.Linear's (and PEFT's) default: U(-1/sqrt(in), 1/sqrt(in)).
         nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
@@ -223,7 +226,7 @@ def _read_adapter_tensors(path):
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(common.safetensors_problem(path) or f"{path} is not a readable safetensors file "
+        raise ValueError(hf_files.safetensors_problem(path) or f"{path} is not a readable safetensors file "
                          f"({e}); the file is truncated or corrupt, write or download it again") from None
 
 
@@ -320,9 +323,9 @@ def save_adapter(model, folder, base_model_name_or_path="", modules_to_save=None
         "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": modules_to_save, "init_lora_weights": True,
         "layers_to_transform": None, "layers_pattern": None, "revision": None, "use_dora": False,
     }
-    common.atomic_write(os.path.join(folder, WEIGHTS_NAME), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    files.atomic_write(os.path.join(folder, WEIGHTS_NAME), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     # The config goes last: a folder with a config always has its weights.
-    common.write_json(os.path.join(folder, CONFIG_NAME), config)
+    files.write_json(os.path.join(folder, CONFIG_NAME), config)
     return folder
 
 
@@ -362,9 +365,9 @@ def load_adapter(model, folder):
     for f in (CONFIG_NAME, WEIGHTS_NAME):
         if not os.path.exists(os.path.join(folder, f)):
             raise FileNotFoundError(f"adapter folder {folder!r} has no {f}: is it a PEFT LoRA adapter folder?")
-        common.check_regular(os.path.join(folder, f))  # a pipe would block the reader: one line instead
+        files.check_regular(os.path.join(folder, f))  # a pipe would block the reader: one line instead
     path = os.path.join(folder, CONFIG_NAME)
-    cfg = common.read_json(path)
+    cfg = files.read_json(path)
     if cfg.get("peft_type") != "LORA":
         raise ValueError(f"{folder}: only plain LoRA adapters are supported, got peft_type={cfg.get('peft_type')!r}")
     for k, default in UNSUPPORTED_FIELDS.items():  # read as plain LoRA, such an adapter would compute another function
@@ -424,7 +427,7 @@ class TinyMLP(nn.Module):
 
 
 def demo(steps=300, rank=8, lr=5e-3, batch=256, seed=0, device=None):
-    device = device or common.autodetect_device()
+    device = device or devices.autodetect_device()
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # nn.Linear's own init
     student = quantize.quantize_model(TinyMLP().to(device), fmt="nvfp4", skip=())
@@ -483,18 +486,18 @@ def demo(steps=300, rank=8, lr=5e-3, batch=256, seed=0, device=None):
 
 
 def main(argv=None):
-    number = common.number
-    ap = common.ArgumentParser(description="LoRA on a frozen NVFP4 MLP (stage 02 demo)")
+    number = cli.number
+    ap = cli.ArgumentParser(description="LoRA on a frozen NVFP4 MLP (stage 02 demo)")
     ap.add_argument("--steps", type=number(int, 1), default=300, help="AdamW steps")
     ap.add_argument("--rank", type=number(int, 1, 128), default=8,
                     help="LoRA rank (also the teacher's change rank; at most 128, the MLP's narrowest side)")
     ap.add_argument("--lr", type=number(float, above=0), default=5e-3, help="AdamW learning rate")
-    ap.add_argument("--seed", type=number(int, 0, common.MAX_SEED), default=0, help="seed of the torch.Generator")
+    ap.add_argument("--seed", type=number(int, 0, cli.MAX_SEED), default=0, help="seed of the torch.Generator")
     ap.add_argument("--device", default=None, help="cuda | cpu (default: autodetect)")
     args = ap.parse_args(argv)
-    demo(args.steps, args.rank, args.lr, seed=args.seed, device=common.pick_device(args.device))
+    demo(args.steps, args.rank, args.lr, seed=args.seed, device=devices.pick_device(args.device))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

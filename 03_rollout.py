@@ -34,7 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-import common  # the project's plumbing
+import cli
+import devices
 import memory
 import engine  # the fast equivalents of Part 1's plain computations (compiled step, chunked log-probs)
 import hf_files  # a model folder's files: config.json's checks, safetensors reads, the tokenizer, ChatML
@@ -316,7 +317,7 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
     if eos_token_ids is None:
         eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else []
     pad_id = tokenizer.pad_token_id if tokenizer is not None else (list(eos_token_ids) or [0])[0]
-    dev = common.model_device(model)
+    dev = devices.model_device(model)
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=dev)
     rows = [list(p) for p in prompts for _ in range(num_samples)]  # prompt-major
     B, N = len(rows), max_new_tokens
@@ -377,7 +378,7 @@ def left_pad(prompt_ids, completion_ids):
 
 def completion_hidden(model, prompt_ids, completion_ids):
     """Final-norm hidden states (B, T, C) at the positions that predict each completion token."""
-    ids, key_ok, P = left_pad(prompt_ids, completion_ids.to(common.model_device(model)))
+    ids, key_ok, P = left_pad(prompt_ids, completion_ids.to(devices.model_device(model)))
     return model.hidden_states(ids, attention_mask=key_ok)[:, P - 1:-1]  # (B, T, C): P-1+t predicts token t
 
 
@@ -397,7 +398,7 @@ def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temper
     """Log-probs and entropies (None unless `entropy`) (B, T) of `completion_ids` after each row's prompt, with
     gradients; 0 after EOS. Without top-k/top-p it equals what `generate` recorded (up to rounding). One
     forward; only the completion tokens (mask > 0) reach lm_head."""
-    completion_ids = completion_ids.to(common.model_device(model))
+    completion_ids = completion_ids.to(devices.model_device(model))
     B, T = completion_ids.shape
     h = completion_hidden(model, prompt_ids, completion_ids)  # (B, T, C)
     m = completion_mask.to(h.device, torch.float32)  # (B, T)
@@ -453,17 +454,17 @@ def load_model(path, quant="none", dtype=None, device=None, method="rtn"):
     """Load a Hugging Face folder -> (CausalLM in eval mode, Tokenizer). quant="nvfp4"/"nf4" quantizes the
     decoder Linears with stage 01, layer by layer as they arrive (method: NVFP4's rounding, "rtn" or
     "4over6"); a folder written by `01_quantize.py --out` loads as NVFP4 whatever `quant` says. dtype: bf16
-    on CUDA, fp32 on CPU; device: common's autodetect."""
+    on CUDA, fp32 on CPU; device: devices.autodetect_device."""
     path = Path(path)
-    raw, weight_map, _ = common.find_weight_files(str(path))  # checks the folder: config.json, shards
+    raw, weight_map, _ = hf_files.find_weight_files(str(path))  # checks the folder: config.json, shards
     files = {name: path / f for name, f in weight_map.items()}  # tensor name -> safetensors file
     cfg = ModelConfig.from_dict(raw, where=str(path / "config.json"))
-    common.check_config_fits_weights(str(path), raw, weight_map)  # 2 layers said, 4 stored: not a truncated model
+    hf_files.check_config_fits_weights(str(path), raw, weight_map)  # 2 layers said, 4 stored: not a truncated model
     quant, prequantized = _load_format(path, raw, quant, method)
-    common.read_weight_headers(str(path), weight_map)  # every header sound, every weight a dtype we compute with
+    hf_files.read_weight_headers(str(path), weight_map)  # every header sound, every weight a dtype we compute with
     tokenizer = hf_files.load_tokenizer(path, raw)  # before the weights: a missing tokenizer should fail fast
     hf_files.check_vocab(tokenizer, cfg.vocab_size, path)
-    device = common.pick_device(device)
+    device = devices.pick_device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
@@ -539,8 +540,8 @@ def random_model(tok, seed=0, device="cpu"):
 # The command line
 
 def build_parser():
-    number = common.number
-    ap = common.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
+    number = cli.number
+    ap = cli.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
     ap.add_argument("--model", default=str(Path(__file__).parent / "assets" / "tiny-qwen"),
                     help="HF model folder (default: the bundled assets/tiny-qwen)")
     ap.add_argument("--prompt", default="12+7-3=?", help="user message (ChatML-wrapped; the default is the bundled "
@@ -554,14 +555,14 @@ def build_parser():
     ap.add_argument("--temperature", type=number(float, 0), default=1.0, help="0 = greedy")
     ap.add_argument("--top-k", type=number(int, 0), default=0, help="0 = no top-k filter")
     ap.add_argument("--top-p", type=number(float, hi=1, above=0), default=1.0, help="nucleus mass, in (0, 1]")
-    ap.add_argument("--seed", type=number(int, 0, common.MAX_SEED), default=0)
+    ap.add_argument("--seed", type=number(int, 0, cli.MAX_SEED), default=0)
     ap.add_argument("--quant", default="none", choices=quantize.QUANT_CHOICES, help="quantize on load (stage 01)")
     ap.add_argument("--quant-method", default="rtn", choices=quantize.NVFP4_METHODS,
                     help="NVFP4's rounding with --quant nvfp4: rtn (compressed-tensors) or 4over6 (Four Over Six)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
-    ap.add_argument("--dtype", choices=common.DTYPES, default="auto", help="activation dtype; auto: bfloat16 on "
+    ap.add_argument("--dtype", choices=devices.DTYPES, default="auto", help="activation dtype; auto: bfloat16 on "
                     "CUDA, and on a CPU with native bf16 for a model of hidden size "
-                    f"{common.AUTO_BF16_MIN_HIDDEN} or more, else float32")
+                    f"{devices.AUTO_BF16_MIN_HIDDEN} or more, else float32")
     ap.add_argument("--compile", action="store_true", help="run the decode steps through torch.compile "
                     "(the first call compiles: tens of seconds)")
     return ap
@@ -575,10 +576,10 @@ def main(argv=None):
     if 0 < args.temperature < engine.MIN_TEMPERATURE:
         ap.error(f"argument --temperature: {args.temperature:g} is too small to sample with: need 0 (greedy) or "
                  f">= {engine.MIN_TEMPERATURE:g}")
-    device = common.pick_device(args.device)  # before loading: no GPU is one line, not a late traceback
+    device = devices.pick_device(args.device)  # before loading: no GPU is one line, not a late traceback
     t0 = time.perf_counter()
-    hidden = common.find_weight_files(args.model)[0].get("hidden_size") if args.dtype == "auto" else None
-    dtype, why = common.pick_dtype(args.dtype, device, hidden)
+    hidden = hf_files.find_weight_files(args.model)[0].get("hidden_size") if args.dtype == "auto" else None
+    dtype, why = devices.pick_dtype(args.dtype, device, hidden)
     model, tok = load_model(args.model, quant=args.quant, dtype=dtype, device=device, method=args.quant_method)
     cfg = model.config
     print(f"model | {args.model} | type {cfg.model_type} | layers {cfg.num_hidden_layers} "
@@ -597,8 +598,9 @@ def main(argv=None):
                          f"{args.max_new_tokens} that exceeds the model's context of {cfg.max_position_embeddings}: "
                          f"shorten it or lower --max-new-tokens")
     dtype_bytes = model.model.embed_tokens.weight.element_size()
-    common.check_memory_fits(memory.generate_memory(cfg, args.num_samples, len(prompt), args.max_new_tokens, dtype_bytes),
-                             device, f"--num-samples {args.num_samples} with --max-new-tokens {args.max_new_tokens}")
+    need = memory.generate_memory(cfg, args.num_samples, len(prompt), args.max_new_tokens, dtype_bytes)
+    devices.check_memory_fits(need, device,
+                              f"--num-samples {args.num_samples} with --max-new-tokens {args.max_new_tokens}")
     gen = torch.Generator(device=device).manual_seed(args.seed)
     r = generate(model, [prompt], num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen, tokenizer=tok,
@@ -616,4 +618,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

@@ -38,7 +38,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-import common  # the project's plumbing (imports no stage)
+import cli
+import devices
 import hf_files
 import memory
 
@@ -385,8 +386,8 @@ FULL = {"prompts": 64, "samples": 8, "sigmas": [5e-4, 1e-2, 5e-2], "dtypes": ["f
 
 
 def build_parser():
-    number = common.number
-    parser = common.ArgumentParser(description="AQN schedule and exploration measurements")
+    number = cli.number
+    parser = cli.ArgumentParser(description="AQN schedule and exploration measurements")
     parser.add_argument("--model", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-qwen"))
     parser.add_argument("--steps", type=number(int, 1), default=600, help="run length for the printed schedule")
     # The table prints every decaying kind, and exp/log need sigma_end > 0 (check_sigma_range).
@@ -402,7 +403,7 @@ def build_parser():
     parser.add_argument("--samples", type=number(int, 1), help="completions per problem (default 8)")
     parser.add_argument("--max-new-tokens", type=number(int, 1), default=48)
     parser.add_argument("--rounds", type=number(int, 1), default=2, help="noise draws per row")
-    parser.add_argument("--seed", type=number(int, 0, common.MAX_SEED), default=0)
+    parser.add_argument("--seed", type=number(int, 0, cli.MAX_SEED), default=0)
     parser.add_argument("--threads", type=number(int, 0, 1024), default=1, help="torch CPU threads (0: torch's default); "
                         "the bundled model's matmuls are too small to gain from more, and a busy CPU stalls them")
     parser.add_argument("--quant-method", default="rtn", choices=quantize.NVFP4_METHODS,
@@ -431,15 +432,16 @@ def main(argv=None):
         print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
         return 0
     # a missing or broken folder, or a weight stored in a dtype 03 cannot load: one line, before any work
-    common.read_weight_headers(args.model, common.find_weight_files(args.model)[1])
+    hf_files.read_weight_headers(args.model, hf_files.find_weight_files(args.model)[1])
     if args.threads:
         torch.set_num_threads(args.threads)
     # the measurement's memory (three models, one sampling, the KL), before any model loads
-    cfg = rollout.ModelConfig.from_dict(common.find_weight_files(args.model)[0], os.path.join(args.model, "config.json"))
+    cfg = rollout.ModelConfig.from_dict(hf_files.find_weight_files(args.model)[0],
+                                        os.path.join(args.model, "config.json"))
     need = memory.exploration_memory(cfg, args.prompts * args.samples, args.max_new_tokens,
                                      max(getattr(torch, d).itemsize for d in args.dtypes))
-    common.check_memory_fits(need, "cpu", f"--prompts {args.prompts} x --samples {args.samples} with "
-                             f"--max-new-tokens {args.max_new_tokens}")
+    devices.check_memory_fits(need, "cpu", f"--prompts {args.prompts} x --samples {args.samples} with "
+                              f"--max-new-tokens {args.max_new_tokens}")
     print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
     print()
     for dname in args.dtypes:
@@ -461,4 +463,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

@@ -20,7 +20,8 @@ Qwen2.5-7B + GSM8K on one GPU or eight: docs/scaling.md.
 
 Part 1 is the method and the loop. The engine beneath it, in modules that import no stage: tasks.py (the
 tasks and their data), runs.py (the run folder, its log, the time budget, stop signals), checkpoints.py
-(checkpoints and --resume), distributed.py (torchrun), memory.py (estimates, --micro-batch auto), common.py.
+(checkpoints and --resume), distributed.py (torchrun), memory.py (estimates, --micro-batch auto); the plumbing
+beneath every stage: devices.py, files.py, hf_files.py (a model folder's files) and cli.py (the command line).
 """
 import argparse
 import contextlib
@@ -37,7 +38,8 @@ from typing import Callable
 import torch
 
 import checkpoints
-import common
+import cli
+import devices
 import hf_files
 import engine
 import distributed
@@ -110,7 +112,7 @@ def sample_groups(model, tok, prompts, step, sigma, *, rank=0, group=8, max_new_
     landed). `draw` numbers the samplings of one step (--dynamic-sampling's rounds): each its own completions,
     all under the step's one noise draw."""
     # One generator per step, derived from (seed, step): a resumed run samples what an uninterrupted one would.
-    device, gen_seed = common.model_device(model), seed * 1_000_003 + step
+    device, gen_seed = devices.model_device(model), seed * 1_000_003 + step
     gen = torch.Generator(device=device).manual_seed(gen_seed)
     # The noise first, then the merge: merged weights are built from the noisy LoRA matrices (a LoRA site)
     with torch.inference_mode(), aqn.aqn_noise(model, sigma, gen, kind=noise, site=site) as applied, \
@@ -398,7 +400,7 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewar
     `loss_options`, pi_old as PI_OLD[update_options.pi_old] reads it. Returns the global loss, gradient norm and
     grpo_loss's statistics by name, the kept/flat/all row counts, and "skipped" (why no step was taken)."""
     mu, reading = update_options.mu, PI_OLD[update_options.pi_old]
-    adv = group_advantages(rewards, group, not update_options.no_std_scale).to(common.model_device(model))  # (N,)
+    adv = group_advantages(rewards, group, not update_options.no_std_scale).to(devices.model_device(model))  # (N,)
     # Groups of equal rewards have zero advantage: the update (the larger half of a step) skips them, and
     # rows without a token in the loss (--mask-truncated) too.
     has_signal = (rewards.view(-1, group).std(1) > 0).repeat_interleave(group)  # (N,)
@@ -470,7 +472,7 @@ def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, s
     """Greedy pass@1 and the greedy completions' mean task.reward (partial credit: a format bonus, a near
     answer); with k > 0 also pass@1 (mean over the k samples) and pass@k (any of k correct) at `temperature`.
     Returns counts and rates; under torchrun the counts (and reward sums) of every rank's problems, summed."""
-    prompts, n, device = [tok.encode(task.prompt(p)) for p in problems], len(problems), common.model_device(model)
+    prompts, n, device = [tok.encode(task.prompt(p)) for p in problems], len(problems), devices.model_device(model)
 
     def solved(num_samples, temperature, gen):  # generate() over chunks of rows (memory): the texts, their hits
         texts, step = [], max(1, chunk // num_samples)
@@ -503,7 +505,7 @@ def train(args, task=None):
     """The GRPO run. `task`, any object with tasks.Task's interface, replaces the one --task names. Returns the
     summary (also written to <out>/summary.json)."""
     t_start = time.time()
-    rank, world, device = distributed.init(str(common.pick_device(args.device)), 60 * args.dist_timeout)  # torchrun
+    rank, world, device = distributed.init(str(devices.pick_device(args.device)), 60 * args.dist_timeout)  # torchrun
     # --resume: the checkpoint and its hyper-parameters; then every check before any work (Part 2)
     ckpt, state, task, dtype_why = check_run(args, task, world, device)
     finished = checkpoints.finished_run(args, ckpt, state)  # a resume of a finished run adds nothing
@@ -521,7 +523,7 @@ def train(args, task=None):
         def held_out(step, k):  # greedy, and pass@k for k > 0; torchrun: each rank its share, the counts summed
             if not args.eval_size:
                 return None
-            common.release_freed_memory()  # the steps' freed activations go back first: the peaks do not add up
+            devices.release_freed_memory()  # the steps' freed activations go back first: the peaks do not add up
             t0 = time.time()
             res = evaluate(model, tok, task, distributed.shard(task.held, rank, world), args.max_new_tokens, k,
                            args.temperature, tasks.EVAL_SEED, args.eval_chunk, args.compile)
@@ -590,7 +592,7 @@ def train(args, task=None):
                 last_eval = held_out(done, args.eval_k) or last_eval
         summary = log.summary(done, stopped, first_eval, last_eval, last_ckpt)
         if stopped not in ("steps", "time budget", "stop-at"):  # a signal: the log's line says how to resume
-            raise common.Interrupted(signum=signum)
+            raise cli.Interrupted(signum=signum)
         return summary
 
 
@@ -625,20 +627,20 @@ def check_run(args, task, world, device):
 
 def policy_dtype(args, device, cfg=None):
     """--dtype as (torch dtype, why). auto: bfloat16 on CUDA and on --gpu-path's CUDA code path; on a CPU
-    bfloat16 where it is native and the model wide enough to gain, else float32 (common.pick_dtype)."""
+    bfloat16 where it is native and the model wide enough to gain, else float32 (devices.pick_dtype)."""
     if args.dtype == "auto" and args.gpu_path:
         return torch.bfloat16, "auto: --gpu-path"
     if args.dtype == "auto" and cfg is None:
-        cfg = rollout.ModelConfig.from_dict(common.find_weight_files(args.model)[0])
-    return common.pick_dtype(args.dtype, device, cfg.hidden_size if cfg else None)
+        cfg = rollout.ModelConfig.from_dict(hf_files.find_weight_files(args.model)[0])
+    return devices.pick_dtype(args.dtype, device, cfg.hidden_size if cfg else None)
 
 
 def check_sizes(args, task, world, device):
     """Before the model loads: every prompt within the context (tasks.check_prompts_fit), what memory.run_memory
     estimates within the memory free on the device, and --batch within what the task gives a step."""
-    raw, weight_map, _ = common.find_weight_files(args.model)
+    raw, weight_map, _ = hf_files.find_weight_files(args.model)
     cfg, tok = rollout.ModelConfig.from_dict(raw), hf_files.load_tokenizer(args.model, raw)
-    common.check_config_fits_weights(args.model, raw, weight_map)  # before an estimate made from a wrong config
+    hf_files.check_config_fits_weights(args.model, raw, weight_map)  # before an estimate made from a wrong config
     P = tasks.check_prompts_fit(task, tok, cfg.max_position_embeddings, args.max_new_tokens,
                                   task.problems(args.seed, 0, min(args.batch, 64)))  # the longest prompt, in tokens
     dtype, why = policy_dtype(args, device, cfg)
@@ -646,7 +648,7 @@ def check_sizes(args, task, world, device):
     adapters, phases = memory.run_memory(args, cfg, P, world, dtype.itemsize, device)
     largest = max(phases, key=phases.get)
     what = largest if phases[largest] > adapters else f"--lora-r {args.lora_r}'s adapters"
-    common.check_memory_fits(adapters + phases[largest], device, f"this run (mostly {what})")
+    devices.check_memory_fits(adapters + phases[largest], device, f"this run (mostly {what})")
     wanted = args.batch * (1 + args.dynamic_sampling)  # --dynamic-sampling's rounds draw on from the batch
     try:  # drawn after the memory check bounded --batch
         given = len(task.problems(args.seed, 0, wanted))
@@ -730,7 +732,7 @@ def check_args(args, world, ckpt=None):
         raise ValueError(f"--batch {args.batch} is smaller than the number of ranks ({world}): every rank "
                          f"needs at least one prompt group; raise --batch or launch fewer processes")
     try:  # fail before the data and the model load
-        common.find_weight_files(args.model)
+        hf_files.find_weight_files(args.model)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--model {args.model!r} is not a model folder ({e})") from None
     runs.check_run_folder(args, ckpt)
@@ -786,7 +788,7 @@ def show_step(args, shown=4):
     if args.loss_agg != "token-mean" or args.beta or args.entropy_coef:
         raise ValueError("--show-step works the default loss (token-mean, no KL, no entropy bonus): drop "
                          "--loss-agg, --beta and --entropy-coef")
-    task, device = tasks.make_task(args, parser_defaults()), common.pick_device(args.device)
+    task, device = tasks.make_task(args, parser_defaults()), devices.pick_device(args.device)
     model, tok, _, _ = build_policy(args, device)
     feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
         else None
@@ -865,9 +867,9 @@ def show_step(args, shown=4):
 
 
 def build_parser():
-    N = common.number  # each number's allowed range: what makes no sense is refused before any work
-    p = common.ArgumentParser(description="GRPO with LoRA on a quantized base and AQN (QeRL). The first group "
-                              "defines QeRL; the rest have defaults that work.")
+    N = cli.number  # each number's allowed range: what makes no sense is refused before any work
+    p = cli.ArgumentParser(description="GRPO with LoRA on a quantized base and AQN (QeRL). The first group "
+                           "defines QeRL; the rest have defaults that work.")
     q = p.add_argument_group("QeRL: the model, its 4-bit base, LoRA, AQN, pi_old and the GRPO batch")
     q.add_argument("--model", default=TINY_MODEL, help="Hugging Face model folder (default: the bundled tiny model)")
     q.add_argument("--quant", choices=quantize.QUANT_CHOICES, default="nvfp4", help="the frozen base's format")
@@ -927,12 +929,12 @@ def build_parser():
     g.add_argument("--warmup", type=N(int, 0), default=10, help="warmup steps")
     g.add_argument("--min-lr-ratio", type=N(float, 0, 1), default=0.1, help="cosine decays to this fraction of --lr")
     g.add_argument("--grad-clip", type=N(above=0), default=UpdateOptions.grad_clip, help="max gradient norm")
-    g.add_argument("--seed", type=N(int, 0, common.MAX_SEED), default=0)
+    g.add_argument("--seed", type=N(int, 0, cli.MAX_SEED), default=0)
     m = p.add_argument_group("speed and memory (how to compute, not what)")
     m.add_argument("--device", default=None, help="cpu / cuda (default: autodetect)")
-    m.add_argument("--dtype", choices=common.DTYPES, default="auto",
+    m.add_argument("--dtype", choices=devices.DTYPES, default="auto",
                    help="activation dtype; auto: bfloat16 on CUDA, and on a CPU with native bf16 (AMX, AVX512-BF16) "
-                   f"for a model of hidden size {common.AUTO_BF16_MIN_HIDDEN} or more, else float32")
+                   f"for a model of hidden size {devices.AUTO_BF16_MIN_HIDDEN} or more, else float32")
     m.add_argument("--quant-method", choices=quantize.NVFP4_METHODS, default="rtn",
                    help="NVFP4 rounding: rtn (compressed-tensors) or 4over6 (per block, max -> 6 or 4)")
     m.add_argument("--compile", action="store_true", help="sample with stage 03's torch.compile'd decode step "
@@ -989,7 +991,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    code = common.run_cli(main)
+    code = cli.run_cli(main)
     if distributed.is_initialized():
         distributed.leave(code)
     sys.exit(code)

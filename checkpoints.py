@@ -16,7 +16,8 @@ import warnings
 
 import torch
 
-import common
+import files
+import hf_files
 
 RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_every", "device", "quiet",
                 "micro_batch", "grad_checkpoint", "gpu_path", "compile", "dist_timeout")  # how to compute, not what: a resume may change them
@@ -47,8 +48,8 @@ def check_run_links(folder):
     writes them, and a planted link would send metrics.jsonl's lines, a checkpoint or the lock's PID into
     its target (a dangling one would make it)."""
     if os.path.isdir(folder):
-        common.refuse_links(folder, sorted(n for n in os.listdir(folder) if is_run_file(n) or n == common.LOCK_FILE),
-                            "05_grpo.py")
+        files.refuse_links(folder, sorted(n for n in os.listdir(folder) if is_run_file(n) or n == files.LOCK_FILE),
+                           "05_grpo.py")
 
 
 def save_checkpoint(out, step, opt, params, args, write_adapter, lora_targets, feedback=None, extra=None):
@@ -71,16 +72,16 @@ def save_checkpoint(out, step, opt, params, args, write_adapter, lora_targets, f
                         **(extra or {})}, file)
         except RuntimeError:  # torch's zip writer reports a failed write (a full disk) so, without the reason
             raise OSError(errno.EIO, "torch.save could not write it: is the disk full?", file) from None
-    return common.atomic_write(os.path.join(out, f"checkpoint-{step:06d}"), write)
+    return files.atomic_write(os.path.join(out, f"checkpoint-{step:06d}"), write)
 
 
 def model_fingerprint(model_dir):
     """sha256 of a model folder's config.json and its weights' safetensors headers (names, dtypes, shapes,
     offsets): another model, or the same one changed, has another; no tensor is read."""
-    _, weight_map, _ = common.find_weight_files(model_dir)
+    _, weight_map, _ = hf_files.find_weight_files(model_dir)
     h = hashlib.sha256()
     for name in ["config.json", *sorted(set(weight_map.values()))]:
-        with common.open_regular(os.path.join(model_dir, name)) as f:
+        with files.open_regular(os.path.join(model_dir, name)) as f:
             h.update(f.read() if name == "config.json" else f.read(8 + int.from_bytes(f.read(8), "little")))
     return h.hexdigest()
 
@@ -146,9 +147,9 @@ def resume_args(args, defaults):
     # The run folder (its args.json is read below, its checkpoint was found by name) and the checkpoint's files:
     # a run made them all, so a link among them was planted, and would lead the reads outside
     check_run_links(os.path.dirname(os.path.abspath(ckpt)))
-    common.refuse_links(ckpt, CHECKPOINT_FILES, "05_grpo.py")
+    files.refuse_links(ckpt, CHECKPOINT_FILES, "05_grpo.py")
     file = os.path.join(ckpt, "trainer_state.pt")
-    common.check_regular(file)  # not a pipe: torch.load would wait on it
+    files.check_regular(file)  # not a pipe: torch.load would wait on it
     state = read_trainer_state(file, defaults)
     saved = dict(state["args"], **check_run_record(args, ckpt, state, defaults))
     for k, v in saved.items():
@@ -182,7 +183,7 @@ def check_run_record(args, ckpt, state, defaults):
         print(f"note | {ckpt} has no record of its model (an older checkpoint): not checked")
         return {}
     args_json = os.path.join(os.path.dirname(os.path.abspath(ckpt)), "args.json")
-    folder = common.read_json(args_json) if os.path.lexists(args_json) else {}
+    folder = files.read_json(args_json) if os.path.lexists(args_json) else {}
     keys = [k for k in ("quant", "quant_method", "lora_r", "lora_alpha") if k in folder and k in run]
     ours, theirs = (", ".join(f"{k} {a[k]}" for k in keys) for a in (run, folder))
     if ours != theirs:
@@ -201,7 +202,7 @@ def check_saved_args(ckpt, state):
     """--resume: the hyper-parameters the checkpoint gives (each within its flag's range: an edited lr of 1e6
     is) are those its run recorded in args.json; one line naming the first that differs."""
     args_json = os.path.join(os.path.dirname(os.path.abspath(ckpt)), "args.json")
-    folder = common.read_json(args_json) if os.path.lexists(args_json) else {}  # a run before args.json: unchecked
+    folder = files.read_json(args_json) if os.path.lexists(args_json) else {}  # a run before args.json: unchecked
     for k, v in state["args"].items():
         if k in folder and k not in (*RUNTIME_ARGS, *NOT_RECORDED) and folder[k] != v:
             raise ValueError(f"--resume: {os.path.join(ckpt, 'trainer_state.pt')} says --{k.replace('_', '-')} {v!r}, "
@@ -226,7 +227,7 @@ def finished_run(args, ckpt, state):
         return None
     file = os.path.join(os.path.dirname(os.path.abspath(ckpt)), "summary.json")
     try:
-        summary = common.read_json(file)
+        summary = files.read_json(file)
     except ValueError:  # missing or damaged: the resume writes it again
         return None
     if summary.get("steps_done") != args.steps or summary.get("stopped_by") != "steps":

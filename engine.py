@@ -17,7 +17,7 @@ import numbers
 import torch
 import torch.nn as nn
 
-import common
+import devices
 
 # ---------------------------------------------------------------------------------------------------
 # Attention for a CPU decode step
@@ -40,7 +40,7 @@ def compiled_decode_step(device, decode_step):
     """`decode_step` through torch.compile, built once per mode: on CUDA "reduce-overhead" replays each step
     as one CUDA graph; on a CPU inductor fuses it into generated C++ loops."""
     mode = "reduce-overhead" if device.type == "cuda" else None
-    if (mode, decode_step) not in _compiled_steps and (problem := common.compile_cache_problem()):
+    if (mode, decode_step) not in _compiled_steps and (problem := devices.compile_cache_problem()):
         print(f"note | --compile: {problem}: the decode steps run eager (the same numbers, slower)")
         _compiled_steps[mode, decode_step] = decode_step
     if (mode, decode_step) not in _compiled_steps:

@@ -1,12 +1,16 @@
-"""A Hugging Face model folder's files: config.json's fields and checks, safetensors reads, the tokenizer,
-the ChatML prompt.
+"""A Hugging Face model folder's files: config.json's fields and checks, the weights (found, each shard's
+safetensors header checked, the config held against them, before any tensor is read), tensor reads, the
+tokenizer, the ChatML prompt.
 
-Engine code beneath the stages (it imports no stage): 03's `ModelConfig.from_dict` and `load_model` call the
-checks, the readers and `load_tokenizer`; 03, 04 and 05 write prompts with `chat_prompt`. Every bad field or
+Engine code beneath the stages (it imports no stage): 01 finds and checks a folder's weights before
+quantizing it (find_weight_files, read_weight_headers, check_config_fits_weights); 03's
+`ModelConfig.from_dict` and `load_model` call the checks, the readers and `load_tokenizer`; 03, 04 and 05
+write prompts with `chat_prompt`. Every bad field or
 file is one line naming the file, the problem and what to do (tests/test_bad_inputs.py holds the cases).
 """
 import json
 import math
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +19,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-import common
+import files
 
 # ---------------------------------------------------------------------------------------------------
 # config.json: the fields 03's ModelConfig reads, checked before any tensor is allocated
@@ -30,7 +34,7 @@ def check_config(d, where):
         raise ValueError(f"{where}: unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (only silu)")
-    common.check_config_booleans(d, where)
+    check_config_booleans(d, where)
     if d.get("use_sliding_window"):
         raise ValueError(f"{where}: use_sliding_window=true is not supported; set it to false")
     missing = [k for k in CONFIG_SIZES if k not in d]
@@ -117,6 +121,198 @@ def check_vocab(tokenizer, vocab_size, path):
 
 
 # ---------------------------------------------------------------------------------------------------
+# The folder's weights, found and checked before any tensor is read: config.json against them, and
+# each shard's safetensors header. A safetensors file is: 8-byte little-endian header length, a JSON
+# header {name: {dtype, shape, data_offsets}}, then the raw bytes.
+
+ST_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                  "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit: a longer header is refused before it is read
+
+
+def _unique_keys(pairs):
+    """json's object_pairs_hook: a name given twice is an error (json would keep the last one silently)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        raise ValueError(f"the name {next(k for k, _ in pairs if k in seen or seen.add(k))!r} appears twice in "
+                         f"its header")
+    return obj
+
+
+def read_safetensors_header(path):
+    """-> ({name: {dtype, shape, data_offsets}}, byte where the data starts). Checked as safetensors checks
+    before it reads a tensor, so that a bad file is one line naming it before any work (01 would otherwise
+    meet it mid-write): a header of at most MAX_HEADER_BYTES, each name once, string metadata, known dtypes,
+    and data_offsets that tile the data exactly, in shape x dtype bytes each (none negative, overlapping,
+    apart, past the end, nor bytes left after the last)."""
+    try:
+        f = files.open_regular(path)  # a pipe or a device: check_regular's line
+    except OSError as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+    try:
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= size - 8:  # random bytes: a "header length" of exabytes
+                raise ValueError(f"header length {n} does not fit a {size}-byte file")
+            if n > MAX_HEADER_BYTES:
+                raise ValueError(f"its header is {n} bytes, over the {MAX_HEADER_BYTES} safetensors reads")
+            header = json.loads(f.read(n), object_pairs_hook=_unique_keys)
+        metadata = header.pop("__metadata__", {})
+        if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+            raise ValueError("its __metadata__ must map names to strings")
+        for k, v in header.items():
+            if v["dtype"] not in ST_DTYPE_BYTES:
+                raise ValueError(f"tensor {k} has dtype {v['dtype']}, which this reader does not know")
+            shape, offsets = v.get("shape"), v.get("data_offsets")  # JSON: anything may be any type
+            if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and
+                    isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+                raise ValueError(f"tensor {k} needs a list of sizes as its shape and two byte offsets as its "
+                                 f"data_offsets, got {shape!r} and {offsets!r}")
+    except RecursionError:  # a header of 100,000 nested lists
+        raise ValueError(f"{path} is not a readable safetensors file (its header nests too deeply)") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+    end = 0  # checked before anything is written: a cut-off download fails here
+    for k, v in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"]):
+        (b, e), nbytes = v["data_offsets"], ST_DTYPE_BYTES[v["dtype"]] * math.prod(v["shape"])
+        if b < 0 or e - b != nbytes or b != end:
+            where = "is negative" if b < 0 else f"overlaps the tensor before it (which ends at {end})" if b < end \
+                else f"leaves a gap after the tensor before it (which ends at {end})" if b > end \
+                else f"spans {e - b} bytes, while shape {v['shape']} of {v['dtype']} is {nbytes}"
+            raise ValueError(f"{path}: tensor {k}'s data_offsets [{b}, {e}] {where}; the header is corrupt, "
+                             f"download or write the file again")
+        if 8 + n + e > size:
+            raise ValueError(f"{path}: tensor {k} needs bytes {8 + n + b}..{8 + n + e} but the file has {size}; "
+                             f"the file is truncated or corrupt, download it again")
+        end = e
+    if 8 + n + end != size:
+        raise ValueError(f"{path} holds {size - 8 - n - end} bytes after its last tensor, which its header does "
+                         f"not describe; the file is corrupt, download or write it again")
+    return header, 8 + n
+
+
+def safetensors_problem(path):
+    """One line saying what is wrong with a safetensors file (unreadable header, a tensor past the end of
+    the file), or None when its header and sizes are sound. For reporting a file safetensors refuses."""
+    try:
+        read_safetensors_header(path)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def find_weight_files(model_dir):
+    """-> (config, {tensor name: shard file name}, has_index); one clear error for a bad folder."""
+    if os.path.exists(model_dir) and not os.path.isdir(model_dir):
+        what = "a file" if os.path.isfile(model_dir) else files.file_kind(os.stat(model_dir).st_mode)
+        raise ValueError(f"{model_dir} is {what}, not a folder: a model is a Hugging Face folder (config.json, "
+                         f"*.safetensors, tokenizer.json); pass the model's folder, not a file")
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model folder not found: {model_dir}")
+    if not os.path.lexists(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"{model_dir} has no config.json (expected a Hugging Face model folder)")
+    config = files.read_json(os.path.join(model_dir, "config.json"))  # a pipe or a device: refused, not read
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    has_index = os.path.lexists(index)
+    if has_index:
+        weight_map = files.read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        for tensor, shard in weight_map.items():  # a name from a file: it must not lead out of the folder
+            if not files.is_plain_name(shard):
+                raise ValueError(f"{index}: weight_map entry {tensor!r} names {shard!r}, which is not a file name "
+                                 f"beside the index (a path outside the model folder, or into a subfolder): "
+                                 f"every shard must be a file in {model_dir}; fix the index")
+    elif os.path.lexists(os.path.join(model_dir, "model.safetensors")):
+        weight_map = {k: "model.safetensors" for k in read_safetensors_header(os.path.join(model_dir, "model.safetensors"))[0]}
+    else:
+        raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+    for shard in sorted(set(weight_map.values())):
+        if not os.path.lexists(os.path.join(model_dir, shard)):
+            raise FileNotFoundError(f"shard {shard} listed in the index is missing from {model_dir}")
+        files.check_regular(os.path.join(model_dir, shard))
+    return config, weight_map, has_index
+
+
+FLOAT_DTYPES = ("F32", "BF16", "F16")  # a weight or a bias: what torch computes with, as stored
+# A compressed-tensors NVFP4 layer's own tensors (01_quantize.py's output): 4-bit codes two to a byte, FP8 block
+# scales, an FP32 tensor scale (and vLLM's activation scale, which 03 skips)
+NVFP4_DTYPES = {"weight_packed": ("U8",), "weight_scale": ("F8_E4M3",), "weight_global_scale": ("F32",),
+                "input_global_scale": ("F32",)}
+
+
+def _listed_tensor(model_dir, header, name, shard):
+    """header[name], or one line saying that the index puts `name` in a shard that does not hold it."""
+    if name not in header:
+        raise ValueError(f"{os.path.join(model_dir, 'model.safetensors.index.json')} puts {name} in {shard}, which "
+                         f"does not hold it: fix the index, or download the folder again")
+    return header[name]
+
+
+def read_weight_headers(model_dir, weight_map):
+    """Every shard's header, checked (read_safetensors_header), before any tensor is read -> {shard: header}.
+    Each tensor the index lists must be in its shard, and each weight stored in a dtype the stages compute
+    with: a weight or a bias in FLOAT_DTYPES, an NVFP4 layer's tensors in NVFP4_DTYPES. Without this an I32
+    norm gain was copied by 01 and a traceback in 03, and an F64 projection a dtype clash at its first matmul.
+    Other tensors (a rotary inv_freq some exports keep) are never computed with, and pass. 01 and 03 (so 04
+    and 05, which load through 03) call it."""
+    headers = {s: read_safetensors_header(os.path.join(model_dir, s))[0] for s in sorted(set(weight_map.values()))}
+    for name, shard in weight_map.items():
+        _listed_tensor(model_dir, headers[shard], name, shard)
+    for shard, header in headers.items():
+        for name, info in header.items():
+            leaf = name.rpartition(".")[2]
+            allowed = NVFP4_DTYPES.get(leaf) or (FLOAT_DTYPES if leaf in ("weight", "bias") else None)
+            if allowed and info["dtype"] not in allowed:
+                what = f"an NVFP4 {leaf}" if leaf in NVFP4_DTYPES else f"a {leaf}"
+                raise ValueError(f"{os.path.join(model_dir, shard)}: tensor {name} has dtype {info['dtype']}, but "
+                                 f"{what} must be {'one of ' * (len(allowed) > 1)}{', '.join(allowed)}: convert the "
+                                 f"checkpoint (its export or its header is wrong)")
+    return headers
+
+
+def check_config_fits_weights(model_dir, config, weight_map):
+    """config.json's sizes against the weights it sits beside (dict config; the embedding's shape from its
+    safetensors header, the layer indices, lm_head): a config that disagrees is one line naming both, before an
+    estimate or an output is made from it. 01 checks a folder before quantizing it, 05 before estimating memory."""
+    where = os.path.join(model_dir, "config.json")
+    name = "model.embed_tokens.weight"
+    if name in weight_map:
+        shape = _listed_tensor(model_dir, read_safetensors_header(os.path.join(model_dir, weight_map[name]))[0],
+                               name, weight_map[name])["shape"]
+        said = [config.get("vocab_size", shape[0]), config.get("hidden_size", shape[-1])]  # what it states
+        if shape != said:
+            raise ValueError(f"{where} says vocab_size {config.get('vocab_size')} and hidden_size "
+                             f"{config.get('hidden_size')}, but {name} is {shape[0]} x {shape[-1]}: the config does "
+                             f"not belong to these weights")
+    layers = {int(k.split(".")[2]) for k in weight_map if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+    n = config.get("num_hidden_layers")
+    if layers and n is not None and (type(n) is not int or layers != set(range(n))):
+        raise ValueError(f"{where} says num_hidden_layers {config.get('num_hidden_layers')}, but the weights hold "
+                         f"layers {min(layers)}..{max(layers)} ({len(layers)} of them): the config does not belong "
+                         f"to these weights")
+    check_config_booleans(config, where)  # 01 reads tie_word_embeddings without hf_files.check_config
+    if name in weight_map and not config.get("tie_word_embeddings", False) and "lm_head.weight" not in weight_map:
+        raise ValueError(f"{where} says tie_word_embeddings false, but the weights have no lm_head.weight: set it "
+                         f"to true if the model shares its embedding, or add the missing weights")
+
+
+CONFIG_BOOLEANS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+
+
+def check_config_booleans(config, where):
+    """config.json's true/false fields are JSON booleans (or null): the string "false" is truthy, and read as
+    a truth value it would flip the meaning (a tied embedding, and the model's own lm_head dropped)."""
+    for k in CONFIG_BOOLEANS:
+        if config.get(k) is not None and not isinstance(config[k], bool):
+            raise ValueError(f"{where}: {k} must be true or false, got {config[k]!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
 # *.safetensors: one tensor at a time, checked, into a model built on the meta device
 
 def read_tensor(handles, file, name):
@@ -127,7 +323,7 @@ def read_tensor(handles, file, name):
             handles[file] = safe_open(file, "pt", device="cpu")  # memory-mapped, reads lazily
         t = handles[file].get_tensor(name)
     except Exception as e:  # safetensors raises its own SafetensorError (not an OSError/ValueError)
-        raise ValueError(common.safetensors_problem(file) or f"{file}: cannot read tensor {name} ({e}); "
+        raise ValueError(safetensors_problem(file) or f"{file}: cannot read tensor {name} ({e}); "
                          "the file is truncated or corrupt, download or write it again") from None
     if t.dtype in (torch.float32, torch.float16, torch.bfloat16) and not torch.isfinite(t).all():
         raise ValueError(f"{file}: tensor {name} holds NaN or Inf values; the checkpoint is broken (a diverged "
@@ -182,7 +378,7 @@ def load_tokenizer(path, config=None):
                                 "(the `tokenizers` format Hugging Face saves)")
     gen_file = path / "generation_config.json"  # its ids win over config.json's
     try:  # read here, as a regular file only (a pipe would block the Rust reader for good), then parsed
-        with common.open_regular(file, "rb") as f:
+        with files.open_regular(file, "rb") as f:
             text = f.read().decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{file} cannot be read ({e}); write or download it again") from None
@@ -192,7 +388,7 @@ def load_tokenizer(path, config=None):
         raise ValueError(f"{file} is not a readable tokenizer ({str(e)[:120]}); write or "
                          "download it again") from None
     check_tokenizer(tok, json.loads(text), file)  # valid JSON: the Rust reader just read it
-    gen = {**(config or {}), **(common.read_json(gen_file) if gen_file.exists() else {})}
+    gen = {**(config or {}), **(files.read_json(gen_file) if gen_file.exists() else {})}
     eos, pad = gen.get("eos_token_id"), gen.get("pad_token_id")
     eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
     token_id = lambda i: type(i) is int and i >= 0  # noqa: E731  (true is an int to Python, and would be id 1)
@@ -272,10 +468,10 @@ def chat_template(folder):
     """(the chat template of a model folder, the file holding it): tokenizer_config.json's chat_template,
     else chat_template.jinja (where newer transformers save it); (None, None) without one."""
     config_file, jinja = Path(folder) / "tokenizer_config.json", Path(folder) / "chat_template.jinja"
-    template = common.read_json(config_file).get("chat_template") if config_file.exists() else None
+    template = files.read_json(config_file).get("chat_template") if config_file.exists() else None
     if isinstance(template, str):
         return template, config_file
-    return (common.read_text(jinja, "chat template "), jinja) if jinja.exists() else (None, None)
+    return (files.read_text(jinja, "chat template "), jinja) if jinja.exists() else (None, None)
 
 
 def default_system(template):

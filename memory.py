@@ -6,7 +6,7 @@ any object with a model config's fields (hidden_size, intermediate_size, num_hid
 """
 import torch
 
-import common
+import devices
 import engine
 
 CONFIG_WIDTHS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -57,7 +57,7 @@ def update_bytes_per_row(cfg, T, b, grad_checkpoint):
 def auto_micro_batch(cfg, rows, T, b, grad_checkpoint, device):
     """--micro-batch auto: all `rows` (T tokens each, b bytes per activation) when their activations fit the
     update's budget, UPDATE_MEMORY_CPU on a CPU or half the free memory on a GPU, else as many as do (>= 1)."""
-    free = None if torch.device(device).type == "cpu" else common.free_memory(device)
+    free = None if torch.device(device).type == "cpu" else devices.free_memory(device)
     budget = UPDATE_MEMORY_CPU if free is None else free // 2
     per_row = update_bytes_per_row(cfg, T, b, grad_checkpoint)  # 0 for a rank with no rows
     return max(1, min(rows, int(budget // max(per_row, 1))))
@@ -71,7 +71,7 @@ def micro_batch_rows(micro_batch, rows, model, T):
     if not all(hasattr(cfg, k) for k in CONFIG_WIDTHS):  # a policy without widths to go by
         return rows
     return auto_micro_batch(model.config, rows, T, model.model.embed_tokens.weight.element_size(),
-                            model.grad_checkpoint, common.model_device(model))
+                            model.grad_checkpoint, devices.model_device(model))
 
 
 def run_memory(args, cfg, P, world, b, device="cpu"):

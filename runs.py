@@ -12,14 +12,16 @@ import threading
 import time
 
 import checkpoints
-import common
+import cli
+import devices
+import files
 from checkpoints import RUN_FILES, check_run_links, is_run_file  # the run folder's own files
 from distributed import PeerError, global_sum, rank_and_world
 
 def read_metrics(path, upto):
     """metrics.jsonl's rows up to step `upto`. A cut-off last line (a kill mid-write) is dropped with a note;
     a bad line before it is an error naming the file and line."""
-    text = common.read_text(path)  # a pipe planted as metrics.jsonl is refused; a damaged byte: a line not JSON
+    text = files.read_text(path)  # a pipe planted as metrics.jsonl is refused; a damaged byte: a line not JSON
     lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     rows = []
     for i, (n, line) in enumerate(lines):
@@ -51,12 +53,12 @@ class RunLog:
         self.metrics = os.path.join(args.out, "metrics.jsonl")
         self.opened, self.steps_logged, self.made, self.recent = False, 0, [], []  # recent: s/step of each step
         self.far_steps = []  # the steps whose update moved the policy beyond DIVERGED_KL
-        self.lock = common.OutputLock(args.out) if rank == 0 else None  # held from __enter__ to __exit__
+        self.lock = files.OutputLock(args.out) if rank == 0 else None  # held from __enter__ to __exit__
         self.kept_rows = read_metrics(self.metrics, start) if rank == 0 and os.path.exists(self.metrics) else []
         dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
         print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
               f"pi_old {args.pi_old} | "
-              f"device {common.model_device(model)} | dtype {dtype}" + (f" ({dtype_why})" if dtype_why else "") +
+              f"device {devices.model_device(model)} | dtype {dtype}" + (f" ({dtype_why})" if dtype_why else "") +
               f" | steps {args.steps} | B {args.batch} | "
               f"G {args.group} | lr {args.lr:g} | out {args.out}" + (f" | ranks {world}" if world > 1 else ""))
 
@@ -73,16 +75,16 @@ class RunLog:
         """The run folder's files, at the first record (a run that fails before it writes nothing): args.json,
         and metrics.jsonl cut back to the checkpoint's step (a crash may have logged past it)."""
         os.makedirs(self.args.out, exist_ok=True)
-        common.write_json(os.path.join(self.args.out, "args.json"), clean(vars(self.args)))
+        files.write_json(os.path.join(self.args.out, "args.json"), clean(vars(self.args)))
         if self.kept_rows or os.path.exists(self.metrics):
-            common.write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in self.kept_rows))
+            files.write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in self.kept_rows))
         self.opened = True
 
     def _append(self, rec):  # one line of metrics.jsonl, written by rank 0
         if self.rank == 0:
             if not self.opened:
                 self._open()
-            common.append_line(self.metrics, json.dumps(clean(rec)) + "\n")  # never through a planted link
+            files.append_line(self.metrics, json.dumps(clean(rec)) + "\n")  # never through a planted link
 
     def __enter__(self):
         """The run folder is this run's alone until it ends: a second run on it, or a --resume of it, fails
@@ -110,7 +112,7 @@ class RunLog:
             found = checkpoints.latest_checkpoint(self.args.out)
             hint = (f"{os.path.basename(found)} saved: continue with  python 05_grpo.py --resume "
                     f"{shlex.quote(self.args.out)}" if found else "no checkpoint yet: nothing to resume")
-            raise common.Interrupted(hint, getattr(exc, "signum", signal.SIGINT)) from None
+            raise cli.Interrupted(hint, getattr(exc, "signum", signal.SIGINT)) from None
         return False
 
     def eval(self, res, step, k, seconds):
@@ -180,7 +182,7 @@ class RunLog:
               + (f" | LIKELY DIVERGED: {len(far)} step(s) moved the policy beyond kl_after {DIVERGED_KL:g} (first: "
                  f"step {far[0]})" if far else ""))
         if self.rank == 0 and (self.steps_logged or (self.opened and self.start)):  # a resume's final evaluation
-            common.write_json(os.path.join(self.args.out, "summary.json"), clean(s))
+            files.write_json(os.path.join(self.args.out, "summary.json"), clean(s))
         return s
 
 def clean(obj):
@@ -210,14 +212,14 @@ class StopAtStepEnd:
     def __enter__(self):
         self.signum, self.at, self.previous = 0, 0.0, {}
         if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self._ask) for s in common.STOP_SIGNALS}
-        self.stdout, sys.stdout = sys.stdout, common.ClosedPipeGuard(sys.stdout)  # `| head`: stop as for SIGPIPE
+            self.previous = {s: signal.signal(s, self._ask) for s in cli.STOP_SIGNALS}
+        self.stdout, sys.stdout = sys.stdout, cli.ClosedPipeGuard(sys.stdout)  # `| head`: stop as for SIGPIPE
         return self
 
     def _ask(self, signum, frame):
         if self.signum:
             if time.monotonic() - self.at >= self.repeat_s:
-                raise common.Interrupted(signum=signum)
+                raise cli.Interrupted(signum=signum)
             return
         self.signum, self.at = signum, time.monotonic()
         again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
@@ -257,11 +259,11 @@ def check_run_folder(args, ckpt=None):
     folder of the run that `ckpt` (--resume) continues. Never a file, the model or a data file, or a
     folder holding them."""
     inputs = [x for x in (args.model, args.data, args.eval_data) if x]
-    common.check_out_path(args.out, inputs)
+    files.check_out_path(args.out, inputs)
     check_run_links(args.out)
     if os.path.isdir(args.out) and rank_and_world()[0] == 0:
-        with common.OutputLock(args.out):  # a live run on this folder is named here, before any work
-            common.remove_stale_temps(args.out, is_run_file)  # what a killed run left: half-written checkpoints
+        with files.OutputLock(args.out):  # a live run on this folder is named here, before any work
+            files.remove_stale_temps(args.out, is_run_file)  # what a killed run left: half-written checkpoints
     held = sorted(os.listdir(args.out)) if os.path.isdir(args.out) else []
     run = [n for n in held if is_run_file(n)]  # what a run would overwrite
     own = ckpt is not None and os.path.realpath(os.path.dirname(os.path.abspath(ckpt))) == os.path.realpath(args.out)
@@ -304,7 +306,7 @@ def step_record(step, samples, mask, truncated, rewards, correct, report, clock,
             "frac_zero_std": report["flat_all"] / rows, "truncated": total_truncated / rows,
             "tok/s": total_tokens / max(t_sample, 1e-9), "s/step": time.time() - clock.t0, "t_sample": t_sample,
             "t_score": clock.laps["score"], "cpu_s": time.process_time() - clock.cpu0,
-            "cpu_sample": clock.cpu_laps["sample"], "peak_rss_mb": common.peak_rss_bytes() / 2 ** 20}
+            "cpu_sample": clock.cpu_laps["sample"], "peak_rss_mb": devices.peak_rss_bytes() / 2 ** 20}
 
 
 UPDATE_BOOKKEEPING = ("skipped", "kept_rows", "kept_rows_all", "rows_all", "flat_all")  # policy_update's, not stats

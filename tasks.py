@@ -10,7 +10,7 @@ import re
 from fractions import Fraction
 from pathlib import Path
 
-import common
+import files
 import hf_files
 
 # -----------------------------------------------------------------------------
@@ -328,7 +328,7 @@ def load_jsonl(path):
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file {path!r} not found (expected JSONL lines with 'question' and "
                                 f"'answer' ending in '#### <number>', or use --task arithmetic)")
-    text = common.read_text(path, "data file ")  # a pipe is refused; undecodable bytes -> U+FFFD
+    text = files.read_text(path, "data file ")  # a pipe is refused; undecodable bytes -> U+FFFD
     parsed, garbled = [], []
     for n, line in enumerate(text.split("\n"), 1):
         if "\ufffd" in line:  # bytes that are not UTF-8 (or a converter's mark of them): a garbled question
@@ -458,7 +458,7 @@ def make_task(args, defaults):
             raise ValueError(f"{flag} {value} is read only by {readers}, and --task {args.task} ignores it: drop "
                              f"{flag}")
     system = args.system == "paper" or (args.system == "auto" and
-                                        common.find_weight_files(args.model)[0].get("qerl_prompt") != "bare")
+                                        hf_files.find_weight_files(args.model)[0].get("qerl_prompt") != "bare")
     return cls.from_args(args, system)
 
 

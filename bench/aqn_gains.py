@@ -17,13 +17,14 @@ from safetensors import safe_open
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
+hf_files = importlib.import_module("hf_files")
 aqn = importlib.import_module("04_aqn")
 
 
 def gains(model_dir):
     """{(layer, norm name): |gains| (C,) fp32} for the norms AQN perturbs."""
-    _, weight_map, _ = common.find_weight_files(model_dir)
+    _, weight_map, _ = hf_files.find_weight_files(model_dir)
     out = {}
     for name, file in sorted(weight_map.items()):
         parts = name.split(".")
@@ -34,9 +35,9 @@ def gains(model_dir):
 
 
 def main(argv=None):
-    p = common.ArgumentParser(description="AQN's sigma relative to a model's RMSNorm gains, per layer")
+    p = cli.ArgumentParser(description="AQN's sigma relative to a model's RMSNorm gains, per layer")
     p.add_argument("--model", default=os.path.join(ROOT, "assets", "tiny-qwen"))
-    p.add_argument("--sigma", type=common.number(above=0), default=1e-2, help="the absolute sigma (the paper's peak)")
+    p.add_argument("--sigma", type=cli.number(above=0), default=1e-2, help="the absolute sigma (the paper's peak)")
     args = p.parse_args(argv)
     g = gains(args.model)
     if not g:
@@ -55,4 +56,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

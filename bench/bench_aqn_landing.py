@@ -24,7 +24,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
 aqn = importlib.import_module("04_aqn")
 
 
@@ -67,8 +67,8 @@ def landed_noise(model, ids, sigma, generator=None, in_gain=False):
 
 
 def main(argv=None):
-    N = common.number
-    p = common.ArgumentParser(description=__doc__.split("\n")[0])
+    N = cli.number
+    p = cli.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=os.path.join(ROOT, "assets", "tiny-qwen"))
     p.add_argument("--sigmas", type=N(above=0), nargs="+", default=[1e-2, 5e-4])
     p.add_argument("--prompts", type=N(int, 1), default=16, help="number of problems whose tokens run through")
@@ -93,4 +93,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

@@ -26,7 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
 OWNED = ("--out", "--steps", "--eval-size", "--time-budget", "--save-every", "--resume", "--device")
 
 
@@ -55,8 +55,8 @@ def main(argv=None):
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    N = common.number
-    p = common.ArgumentParser(description=__doc__.split("\n")[0])
+    N = cli.number
+    p = cli.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=N(int, 2), default=2,
                    help="torchrun processes (the single process gets as many threads)")
     p.add_argument("--steps", type=N(int, 1), default=30, help="GRPO steps per run")
@@ -91,4 +91,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

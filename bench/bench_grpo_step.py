@@ -31,7 +31,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
+devices = importlib.import_module("devices")
 tasks = importlib.import_module("tasks")
 runs = importlib.import_module("runs")
 grpo = importlib.import_module("05_grpo")
@@ -43,7 +44,7 @@ quantize = importlib.import_module("01_quantize")
 
 def setup(args):
     """Model, tokenizer, optimizer and task, made by 05's own functions."""
-    device = str(common.pick_device(args.device))
+    device = str(devices.pick_device(args.device))
     task = tasks.make_task(args, grpo.parser_defaults())
     model, tok, params, opt = grpo.build_policy(args, device)
     return dict(model=model, tok=tok, opt=opt, params=params, task=task)
@@ -112,12 +113,12 @@ def print_table(results, base):
 
 
 def build_parser():
-    p = common.ArgumentParser(description="Split one GRPO step (05_grpo's loop) into rollout / reward / update "
-                              "per quantization (arguments after -- go to 05_grpo.py's parser)")
+    p = cli.ArgumentParser(description="Split one GRPO step (05_grpo's loop) into rollout / reward / update "
+                           "per quantization (arguments after -- go to 05_grpo.py's parser)")
     p.add_argument("--quants", nargs="+", default=["none", "nf4", "nvfp4"], choices=quantize.QUANT_CHOICES)
-    p.add_argument("--steps", type=common.number(int, 1), default=5, help="measured steps per quantization")
-    p.add_argument("--warmup", type=common.number(int, 0), default=2, help="unmeasured steps first")
-    p.add_argument("--threads", type=common.number(int, 1), default=1,
+    p.add_argument("--steps", type=cli.number(int, 1), default=5, help="measured steps per quantization")
+    p.add_argument("--warmup", type=cli.number(int, 0), default=2, help="unmeasured steps first")
+    p.add_argument("--threads", type=cli.number(int, 1), default=1,
                    help="torch CPU threads (1 on a shared machine)")
     return p
 
@@ -139,10 +140,10 @@ def main(argv=None):
     print(f"({time.time() - t0:.0f}s incl. loading and warm-up)")
     print(f"\nbundled model {os.path.relpath(last.model, ROOT)} | B {last.batch} x G {last.group} | "
           f"max_new_tokens {last.max_new_tokens} | aqn {'on' if last.aqn else 'off'} | device "
-          f"{last.device or common.autodetect_device()} | threads {args.threads} | mean of {args.steps} steps "
+          f"{last.device or devices.autodetect_device()} | threads {args.threads} | mean of {args.steps} steps "
           f"after {args.warmup} warm-up")
     print_table(results, args.quants[0])
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

@@ -23,7 +23,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
 quant_engine = importlib.import_module("quant_engine")  # loads kernels/ by path (HF's `kernels` shares its name)
 
 # -----------------------------------------------------------------------------
@@ -174,8 +174,8 @@ def bench_row(name, n, k, m, args, gen, nvfp4_matmul, do_bench):
 
 
 def main(argv=None):
-    N = common.number
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    N = cli.number
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", choices=["square", "qwen7b"], default="square")
     parser.add_argument("--m", type=N(int, 1), nargs="+", default=None, help="batch sizes (rows of x)")
     parser.add_argument("--split-k", type=N(int, 1), default=None, help="force split-K (default: rule of thumb)")
@@ -217,4 +217,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

@@ -43,7 +43,7 @@ ROOT = os.path.dirname(BENCH)
 for p in (ROOT, BENCH):
     if p not in sys.path:
         sys.path.insert(0, p)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
 ro = importlib.import_module("03_rollout")
 lora = importlib.import_module("02_lora")
 from bench_rollout import (DTYPES, QUANTS, SHAPES, build_random_model, model_config, pick_device,  # noqa: E402
@@ -226,8 +226,8 @@ def print_table(results, configs, args, device):
 
 
 def main(argv=None):
-    N = common.number
-    ap = common.ArgumentParser(description=__doc__.split("\n")[0])
+    N = cli.number
+    ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="none,nf4,nvfp4", help=f"comma-separated from {','.join(QUANTS)} (first = baseline)")
     ap.add_argument("--one", default=None, help="run one configuration in this process and print a RESULT line")
     ap.add_argument("--shape", default="350m", help=f"model shape preset: {', '.join(SHAPES)}")
@@ -295,4 +295,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

@@ -31,7 +31,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
+files = importlib.import_module("files")
 quantize = importlib.import_module("01_quantize")
 rollout = importlib.import_module("03_rollout")
 grpo = importlib.import_module("05_grpo")
@@ -180,8 +181,8 @@ def table_accuracy(models, tok, task, max_new_tokens):
 
 
 def main(argv=None):
-    N = common.number
-    ap = common.ArgumentParser(description=__doc__.split("\n\n")[0])
+    N = cli.number
+    ap = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=grpo.TINY_MODEL, help="Hugging Face folder (default: the bundled model)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--task", default="arithmetic", choices=["arithmetic", "chat-arithmetic"],
@@ -216,8 +217,8 @@ def main(argv=None):
         if "accuracy" in parts:
             out["greedy"] = table_accuracy(models, tok, task, args.max_new_tokens)
     if args.json:
-        common.write_json(args.json, out)
+        files.write_json(args.json, out)
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

@@ -15,7 +15,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
+devices = importlib.import_module("devices")
 q = importlib.import_module("01_quantize")
 
 
@@ -35,12 +36,12 @@ def timed(fn, repeats, device):
 
 
 def main(argv=None):
-    p = common.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", type=common.number(int, 1, 65536), default=4096, help="weight is size x size")
-    p.add_argument("--repeats", type=common.number(int, 1), default=3)
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=cli.number(int, 1, 65536), default=4096, help="weight is size x size")
+    p.add_argument("--repeats", type=cli.number(int, 1), default=3)
     p.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
     args = p.parse_args(argv)
-    device = common.pick_device(args.device)
+    device = devices.pick_device(args.device)
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(args.size, args.size, generator=g) * 0.02).to(torch.bfloat16).to(device)
     mb = w.numel() * 2 / 1e6                                             # MB of bf16 weight per call
@@ -61,4 +62,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

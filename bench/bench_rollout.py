@@ -32,7 +32,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
+devices = importlib.import_module("devices")
 ro = importlib.import_module("03_rollout")
 
 # ---------------------------------------------------------------------------------------------------
@@ -191,20 +192,20 @@ def bench_quant(cfg, quant, args, device, dtype):
 # ---------------------------------------------------------------------------------------------------
 # Command line
 
-pick_device = common.pick_device  # --device: the stages' one rule
+pick_device = devices.pick_device  # --device: the stages' one rule
 
 
 def int_list(text):
     """An argparse type: comma-separated integers >= 1 ("1,16")."""
-    values = [common.number(int, 1)(v) for v in text.split(",") if v.strip()]
+    values = [cli.number(int, 1)(v) for v in text.split(",") if v.strip()]
     if not values:
         raise argparse.ArgumentTypeError(f"{text!r} holds no integers: give them comma-separated, e.g. 1,16")
     return values
 
 
 def main(argv=None):
-    N = common.number
-    ap = common.ArgumentParser(description=__doc__.split("\n")[0])
+    N = cli.number
+    ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default=None, help=f"one of {', '.join(SHAPES)} (default: tiny on CPU, qwen2.5-7b on CUDA)")
     ap.add_argument("--quants", default="none,nvfp4", help="comma-separated, from none,nvfp4,nf4 (first = baseline)")
     ap.add_argument("--batches", type=int_list, default="1,16", help="batch sizes (rows decoded together)")
@@ -272,4 +273,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

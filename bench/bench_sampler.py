@@ -37,7 +37,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
+devices = importlib.import_module("devices")
+hf_files = importlib.import_module("hf_files")
 
 # The shape of the README's comparison; --shape may also name any shape of bench_rollout.py.
 SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -128,7 +130,7 @@ def compare(args, ro, br, device, sync):
     dtype = br.DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if args.model:  # a real Hugging Face folder (e.g. SmolLM2): its own weights on both sides
         try:
-            raw, _, sharded = common.find_weight_files(args.model)
+            raw, _, sharded = hf_files.find_weight_files(args.model)
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"error: --model: {e}") from None
         if sharded:
@@ -300,8 +302,8 @@ def kv_vs_recompute(args, ro, device, sync):
 def main(argv=None):
     ro = importlib.import_module("03_rollout")
     br = importlib.import_module("bench_rollout")  # its random-model builder, shapes and --batches type
-    N = common.number
-    ap = common.ArgumentParser(description=__doc__.split("\n")[0])
+    N = cli.number
+    ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")
     ap.add_argument("--shape", default="small", help="small (the default above) or a bench_rollout.py shape")
     ap.add_argument("--model", default=None, help="a Hugging Face folder with one model.safetensors (e.g. "
@@ -330,7 +332,7 @@ def main(argv=None):
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = common.pick_device(args.device)
+    device = devices.pick_device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     if args.kv_vs_recompute:
@@ -342,4 +344,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

@@ -39,7 +39,7 @@ import torch.utils.checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
 engine = importlib.import_module("engine")
 tasks = importlib.import_module("tasks")
 quantize = importlib.import_module("01_quantize")
@@ -267,16 +267,16 @@ def smoke(model_dir, flags):
 
 
 def main(argv=None):
-    p = common.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--micro-batch", type=common.number(int, 1), default=4,
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--micro-batch", type=cli.number(int, 1), default=4,
                    help="rows per forward/backward in the table")
     p.add_argument("--grad-checkpoint", action="store_true", help="the table's chunked rows with 05's --grad-checkpoint")
     p.add_argument("--default-malloc", action="store_true", help="children keep glibc's dynamic mmap threshold")
-    p.add_argument("--one", nargs=4, type=common.number(int, 0), metavar=("ROWS", "T", "MB", "CHUNKED"),
+    p.add_argument("--one", nargs=4, type=cli.number(int, 0), metavar=("ROWS", "T", "MB", "CHUNKED"),
                    help="(child) one configuration")
     p.add_argument("--per-token", action="store_true")
     p.add_argument("--write-model", metavar="DIR")
-    p.add_argument("--layers", type=common.number(int, 1), default=2)
+    p.add_argument("--layers", type=cli.number(int, 1), default=2)
     p.add_argument("--smoke", metavar="DIR")
     args, rest = p.parse_known_args(argv)
     if args.one:
@@ -292,4 +292,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

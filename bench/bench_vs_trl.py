@@ -41,7 +41,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
+devices = importlib.import_module("devices")
+hf_files = importlib.import_module("hf_files")
 tasks = importlib.import_module("tasks")
 
 TRL_VENV_HINT = ("python -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install torch==2.13.0 trl peft transformers "
@@ -49,7 +51,7 @@ TRL_VENV_HINT = ("python -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install to
 
 
 def peak_rss_mb():
-    return common.peak_rss_bytes() / 2 ** 20
+    return devices.peak_rss_bytes() / 2 ** 20
 
 
 def grpo_flags(job):
@@ -273,8 +275,8 @@ def summarise(res):
 
 
 def main(argv=None):
-    N = common.number  # the command-line pieces (torch, not 05, is imported)
-    ap = common.ArgumentParser(description=__doc__.split("\n")[0])
+    N = cli.number  # the command-line pieces (torch, not 05, is imported)
+    ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trl-python", default=None, help="interpreter of a venv with trl, peft, transformers, "
                     "accelerate (required)")
     ap.add_argument("--model", default=os.path.join(ROOT, "assets", "tiny-qwen"),
@@ -294,7 +296,7 @@ def main(argv=None):
     ap.add_argument("--eval-size", type=N(int, 0), default=None, help="held-out problems (default 500; 200 for "
                     "chat-arithmetic)")
     ap.add_argument("--threads", type=N(int, 1), default=2, help="torch threads of each side")
-    ap.add_argument("--dtype", choices=common.DTYPES, default="auto", help="05's --dtype (default auto: its fastest)")
+    ap.add_argument("--dtype", choices=devices.DTYPES, default="auto", help="05's --dtype (default auto: its fastest)")
     ap.add_argument("--trl-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="TRL's model dtype and bf16 flag (default float32, its fastest on this project's AMX CPU: "
                     "median 39.5 s a SmolLM2 step against 51.2 in bf16)")
@@ -317,7 +319,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     grpo = load_grpo()
     try:  # the cheap checks first: a wrong folder is reported before the TRL venv is probed
-        common.find_weight_files(args.model)
+        hf_files.find_weight_files(args.model)
     except (FileNotFoundError, ValueError) as e:
         hint = " (make it with: python assets/smollm2.py)" if "smollm2" in args.model else ""
         print(f"error: --model {args.model!r} is not a model folder{hint}: {e}", file=sys.stderr)
@@ -425,4 +427,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

@@ -135,7 +135,7 @@ from study_files import read_pack as read_pack
 from study_runner import CODE_FILES as CODE_FILES, SNAPSHOT_RECORD as SNAPSHOT_RECORD, live_claims as live_claims, \
     process_identity as process_identity, tree_hash as tree_hash
 
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
 quantize = importlib.import_module("01_quantize")  # the command-line pieces
 GRPO = os.path.join(ROOT, "05_grpo.py")
 DEFAULT_OUT = os.path.join(ROOT, "bench", "results")
@@ -145,9 +145,9 @@ DEFAULT_OUT = os.path.join(ROOT, "bench", "results")
 
 
 def build_parser():
-    N = common.number
-    p = common.ArgumentParser(description="Train LoRA / QLoRA / NVFP4-LoRA / QeRL / LoRA+AQN with identical "
-                              "budgets and compare them (arguments after -- go to 05_grpo.py)")
+    N = cli.number
+    p = cli.ArgumentParser(description="Train LoRA / QLoRA / NVFP4-LoRA / QeRL / LoRA+AQN with identical "
+                           "budgets and compare them (arguments after -- go to 05_grpo.py)")
     p.add_argument("--study", choices=list(STUDIES), help="one of the ablation studies instead of the paper's "
                    "comparison: its own methods, 1000 held-out problems, results under bench/results/<study>/")
     p.add_argument("--methods", nargs="+", help="a subset of the methods (default: all of the comparison's, or "
@@ -268,4 +268,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

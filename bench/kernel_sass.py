@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real, whatever the caller's environment says
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -188,7 +188,7 @@ def opcode_histogram(body, top=8):
 
 
 def main(argv=None):
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write NAME.cubin, NAME.sass and NAME.json here")
     parser.add_argument("--only", default=None, help="only configurations whose name contains this")
     parser.add_argument("--ops", action="store_true", help="also print the loop's commonest opcodes")
@@ -244,4 +244,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

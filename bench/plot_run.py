@@ -16,7 +16,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
+files = importlib.import_module("files")
 
 
 def read_run(folder):
@@ -62,14 +63,14 @@ def plot(steps, evals, png):
     ax2.set_xlabel("step")
     ax2.set_ylabel("mean completion length (tokens)")
     fig.tight_layout()
-    common.atomic_write(png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    files.atomic_write(png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     print(f"plot | {png}")
 
 
 def main(argv=None):
-    p = common.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run", help="a 05_grpo.py run folder (with metrics.jsonl)")
-    p.add_argument("--every", type=common.number(int, 1), default=10, help="steps per table row")
+    p.add_argument("--every", type=cli.number(int, 1), default=10, help="steps per table row")
     p.add_argument("--png", default=None, help="also draw the curves into this PNG file")
     a = p.parse_args(argv)
     steps, evals = read_run(a.run)
@@ -80,4 +81,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_cli(main))
+    sys.exit(cli.run_cli(main))

@@ -33,7 +33,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
+devices = importlib.import_module("devices")
 tasks = importlib.import_module("tasks")
 memory = importlib.import_module("memory")
 grpo = importlib.import_module("05_grpo")
@@ -104,12 +105,12 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     passthrough = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
-    p = common.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=SMOLLM2, help="Hugging Face model folder (default: SmolLM2, `make smollm2`)")
     p.add_argument("--dtype", default="auto", help="05's --dtype (auto, float32, bfloat16)")
-    p.add_argument("--threads", type=common.number(int, 1, 256), default=None, help="torch threads (default: torch's)")
-    p.add_argument("--repeats", type=common.number(int, 1, 20), default=3, help="timed runs per phase (median)")
-    p.add_argument("--top", type=common.number(int, 0, 100), default=0, help="also print the N ops of most self time")
+    p.add_argument("--threads", type=cli.number(int, 1, 256), default=None, help="torch threads (default: torch's)")
+    p.add_argument("--repeats", type=cli.number(int, 1, 20), default=3, help="timed runs per phase (median)")
+    p.add_argument("--top", type=cli.number(int, 0, 100), default=0, help="also print the N ops of most self time")
     a = p.parse_args(own)
     TOP_OPS[0] = a.top
     if not os.path.isdir(a.model):
@@ -121,7 +122,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as scratch:  # check_args checks a run folder; this script writes none
         args.out = scratch
         grpo.check_args(args, 1)
-    device = str(common.pick_device(args.device))
+    device = str(devices.pick_device(args.device))
     task = tasks.make_task(args, grpo.parser_defaults())
     model, tok, params, opt = grpo.build_policy(args, device)
     opts = grpo.update_options(args)
@@ -166,11 +167,11 @@ def main(argv=None):
                "decode step")
     print_rows(f"update, {rows} rows of {int(mask.sum(1).max())} tokens at most, in {n_micro} micro-batches of "
                f"{micro}", t_update, profile(update), n_micro, "micro-batch")
-    peak = common.peak_rss_bytes() / 2 ** 30
+    peak = devices.peak_rss_bytes() / 2 ** 30
     step = t_sample + t_update + t_check
     print(f"\nstep | sampling {t_sample:.2f} s | update {t_update:.2f} s | check {t_check:.2f} s "
           f"({t_check / step:.1%} of the step, {t_check / t_update:.1%} of the update) | peak RSS {peak:.2f} GB")
 
 
 if __name__ == "__main__":
-    common.run_cli(main)
+    cli.run_cli(main)

@@ -192,6 +192,22 @@ STUDIES = {
                       ("nvfp4-lora", "lora", "does the NVFP4 base beat the bf16 one (Table 1: yes)?"),
                       ("lora-aqn", "lora", "does AQN help on the bf16 base (the control)?"),
                       ("qerl", "lora", "QeRL vs LoRA")]},
+    # Issue 47: DAPO's dynamic sampling. A group whose 8 rewards tie trains nothing (about half of the bundled
+    # model's groups at its start); --dynamic-sampling 2 samples up to two more rounds of fresh problems a step
+    # to replace them, the batch kept at 16 groups. The same steps for both: what it does per step, and its cost.
+    "dynamic-sampling": {
+        "title": "DAPO's dynamic sampling: QeRL as 05 runs it by default vs the same with flat groups refilled "
+                 "(--dynamic-sampling 2)",
+        "methods": {"qerl": ("QeRL (05's default: NVFP4 + LoRA + AQN)", METHODS["qerl"][1], "tab:red"),
+                    "qerl-ds2": ("QeRL + dynamic sampling (up to 2 more rounds a step)",
+                                 METHODS["qerl"][1] + ["--dynamic-sampling", "2"], "tab:blue")},
+        "first": ["qerl", "qerl-ds2"], "after_best": [], "best_from": None, "train_args": [],
+        # greedy on 1000 held-out problems every 50 steps, no pass@k (as long as training itself on 1000)
+        "defaults": {"steps": 100, "seeds": [0, 1, 2, 3, 4, 5], "eval_size": 1000, "eval_every": 50, "eval_k": 0},
+        # the bundled model's step (TINY_SECONDS) x 1.85: the refilling arm's step costs ~2.7x, the other 1x
+        "seconds": {"step": {1: 1.2, 2: 1.75}, "greedy_problem": 0.004, "sample": 0.005, "load": 10.0},
+        "curves": ("reward", "eval", "entropy", "len"),
+        "questions": [("qerl-ds2", "qerl", "does refilling flat groups help QeRL at the same number of steps?")]},
 }
 
 

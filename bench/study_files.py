@@ -25,7 +25,7 @@ MAX_DEPTH = 64  # this script writes 5 levels, 05 about 4; json's own limit is t
 
 
 def load_json(text, where="it"):
-    """json.loads, bounded as common.read_json is: nesting deeper than MAX_DEPTH (up to the 100,000 "[" that
+    """json.loads, bounded as files.read_json is: nesting deeper than MAX_DEPTH (up to the 100,000 "[" that
     overflow json's recursion) is a ValueError naming `where`, which each reader turns into its one line."""
     try:
         obj = json.loads(text)

@@ -22,7 +22,9 @@ from study_files import (finished_steps, flag_values, load_json, load_run, owned
                          write_text)
 from study_report import fmt, study_best
 
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
+
+files = importlib.import_module("files")
 checkpoints = importlib.import_module("checkpoints")  # which files a 05 run writes in its folder
 
 # ---------------------------------------------------------------------------------------------------
@@ -309,7 +311,7 @@ def foreign_files(run_dir):
     def ours(name):
         m = re.fullmatch(r"\.(.+)\.tmp\d+(\.old)?", name)  # a killed writer's temporary of one of these names
         name = m.group(1) if m else name
-        return name in RUN_LOG or name == common.LOCK_FILE or checkpoints.is_run_file(name)
+        return name in RUN_LOG or name == files.LOCK_FILE or checkpoints.is_run_file(name)
     return sorted(n for n in os.listdir(run_dir) if not ours(n))
 
 
@@ -470,8 +472,8 @@ def run_all(args, methods=None):
             log.close()
             os.remove(os.path.join(runs_root, f".{m}-s{s}.claim"))
         if isinstance(e, KeyboardInterrupt):  # run_cli: one line, exit 130 (143 for kill)
-            raise common.Interrupted("finished runs are kept; rerun the same command to train the rest",
-                                     getattr(e, "signum", signal.SIGINT)) from None
+            raise cli.Interrupted("finished runs are kept; rerun the same command to train the rest",
+                                  getattr(e, "signum", signal.SIGINT)) from None
         raise
     return jobs
 
@@ -509,7 +511,8 @@ def estimate_wall(args, n_runs):
 
 
 STEP_KEYS = ("step", "reward", "acc", "entropy", "sigma", "sigma_applied", "len", "clip", "kl_old", "ratio_max",
-             "grad_norm", "s/step", "mismatch_kl", "is_w_mean", "is_w_max", "is_beyond_cap", "is_ess")
+             "grad_norm", "s/step", "mismatch_kl", "is_w_mean", "is_w_max", "is_beyond_cap", "is_ess",
+             "frac_zero_std", "ds_rounds", "ds_flat_before")
 
 
 def compact_metrics(run_dir):

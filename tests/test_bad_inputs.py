@@ -28,7 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "assets", "tiny-qwen")
 if ROOT not in sys.path:  # run as a script: `python tests/test_bad_inputs.py` prints the table
     sys.path.insert(0, ROOT)
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")  # the project's plumbing, beneath the stages: the command-line kit,
+devices = importlib.import_module("devices")  # devices, dtypes and memory,
+files = importlib.import_module("files")  # atomic writes, output folders and careful readers
 hf_files = importlib.import_module("hf_files")
 engine = importlib.import_module("engine")
 memory = importlib.import_module("memory")
@@ -109,7 +111,7 @@ def run_case(case, tmp, capsys):
         code, err = r.returncode, r.stderr
     else:
         try:
-            code = common.run_cli(STAGES[case.stage].main, argv)
+            code = cli.run_cli(STAGES[case.stage].main, argv)
         except SystemExit as e:  # argparse
             code = e.code
         err = capsys.readouterr().err
@@ -278,8 +280,8 @@ def test_ctrl_c_while_sampling_is_one_line(monkeypatch, capsys):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
     monkeypatch.setattr(STAGES["03_rollout"], "generate", interrupt)
-    assert common.run_cli(STAGES["03_rollout"].main, ["--model", TINY, "--device", "cpu"]) == 130
-    assert common.run_cli(STAGES["04_aqn"].main, ["--model", TINY, "--prompts", "1"]) == 130
+    assert cli.run_cli(STAGES["03_rollout"].main, ["--model", TINY, "--device", "cpu"]) == 130
+    assert cli.run_cli(STAGES["04_aqn"].main, ["--model", TINY, "--prompts", "1"]) == 130
     assert capsys.readouterr().err == "interrupted\ninterrupted\n"
 
 
@@ -497,7 +499,7 @@ CASES_05 = [
 def _manifest(folder, change):  # an earlier output of 01 in {tmp}/q whose manifest is then edited
     def setup(tmp):
         _own_output(tmp)
-        edit_json(f"{tmp}/q/{common.MANIFEST}", change)
+        edit_json(f"{tmp}/q/{files.MANIFEST}", change)
     return setup
 
 
@@ -782,11 +784,11 @@ def test_a_repeated_signal_within_a_second_is_the_same_request():
         time.sleep(0.05)
         assert stop.requested() == signal.SIGTERM
         time.sleep(runs.StopAtStepEnd.REPEAT_S)
-        with pytest.raises(common.Interrupted) as stopped:
+        with pytest.raises(cli.Interrupted) as stopped:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
     assert stopped.value.signum == signal.SIGTERM
-    with pytest.raises(common.Interrupted), runs.StopAtStepEnd() as stop:
+    with pytest.raises(cli.Interrupted), runs.StopAtStepEnd() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)
@@ -797,7 +799,7 @@ def test_a_repeated_signal_within_a_second_is_the_same_request():
 SLOWED = """import importlib, sys, time
 sys.path.insert(0, sys.argv[1])
 quantize = importlib.import_module("01_quantize")
-common = importlib.import_module("common")
+cli = importlib.import_module("cli")
 owner = importlib.import_module(sys.argv[2])
 real = getattr(owner, sys.argv[3])
 def slowed(*args, **kwargs):  # the real write, then a wait: the signal lands while the output is half-written
@@ -805,7 +807,7 @@ def slowed(*args, **kwargs):  # the real write, then a wait: the signal lands wh
     print("slow |", flush=True)
     time.sleep(60)
 setattr(owner, sys.argv[3], slowed)
-sys.exit(common.run_cli(quantize.main, sys.argv[4:]))
+sys.exit(cli.run_cli(quantize.main, sys.argv[4:]))
 """
 
 
@@ -967,7 +969,7 @@ def test_memory_estimates_pass_the_documented_runs_and_refuse_the_rest(tmp_path,
     of fp32 KV cache alone."""
     grpo = STAGES["05_grpo"]
     asked = []
-    monkeypatch.setattr(common, "check_memory_fits", lambda need, device, what: asked.append((need, what)))
+    monkeypatch.setattr(devices, "check_memory_fits", lambda need, device, what: asked.append((need, what)))
     smol, qwen = str(tmp_path / "smol"), str(tmp_path / "qwen7b")
     _fake_model(smol, SMOLLM2)
     _fake_model(qwen, QWEN7B)
@@ -992,12 +994,12 @@ def test_memory_estimates_pass_the_documented_runs_and_refuse_the_rest(tmp_path,
 
 
 def test_memory_refusal_names_both_figures(monkeypatch):
-    monkeypatch.setattr(common, "free_memory", lambda device: 3 * 2 ** 30)
+    monkeypatch.setattr(devices, "free_memory", lambda device: 3 * 2 ** 30)
     with pytest.raises(ValueError, match=r"^--x 9 needs about 4.0 GiB, and this machine has 3.0 GiB of RAM available"):
-        common.check_memory_fits(4 * 2 ** 30, "cpu", "--x 9")
-    common.check_memory_fits(2 * 2 ** 30, "cpu", "--x 1")  # fits: no error
+        devices.check_memory_fits(4 * 2 ** 30, "cpu", "--x 9")
+    devices.check_memory_fits(2 * 2 ** 30, "cpu", "--x 1")  # fits: no error
     monkeypatch.undo()
-    assert 0 < common.free_memory("cpu") < 2 ** 50  # this machine's MemAvailable
+    assert 0 < devices.free_memory("cpu") < 2 ** 50  # this machine's MemAvailable
 
 
 def test_sampling_at_the_smallest_temperature_is_finite(tiny):
@@ -1020,7 +1022,7 @@ def test_sampling_at_the_smallest_temperature_is_finite(tiny):
 def _index_to(place, entry):
     """setup: model.safetensors moved to {tmp}/place, and an index whose every entry is `entry` ({tmp} filled)."""
     def setup(tmp):
-        names = common.read_safetensors_header(f"{tmp}/model/model.safetensors")[0]
+        names = hf_files.read_safetensors_header(f"{tmp}/model/model.safetensors")[0]
         os.makedirs(os.path.dirname(f"{tmp}/{place}"), exist_ok=True)
         os.replace(f"{tmp}/model/model.safetensors", f"{tmp}/{place}")
         value = entry.format(tmp=tmp) if isinstance(entry, str) else entry
@@ -1069,14 +1071,14 @@ def _output_with_link(name, target):  # an earlier output of 01 in {tmp}/q whose
 def _lock_only(folder):  # {tmp}/folder holds only a dangling .qerl.lock link to {tmp}/made.txt
     def setup(tmp):
         os.makedirs(f"{tmp}/{folder}")
-        os.symlink(f"{tmp}/made.txt", f"{tmp}/{folder}/{common.LOCK_FILE}")
+        os.symlink(f"{tmp}/made.txt", f"{tmp}/{folder}/{files.LOCK_FILE}")
     return setup
 
 
 def _manifest_link(tmp):  # {tmp}/q: a user's notes and a link to the manifest of a real output of 01 at q0
     quantize.quantize_checkpoint(os.path.join(tmp, "model"), os.path.join(tmp, "q0"), log=lambda s: None)
     write(f"{tmp}/q/notes.txt", "mine")
-    os.symlink(f"{tmp}/q0/{common.MANIFEST}", f"{tmp}/q/{common.MANIFEST}")
+    os.symlink(f"{tmp}/q0/{files.MANIFEST}", f"{tmp}/q/{files.MANIFEST}")
 
 
 def _fifo(name):  # setup: the model's `name` replaced by a named pipe nobody writes
@@ -1123,7 +1125,7 @@ CASES_CONTAINMENT = [
     Case("link-05-resume-summary", "05_grpo", RESUME_RUN, "run/summary.json is a symbolic link",
          setup=_planted("summary.json", "notes.txt")),
     Case("link-05-resume-lock", "05_grpo", RESUME_RUN, "run/.qerl.lock is a symbolic link",
-         setup=_planted(common.LOCK_FILE, "notes.txt")),
+         setup=_planted(files.LOCK_FILE, "notes.txt")),
     Case("link-05-lock-dangling", "05_grpo", NO_STEP, "run/.qerl.lock is a symbolic link", setup=_lock_only("run")),
     Case("link-05-resume-checkpoint", "05_grpo", RESUME_RUN, "run/checkpoint-000002 is a symbolic link",
          setup=_planted("checkpoint-000002", "elsewhere/checkpoint-000002", move=True)),
@@ -1133,15 +1135,15 @@ CASES_CONTAINMENT = [
     Case("link-05-resume-adapter", "05_grpo", RESUME_RUN, "checkpoint-000002/adapter_model.safetensors is a symbolic "
          "link", setup=_planted("checkpoint-000002/adapter_model.safetensors", "elsewhere/a.safetensors", move=True)),
     Case("link-01-force-lock", "01_quantize", [*Q, "--force"], "q/.qerl.lock is a symbolic link",
-         setup=_output_with_link(common.LOCK_FILE, "notes.txt")),
+         setup=_output_with_link(files.LOCK_FILE, "notes.txt")),
     Case("link-01-lock-dangling", "01_quantize", Q, "q/.qerl.lock is a symbolic link", setup=_lock_only("q")),
     Case("link-01-force-manifest", "01_quantize", [*Q, "--force"], "q/qerl_manifest.json is a symbolic link",
          setup=_manifest_link),
     Case("link-01-force-lock-hard-link", "01_quantize", [*Q, "--force"], "q/.qerl.lock has other names (hard links)",
          setup=lambda t: (_own_output(t), write(f"{t}/notes.txt", "my notes"),
-                          os.link(f"{t}/notes.txt", f"{t}/q/{common.LOCK_FILE}"))),
+                          os.link(f"{t}/notes.txt", f"{t}/q/{files.LOCK_FILE}"))),
     Case("link-01-force-lock-users-file", "01_quantize", [*Q, "--force"], "q/.qerl.lock holds something other than "
-         "a process id", setup=lambda t: (_own_output(t), write(f"{t}/q/{common.LOCK_FILE}", "my notes"))),
+         "a process id", setup=lambda t: (_own_output(t), write(f"{t}/q/{files.LOCK_FILE}", "my notes"))),
     Case("fifo-03-config", "03_rollout", M, "model/config.json " + PIPE, setup=_fifo("config.json"), process=True),
     Case("fifo-03-tokenizer", "03_rollout", M, "model/tokenizer.json " + PIPE, setup=_fifo("tokenizer.json"),
          process=True),
@@ -1224,7 +1226,7 @@ def test_a_shard_beside_the_index_loads_through_a_link(tmp_path):
     model_copy(str(tmp_path))
     _index_to("blobs/abc123", "model.safetensors")(str(tmp_path))
     os.symlink("../blobs/abc123", tmp_path / "model" / "model.safetensors")
-    config, weight_map, has_index = common.find_weight_files(str(tmp_path / "model"))
+    config, weight_map, has_index = hf_files.find_weight_files(str(tmp_path / "model"))
     assert has_index and set(weight_map.values()) == {"model.safetensors"} and len(weight_map) == 50
     model, _ = rollout.load_model(tmp_path / "model", device="cpu")
     torch.testing.assert_close(model.model.embed_tokens.weight, tiny_weights()["model.embed_tokens.weight"],
@@ -1245,16 +1247,16 @@ def test_atomic_write_never_writes_through_a_planted_temporary(tmp_path):
     planted = run / f".args.json.tmp{os.getpid()}"
     os.symlink(victim, planted)
     with pytest.raises(ValueError, match=rf"\.args\.json\.tmp{os.getpid()} is a symbolic link \(to {victim}\)"):
-        common.write_json(str(run / "args.json"), {"lr": 1})
+        files.write_json(str(run / "args.json"), {"lr": 1})
     assert victim.read_text() == "my notes" and os.readlink(planted) == str(victim) and not (run / "args.json").exists()
     os.remove(planted)
     os.symlink(tmp_path / "made.txt", planted)  # dangling
     with pytest.raises(ValueError, match="is a symbolic link"):
-        common.write_json(str(run / "args.json"), {"lr": 1})
+        files.write_json(str(run / "args.json"), {"lr": 1})
     assert not (tmp_path / "made.txt").exists()
     os.remove(planted)  # and without a link, the write goes as before
-    common.write_json(str(run / "args.json"), {"lr": 1})
-    assert common.read_json(str(run / "args.json")) == {"lr": 1} and os.listdir(run) == ["args.json"]
+    files.write_json(str(run / "args.json"), {"lr": 1})
+    assert files.read_json(str(run / "args.json")) == {"lr": 1} and os.listdir(run) == ["args.json"]
 
 
 def test_a_leftover_temporary_of_our_pid_is_replaced(tmp_path):
@@ -1262,8 +1264,8 @@ def test_a_leftover_temporary_of_our_pid_is_replaced(tmp_path):
     where PIDs repeat) is atomic_write's own kind of leftover: removed, and the write goes through."""
     write(str(tmp_path / f".a.json.tmp{os.getpid()}"), "half")
     os.makedirs(tmp_path / f".ckpt.tmp{os.getpid()}" / "x")
-    common.write_json(str(tmp_path / "a.json"), {"a": 1})
-    common.atomic_write(str(tmp_path / "ckpt"), os.makedirs)
+    files.write_json(str(tmp_path / "a.json"), {"a": 1})
+    files.atomic_write(str(tmp_path / "ckpt"), os.makedirs)
     assert sorted(os.listdir(tmp_path)) == ["a.json", "ckpt"]
 
 
@@ -1275,18 +1277,18 @@ def test_the_sweep_leaves_planted_links_alone(tmp_path):
     os.symlink(tmp_path / "users", tmp_path / f".checkpoint-000005.tmp{dead}.old")
     os.symlink(tmp_path / "users", tmp_path / f".metrics.jsonl.tmp{dead}")
     before = snapshot(str(tmp_path))
-    assert common.remove_stale_temps(str(tmp_path), lambda name: True) == []
+    assert files.remove_stale_temps(str(tmp_path), lambda name: True) == []
     assert snapshot(str(tmp_path)) == before
 
 
 def test_a_stale_lock_is_taken_over_with_just_our_pid(tmp_path):
     """A killed holder's .qerl.lock (its PID) is locked and rewritten to exactly this process's PID: the lock is
     opened as open(..., "a+") opened it (O_APPEND), so no hole of NULs is left before the new PID."""
-    write(str(tmp_path / common.LOCK_FILE), "17258\n")
-    with common.OutputLock(str(tmp_path)):
-        assert (tmp_path / common.LOCK_FILE).read_bytes() == f"{os.getpid()}\n".encode()
-    with common.OutputLock(str(tmp_path)):  # and again, over our own
-        assert (tmp_path / common.LOCK_FILE).read_bytes() == f"{os.getpid()}\n".encode()
+    write(str(tmp_path / files.LOCK_FILE), "17258\n")
+    with files.OutputLock(str(tmp_path)):
+        assert (tmp_path / files.LOCK_FILE).read_bytes() == f"{os.getpid()}\n".encode()
+    with files.OutputLock(str(tmp_path)):  # and again, over our own
+        assert (tmp_path / files.LOCK_FILE).read_bytes() == f"{os.getpid()}\n".encode()
 
 
 def test_load_adapter_refuses_a_pipe(adapter):
@@ -1316,9 +1318,9 @@ def test_force_replaces_own_output_only(tmp_path):
     """--force replaces an earlier output of the same command, and nothing else."""
     src, out = str(tmp_path / "model"), str(tmp_path / "q")
     model_copy(str(tmp_path))
-    assert common.run_cli(quantize.main, ["--model", src, "--out", out]) == 0
-    assert common.run_cli(quantize.main, ["--model", src, "--out", out, "--force"]) == 0
-    assert common.output_files(out, "01_quantize.py") and common.output_files(src, "01_quantize.py") is None
+    assert cli.run_cli(quantize.main, ["--model", src, "--out", out]) == 0
+    assert cli.run_cli(quantize.main, ["--model", src, "--out", out, "--force"]) == 0
+    assert files.output_files(out, "01_quantize.py") and files.output_files(src, "01_quantize.py") is None
 
 
 def test_stale_temporaries_are_cleared(tmp_path):
@@ -1330,7 +1332,7 @@ def test_stale_temporaries_are_cleared(tmp_path):
     write(str(tmp_path / f".metrics.jsonl.tmp{dead}"), "half")
     os.makedirs(tmp_path / f".checkpoint-000020.tmp{dead}.old")  # checkpoint-000020 itself is missing
     os.makedirs(tmp_path / f".checkpoint-000030.tmp{os.getpid()}")  # a live writer's (ours)
-    removed = common.remove_stale_temps(str(tmp_path), lambda name: True)
+    removed = files.remove_stale_temps(str(tmp_path), lambda name: True)
     assert removed == [f".checkpoint-000010.tmp{dead}", f".metrics.jsonl.tmp{dead}"]
     assert sorted(os.listdir(tmp_path)) == [f".checkpoint-000030.tmp{os.getpid()}", "checkpoint-000020"]
 
@@ -1346,7 +1348,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys)
     model_copy(str(tmp_path))
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     out = str(tmp_path / "q")
-    assert common.run_cli(quantize.main, ["--model", str(tmp_path / "model"), "--out", out]) == 1
+    assert cli.run_cli(quantize.main, ["--model", str(tmp_path / "model"), "--out", out]) == 1
     assert capsys.readouterr().err == f"error: {out}/model.safetensors: No space left on device\n"
     assert sorted(os.listdir(tmp_path)) == ["model"]
 
@@ -1387,7 +1389,7 @@ def test_library_entry_points_raise_value_errors():
     with pytest.raises(ValueError, match="makes only 4000 distinct problems"):
         tasks.ArithmeticTask(digits=1, nops=2, eval_size=2001)
     with pytest.raises(argparse.ArgumentTypeError, match="need >= 1"):
-        common.number(int, 1)("0")
+        cli.number(int, 1)("0")
 
 
 TINY_RUN = ["--steps", "6", "--batch", "2", "--group", "2", "--max-new-tokens", "12", "--eval-size", "0",
@@ -1501,9 +1503,9 @@ def test_sweep_removes_only_the_commands_own_temporaries(tmp_path, capsys):
                  f"run/.metrics.jsonl.tmp{dead}"):
         write(str(tmp_path / path), "half")
     before = {k: v for k, v in snapshot(str(tmp_path)).items() if not any(k.startswith(o) for o in own)}
-    assert common.run_cli(quantize.main, ["--model", str(tmp_path / "model"), "--out", str(tmp_path / "q")]) == 0
+    assert cli.run_cli(quantize.main, ["--model", str(tmp_path / "model"), "--out", str(tmp_path / "q")]) == 0
     grpo_argv = ["--task", "gsm8k", "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "run")]
-    assert common.run_cli(STAGES["05_grpo"].main, grpo_argv) == 1  # fails at the data, after the sweep
+    assert cli.run_cli(STAGES["05_grpo"].main, grpo_argv) == 1  # fails at the data, after the sweep
     assert "none.jsonl" in capsys.readouterr().err
     after = snapshot(str(tmp_path))
     assert not [o for o in own if os.path.lexists(tmp_path / o)]
@@ -1516,25 +1518,25 @@ def test_force_replaces_only_the_files_its_manifest_lists(tmp_path):
     path outside the folder deletes nothing there."""
     src, out = str(tmp_path / "model"), tmp_path / "q"
     model_copy(str(tmp_path))
-    assert common.run_cli(quantize.main, ["--model", src, "--out", str(out)]) == 0
-    first = common.output_files(str(out), "01_quantize.py")
+    assert cli.run_cli(quantize.main, ["--model", src, "--out", str(out)]) == 0
+    first = files.output_files(str(out), "01_quantize.py")
     assert "model.safetensors" in first and "config.json" in first
     write(str(out / "adapter_model.safetensors"), b"user adapter", "wb")
     write(str(out / "my_finetuned_lm_head.safetensors"), b"user head", "wb")
     write(str(out / "notes" / "todo.txt"), "mine")
     write(str(out / "model-00002-of-00002.safetensors"), b"an old shard", "wb")  # from the earlier output
     write(str(tmp_path / "victim.txt"), "mine")
-    edit_json(str(out / common.MANIFEST), lambda m: dict(m, files=m["files"] + [
+    edit_json(str(out / files.MANIFEST), lambda m: dict(m, files=m["files"] + [
         "model-00002-of-00002.safetensors", "../victim.txt", str(tmp_path / "victim.txt")]))
     (out / "config.json").write_text("{}")  # listed: replaced
     users = {k: v for k, v in snapshot(str(tmp_path)).items()
              if k.startswith(("model/", "q/notes", "q/adapter", "q/my_", "victim"))}
-    assert common.run_cli(quantize.main, ["--model", src, "--out", str(out), "--force"]) == 0
+    assert cli.run_cli(quantize.main, ["--model", src, "--out", str(out), "--force"]) == 0
     after = snapshot(str(tmp_path))
     assert {k: after.get(k) for k in users} == users
     assert not (out / "model-00002-of-00002.safetensors").exists()
-    assert common.read_json(str(out / "config.json"))["quantization_config"] == quantize.NVFP4_QUANT_CONFIG
-    assert common.output_files(str(out), "01_quantize.py") == first
+    assert files.read_json(str(out / "config.json"))["quantization_config"] == quantize.NVFP4_QUANT_CONFIG
+    assert files.output_files(str(out), "01_quantize.py") == first
     assert sorted(os.listdir(tmp_path)) == ["model", "q", "victim.txt"]  # no temporary left
 
 
@@ -1600,7 +1602,7 @@ def test_two_01_runs_on_one_out(tmp_path):
         f"for it to end, or choose another --out\n")
     rest, err = first.communicate(timeout=120)
     assert first.returncode == 0 and "done |" in rest, err
-    assert sorted(os.listdir(out)) == sorted(common.output_files(str(out), "01_quantize.py") + [common.MANIFEST])
+    assert sorted(os.listdir(out)) == sorted(files.output_files(str(out), "01_quantize.py") + [files.MANIFEST])
     assert os.listdir(tmp_path) == ["q"]
 
 if __name__ == "__main__":  # the table in docs/reliability.md: every case, run, with the line it printed
@@ -1754,7 +1756,7 @@ def test_every_bad_field_of_a_study_is_its_own_line(tmp_path, capsys):
     both = _summary_of("lora-s1", lambda s: {**s, "wall_s": None, "final_eval": {**s["final_eval"], "n": "500"}})
     _study_runs("cmp", change=both)(str(tmp_path))
     capsys.readouterr()
-    assert common.run_cli(STUDY.main, ["--from-results", "--out", str(tmp_path / "cmp")]) == 1
+    assert cli.run_cli(STUDY.main, ["--from-results", "--out", str(tmp_path / "cmp")]) == 1
     out, err = capsys.readouterr()
     bad = [line for line in out.splitlines() if line.startswith("bad | ")]
     assert len(bad) == 2 and "wall_s is null (null), not a number of seconds" in bad[0], out

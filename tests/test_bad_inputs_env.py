@@ -20,7 +20,7 @@ import torch
 import test_bad_inputs as bad
 from test_bad_inputs import Case
 
-ROOT, common, engine, memory = bad.ROOT, bad.common, bad.engine, bad.memory
+ROOT, cli, devices, engine, memory = bad.ROOT, bad.cli, bad.devices, bad.engine, bad.memory
 distributed = importlib.import_module("distributed")
 rollout = importlib.import_module("03_rollout")
 
@@ -93,7 +93,7 @@ def test_a_single_process_however_spelled_is_one(monkeypatch):
 def fake_cgroup(root, version, limit, usage, cache):
     folder = root if version == 2 else root / "memory"
     folder.mkdir(parents=True, exist_ok=True)
-    limit_file, usage_file, cache_key = common.CGROUP_FILES[version == 1]
+    limit_file, usage_file, cache_key = devices.CGROUP_FILES[version == 1]
     (root / limit_file).write_text(f"{limit}\n")
     (root / usage_file).write_text(f"{usage}\n")
     (folder / "memory.stat").write_text(f"anon 1\n{cache_key} {cache}\nfile 9\n")
@@ -103,20 +103,20 @@ def fake_cgroup(root, version, limit, usage, cache):
 def test_the_estimate_reads_a_cgroup_limit(tmp_path, monkeypatch, version):
     """The container's limit less its usage, the page cache it can drop not counted as used (v2 memory.max and
     memory.current, v1 memory.limit_in_bytes and memory.usage_in_bytes)."""
-    monkeypatch.setattr(common, "CGROUP", str(tmp_path))
+    monkeypatch.setattr(devices, "CGROUP", str(tmp_path))
     fake_cgroup(tmp_path, version, limit=3 * 2 ** 30, usage=2 * 2 ** 30, cache=2 ** 29)
-    assert common.cpu_memory_limits()["memory left in this container's limit (cgroup)"] == 1.5 * 2 ** 30
-    assert common.free_memory("cpu") == 1.5 * 2 ** 30  # far below this machine's RAM
+    assert devices.cpu_memory_limits()["memory left in this container's limit (cgroup)"] == 1.5 * 2 ** 30
+    assert devices.free_memory("cpu") == 1.5 * 2 ** 30  # far below this machine's RAM
     with pytest.raises(ValueError, match=r"--x 9 needs about 2.0 GiB, and this machine has 1.5 GiB of memory left "
                                          r"in this container's limit \(cgroup\): lower those sizes"):
-        common.check_memory_fits(2 * 2 ** 30, "cpu", "--x 9")
+        devices.check_memory_fits(2 * 2 ** 30, "cpu", "--x 9")
 
 
 @pytest.mark.parametrize("limit", ["max", "9223372036854771712"])  # v2's and v1's "no limit"
 def test_a_cgroup_without_a_limit_is_no_limit(tmp_path, monkeypatch, limit):
-    monkeypatch.setattr(common, "CGROUP", str(tmp_path))
+    monkeypatch.setattr(devices, "CGROUP", str(tmp_path))
     fake_cgroup(tmp_path, 2 if limit == "max" else 1, limit=limit, usage=2 ** 30, cache=0)
-    assert set(common.cpu_memory_limits()) <= {"RAM available", "address space left under `ulimit -v` (RLIMIT_AS)"}
+    assert set(devices.cpu_memory_limits()) <= {"RAM available", "address space left under `ulimit -v` (RLIMIT_AS)"}
 
 
 def test_the_estimate_reads_the_address_space_limit(monkeypatch):
@@ -126,20 +126,20 @@ def test_the_estimate_reads_the_address_space_limit(monkeypatch):
                         if r == resource.RLIMIT_AS else real(r))
     with open("/proc/self/status") as f:
         mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-    left = common.cpu_memory_limits()["address space left under `ulimit -v` (RLIMIT_AS)"]
+    left = devices.cpu_memory_limits()["address space left under `ulimit -v` (RLIMIT_AS)"]
     assert 4 * 2 ** 40 - mapped - 2 ** 30 < left <= 4 * 2 ** 40 - mapped  # (mapping may grow between the reads)
 
 
 ULIMIT_SCRIPT = """import resource, sys
 sys.path.insert(0, sys.argv[1])
-import common, torch
+import cli, devices, torch
 with open("/proc/self/status") as f:  # `ulimit -v` of what torch maps already + 2 GiB
     mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (mapped + 2 ** 31, resource.RLIM_INFINITY))
 def main(argv):
-    common.check_memory_fits(int(argv[0]), "cpu", "--x 1")
+    devices.check_memory_fits(int(argv[0]), "cpu", "--x 1")
     torch.empty(int(argv[1]) // 4)  # fp32
-sys.exit(common.run_cli(main, sys.argv[2:]))
+sys.exit(cli.run_cli(main, sys.argv[2:]))
 """
 
 
@@ -170,7 +170,7 @@ def test_an_allocation_that_fails_is_one_line_naming_what_to_lower(capsys, error
     def main(argv):
         raise error
     main.__code__ = main.__code__.replace(co_filename=os.path.join(ROOT, "05_grpo.py"))  # as 05's own main
-    assert common.run_cli(main, []) == 1
+    assert cli.run_cli(main, []) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: out of memory") and said in err, err
     assert "--batch, --group, --max-new-tokens" in err
@@ -180,7 +180,7 @@ def test_another_runtime_error_is_still_a_bug():
     def main(argv):
         raise RuntimeError("shape mismatch")
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        common.run_cli(main, [])
+        cli.run_cli(main, [])
 
 
 # -----------------------------------------------------------------------------
@@ -191,12 +191,12 @@ def test_compile_without_a_writable_cache_runs_eager_with_a_note(monkeypatch, ca
     cannot write was a dynamo traceback at the first step. 03 --compile now samples eager, the same tokens."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/proc/self")  # a folder no one can write, not even root
     monkeypatch.setattr(engine, "_compiled_steps", {})
-    assert "is not writable" in common.compile_cache_problem()
+    assert "is not writable" in devices.compile_cache_problem()
     argv = ["--max-new-tokens", "4", "--num-samples", "2", "--seed", "3"]
-    assert common.run_cli(rollout.main, [*argv, "--compile"]) == 0
+    assert cli.run_cli(rollout.main, [*argv, "--compile"]) == 0
     out = capsys.readouterr().out
     assert "note | --compile: inductor's cache folder" in out and "the decode steps run eager" in out
-    assert common.run_cli(rollout.main, argv) == 0
+    assert cli.run_cli(rollout.main, argv) == 0
     eager = capsys.readouterr().out
     samples = [line for line in out.splitlines() if not line.startswith(("note", "model", "prefill"))]
     assert samples == [line for line in eager.splitlines() if not line.startswith(("model", "prefill"))]
@@ -242,7 +242,7 @@ def test_an_encoding_that_cannot_write_a_path_names_stdout_and_the_setting(monke
 
     def main(argv):
         print("run | out /data/café/run")
-    assert common.run_cli(main, []) == 1
+    assert cli.run_cli(main, []) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: standard output cannot write 'é'"), err
     assert "/data/café/run" in err and "ascii" in err and "set PYTHONIOENCODING=utf-8" in err

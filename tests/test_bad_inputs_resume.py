@@ -113,7 +113,7 @@ def test_a_finished_run_resumes_to_nothing(tmp_path, capsys):
     shutil.copytree(tmp_path / CKPT, tmp_path / "run" / "checkpoint-1")
     before = bad.snapshot(str(tmp_path))
     capsys.readouterr()
-    assert bad.common.run_cli(grpo.main, ["--resume", str(tmp_path / "run"), "--quiet"]) == 0
+    assert bad.cli.run_cli(grpo.main, ["--resume", str(tmp_path / "run"), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "checkpoint-000002 is step 2 of --steps 2: the run is finished, nothing to add" in out
     assert "summary | steps 2 | stopped by steps" in out
@@ -125,19 +125,19 @@ def test_a_run_stopped_at_its_last_step_resumes_to_its_final_evaluation_once(tmp
     first resume evaluates (one row) and writes the summary; the next one is finished and adds nothing."""
     bad._run_once(EVAL_RUN, "qerl-eval-run-", ["--steps", "2", "--eval-size", "4", "--eval-k", "0"], str(tmp_path))
     run = tmp_path / "run"
-    summary = bad.common.read_json(run / "summary.json")
-    bad.common.write_json(str(run / "summary.json"), {**summary, "stopped_by": "SIGTERM"})
+    summary = bad.files.read_json(run / "summary.json")
+    bad.files.write_json(str(run / "summary.json"), {**summary, "stopped_by": "SIGTERM"})
     rows = (run / "metrics.jsonl").read_text().splitlines()
     final = [r for r in rows if r.startswith('{"eval"')][-1]
     (run / "metrics.jsonl").write_text("\n".join(r for r in rows if r != final) + "\n")
     argv = ["--resume", str(run), "--quiet"]
-    assert bad.common.run_cli(grpo.main, argv) == 0
+    assert bad.cli.run_cli(grpo.main, argv) == 0
     after = (run / "metrics.jsonl").read_text().splitlines()
     assert len(after) == len(rows)  # the final evaluation's row, once
-    assert bad.common.read_json(run / "summary.json")["stopped_by"] == "steps"
+    assert bad.files.read_json(run / "summary.json")["stopped_by"] == "steps"
     capsys.readouterr()
     before = bad.snapshot(str(tmp_path))
-    assert bad.common.run_cli(grpo.main, argv) == 0
+    assert bad.cli.run_cli(grpo.main, argv) == 0
     assert "the run is finished, nothing to add" in capsys.readouterr().out
     assert bad.snapshot(str(tmp_path)) == before
 

@@ -13,7 +13,7 @@ import torch
 import test_bad_inputs as bad
 from test_bad_inputs import Case
 
-common, rollout, quantize = bad.common, bad.STAGES["03_rollout"], bad.quantize
+hf_files, rollout, quantize = bad.hf_files, bad.STAGES["03_rollout"], bad.quantize
 M = ["--model", "{model}"]
 Q = ["--model", "{model}", "--out", "{tmp}/q"]
 RUN = [*M, "--steps", "2", "--batch", "2", "--group", "2", "--eval-size", "4", "--max-new-tokens", "8", *bad.RUN]
@@ -95,7 +95,7 @@ def _index_moving(name):
     def setup(tmp):
         from safetensors.torch import save_file
         save_file({"x.weight": torch.zeros(2)}, f"{tmp}/model/b.safetensors")
-        names = common.read_safetensors_header(f"{tmp}/model/model.safetensors")[0]
+        names = hf_files.read_safetensors_header(f"{tmp}/model/model.safetensors")[0]
         weight_map = {**dict.fromkeys(names, "model.safetensors"), name: "b.safetensors"}
         bad.write(f"{tmp}/model/model.safetensors.index.json", json.dumps({"weight_map": weight_map}))
     return setup
@@ -174,7 +174,7 @@ def test_bad_weights(case, tmp_path, capsys):
 def test_header_over_the_limit_names_the_input(tmp_path, capsys, monkeypatch):
     """A header longer than safetensors reads (100 MB; lowered here, so that the file stays small) is refused
     from its length, naming the input file, before 01 writes anything."""
-    monkeypatch.setattr(common, "MAX_HEADER_BYTES", 1000)
+    monkeypatch.setattr(hf_files, "MAX_HEADER_BYTES", 1000)
     line = bad.run_case(Case("header-01-too-long", "01_quantize", Q, "model/model.safetensors is not a readable "
                              "safetensors file (its header is "), str(tmp_path), capsys)
     assert "over the 1000 safetensors reads" in line

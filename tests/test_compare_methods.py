@@ -127,7 +127,7 @@ def rebuild_committed_study(study, tmp_path):
     src = os.path.join(ROOT, "bench", "results", study)
     out = tmp_path / study
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("runs"))
-    assert cmp.common.run_cli(cmp.main, ["--study", study, "--from-results", "--out", str(out)]) == 0
+    assert cmp.cli.run_cli(cmp.main, ["--study", study, "--from-results", "--out", str(out)]) == 0
     assert (out / "table.md").read_text() == open(os.path.join(src, "table.md")).read()
     return out
 
@@ -263,7 +263,7 @@ def test_a_second_copy_reuses_only_a_verified_snapshot(tmp_path):
         as_made_by = lambda owner: open(record, "w").write(json.dumps({"md5": md5, "owner": owner}))  # noqa: E731
         as_made_by(runner.process_identity(other.pid))
         assert runner.prepare_code(runs_root) == (snap, md5, False)  # the first copy's, untouched: reused
-        with open(os.path.join(snap, "common.py"), "a") as f:
+        with open(os.path.join(snap, "cli.py"), "a") as f:
             f.write("\nimport os; os.system('echo planted')\n")
         with pytest.raises(ValueError, match=f"changed since process {other.pid} made it"):
             runner.prepare_code(runs_root)
@@ -273,9 +273,9 @@ def test_a_second_copy_reuses_only_a_verified_snapshot(tmp_path):
             as_made_by(owner)
             with pytest.raises(ValueError, match="was not made by a running copy of this script"):
                 runner.prepare_code(runs_root)
-        assert "planted" in open(os.path.join(snap, "common.py")).read()
+        assert "planted" in open(os.path.join(snap, "cli.py")).read()
         # an untouched snapshot of a copy that has gone is made again, from this checkout
-        shutil.copy(os.path.join(ROOT, "common.py"), os.path.join(snap, "common.py"))
+        shutil.copy(os.path.join(ROOT, "cli.py"), os.path.join(snap, "cli.py"))
         as_made_by(runner.process_identity(unrelated.pid))
         assert runner.prepare_code(runs_root) == (snap, md5, True)
         assert runner.read_record(snap)["owner"] == runner.process_identity(os.getpid())
@@ -309,10 +309,10 @@ def test_ctrl_c_or_kill_stops_the_runs_and_exits_128_plus_the_signal(tmp_path, m
 
     def tick(seconds):  # the first second of the wait loop: the signal arrives
         started.extend(p for p in os.listdir(out / "runs") if p.endswith(".claim"))
-        raise cmp.common.Interrupted(signum=signum)
+        raise cmp.cli.Interrupted(signum=signum)
     monkeypatch.setattr(runner.time, "sleep", tick)
     capsys.readouterr()
-    assert cmp.common.run_cli(cmp.main, ["--methods", "lora", "--steps", "1", "--seeds", "0", "--eval-size", "2",
+    assert cmp.cli.run_cli(cmp.main, ["--methods", "lora", "--steps", "1", "--seeds", "0", "--eval-size", "2",
                                          "--out", str(out)]) == code
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("interrupted") and "rerun the same command" in err[0], err

@@ -204,7 +204,7 @@ def faulty_rank(how, at_step, argv):
     """05's command line, with rank 1 failing at its update of step `at_step`: it hangs ("freeze") or dies
     without a word ("die", as kill -9 would)."""
     import time
-    common = importlib.import_module("common")
+    cli = importlib.import_module("cli")
     real, calls = grpo.policy_update, []
 
     def update(*a, **kw):
@@ -216,7 +216,7 @@ def faulty_rank(how, at_step, argv):
         return real(*a, **kw)
 
     grpo.policy_update = update
-    code = common.run_cli(grpo.main, argv)
+    code = cli.run_cli(grpo.main, argv)
     distributed.leave(code)
 
 

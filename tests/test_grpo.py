@@ -589,7 +589,7 @@ def test_micro_batch_auto_takes_as_many_rows_as_the_memory_budget_holds(lora_pol
 MATMUL_SHAPES = r"""
 import ctypes, importlib, sys
 sys.path.insert(0, sys.argv[1])
-importlib.import_module("common")  # caps oneDNN's kernel caches, unless the environment already set them
+importlib.import_module("devices")  # caps oneDNN's kernel caches, unless the environment already set them
 import torch
 libc = ctypes.CDLL("libc.so.6")
 class Info(ctypes.Structure):
@@ -605,11 +605,11 @@ print((libc.mallinfo2().uordblks - start) / 2 ** 20)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallinfo2 is glibc's")
 def test_bf16_matmuls_of_new_shapes_keep_the_heap_bounded():
-    common = importlib.import_module("common")
+    devices = importlib.import_module("devices")
 
-    def growth_mib(cap=None):  # cap None: the child's own import of common sets the caps
-        env = {k: v for k, v in os.environ.items() if k not in common.ONEDNN_CACHE_VARS} | {"OMP_NUM_THREADS": "1"}
-        env |= {name: cap for name in common.ONEDNN_CACHE_VARS} if cap else {}
+    def growth_mib(cap=None):  # cap None: the child's own import of devices sets the caps
+        env = {k: v for k, v in os.environ.items() if k not in devices.ONEDNN_CACHE_VARS} | {"OMP_NUM_THREADS": "1"}
+        env |= {name: cap for name in devices.ONEDNN_CACHE_VARS} if cap else {}
         r = subprocess.run([sys.executable, "-c", MATMUL_SHAPES, ROOT], capture_output=True, text=True, env=env)
         if r.returncode != 0 and "mallinfo2" in r.stderr:
             pytest.skip("this libc has no mallinfo2")
@@ -618,7 +618,7 @@ def test_bf16_matmuls_of_new_shapes_keep_the_heap_bounded():
     uncapped = growth_mib("1024")  # oneDNN's defaults
     if uncapped < 50:
         pytest.skip(f"this torch build keeps no kernel per bf16 matmul shape (the heap grew {uncapped:.0f} MiB)")
-    capped = growth_mib()  # common's caps
+    capped = growth_mib()  # devices' caps
     assert capped < 150 and capped < uncapped / 2, (capped, uncapped)
 
 

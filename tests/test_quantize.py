@@ -20,7 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
+
+devices = importlib.import_module("devices")
 q = importlib.import_module("01_quantize")
 DATA = os.path.join(os.path.dirname(__file__), "data")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -449,7 +451,7 @@ def test_checkpoint_refuses_existing_out_and_force_replaces(tmp_path):
     open(os.path.join(out, "keep.txt"), "w").close()
     with pytest.raises(FileExistsError, match="--force"):
         q.quantize_checkpoint(src, out, log=lambda s: None)
-    assert common.run_cli(q.main, ["--model", src, "--out", out]) == 1
+    assert cli.run_cli(q.main, ["--model", src, "--out", out]) == 1
     with pytest.raises(ValueError, match="replaces only an earlier output of 01_quantize.py"):
         q.quantize_checkpoint(src, out, force=True, log=lambda s: None)  # not ours: --force refuses it
     assert os.listdir(out) == ["keep.txt"]
@@ -498,7 +500,7 @@ def test_cli_error_is_one_line(tmp_path):
 
 
 def test_autodetect_device():
-    assert common.autodetect_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert devices.autodetect_device() == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_checkpoint_truncated_or_misshaped_tensor_is_one_line(tmp_path):
@@ -649,18 +651,18 @@ def test_keep_dequantized_gives_the_same_outputs_and_gradients_and_builds_each_w
 
 
 def test_dtype_auto_takes_bf16_only_where_it_is_native_and_the_model_wide_enough(monkeypatch):
-    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: False)
-    dtype, why = common.pick_dtype("auto", "cpu", 576)
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: False)
+    dtype, why = devices.pick_dtype("auto", "cpu", 576)
     assert dtype == torch.float32 and "no native bf16" in why  # emulated bf16 (most laptops): never
-    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: True)
-    assert common.pick_dtype("auto", "cpu", 576)[0] == torch.bfloat16  # SmolLM2 on an AMX Xeon
-    dtype, why = common.pick_dtype("auto", "cpu", 128)  # the bundled model: too small to gain
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: True)
+    assert devices.pick_dtype("auto", "cpu", 576)[0] == torch.bfloat16  # SmolLM2 on an AMX Xeon
+    dtype, why = devices.pick_dtype("auto", "cpu", 128)  # the bundled model: too small to gain
     assert dtype == torch.float32 and "128 < 512" in why
-    assert common.pick_dtype("auto", "cuda")[0] == torch.bfloat16
-    assert common.pick_dtype("float32", "cuda") == (torch.float32, "--dtype")
-    assert common.pick_dtype("bfloat16", "cpu")[0] == torch.bfloat16
+    assert devices.pick_dtype("auto", "cuda")[0] == torch.bfloat16
+    assert devices.pick_dtype("float32", "cuda") == (torch.float32, "--dtype")
+    assert devices.pick_dtype("bfloat16", "cpu")[0] == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype 'no-such-dtype'"):
-        common.pick_dtype("no-such-dtype", "cpu")
+        devices.pick_dtype("no-such-dtype", "cpu")
 
 
 # ---------------------------------------------------------------------------------------------------

