@@ -175,9 +175,7 @@ def refill_flat_groups(args, task, model, tok, step, sigma, rank, world, problem
         more = distributed.shard(task.problems(args.seed, step, B * (rounds + 1))[B * rounds:], rank, world)
         more = more[:len(flat)]
         new, _ = sample_groups(model, tok, [tok.encode(task.prompt(p)) for p in more], step, sigma, rank=rank,
-                               seed=args.seed, group=G, max_new_tokens=args.max_new_tokens, draw=rounds,
-                               temperature=args.temperature, compiled=args.compile, noise=args.aqn_scale,
-                               site=args.aqn_site)
+                               draw=rounds, **sampling_options(args))
         for g, is_flat in enumerate(flat_of(score(task, more, new.texts, G)[0])):
             if not is_flat:
                 slot = flat.pop(0)
@@ -516,7 +514,7 @@ def train(args, task=None):
         else None
     start = checkpoints.restore(ckpt, state, functools.partial(lora.load_adapter, model), opt, feedback) if state else 0
     loss_options, update_options = LossOptions.from_args(args), UpdateOptions.from_args(args)
-    sampling = dict(group=args.group, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    sampling = sampling_options(args)
 
     with runs.RunLog(args, rank, start, t_start, model, world, dtype_why, parser_defaults()) as log, \
             runs.StopAtStepEnd(runs.StopAtStepEnd.REPEAT_S if world > 1 else 0.0) as stop:
@@ -550,9 +548,7 @@ def train(args, task=None):
             # sample: this rank's whole groups of the step's problems, G completions each under AQN noise sigma
             problems = distributed.shard(task.problems(args.seed, step, args.batch), rank, world)
             prompts = [tok.encode(task.prompt(p)) for p in problems]
-            samples, sigma_applied = sample_groups(model, tok, prompts, step, sigma, rank=rank, seed=args.seed,
-                                                   compiled=args.compile, noise=args.aqn_scale, site=args.aqn_site,
-                                                   **sampling)
+            samples, sigma_applied = sample_groups(model, tok, prompts, step, sigma, rank=rank, **sampling)
             clock.lap("sample")
             rewards, correct = score(task, problems, samples.texts, args.group)  # (N,), a count
             clock.lap("score")
@@ -687,17 +683,22 @@ def check_step(step, model, params, samples, mask, report, temperature, rows=16)
 
 
 MAX_EVAL_SIZE = 100_000  # every evaluation samples each held-out problem (greedy, then --eval-k times)
-# A flag the chosen options do not read is refused: args.json would record it as if it had counted.
-# flag dest -> (whether this run reads it, the options that make it read)
-READ_WHEN = {
-    "aqn_kind": (lambda a: a.aqn, "--aqn"),
-    "aqn_scale": (lambda a: a.aqn, "--aqn"),
-    "aqn_site": (lambda a: a.aqn, "--aqn"),
-    "sigma_start": (lambda a: a.aqn and a.aqn_kind != "none", "--aqn with an --aqn-kind other than none"),
-    "sigma_end": (lambda a: a.aqn and a.aqn_kind in aqn.DECAYING_KINDS, "--aqn with a decaying --aqn-kind"),
-    "num_stages": (lambda a: a.aqn and a.aqn_kind in aqn.DECAYING_KINDS, "--aqn with a decaying --aqn-kind"),
-    "target_entropy": (lambda a: a.aqn and a.aqn_kind == "feedback", "--aqn-kind feedback"),
-}
+# A flag the chosen options do not read is refused: args.json would record it as if it had counted. Such a
+# flag is declared with `add_flag(..., read_when=(whether this run reads it, the options that make it read))`.
+
+
+def add_flag(group, *names, read_when=None, **kw):
+    """group.add_argument(*names, **kw), with the flag's `read_when` kept on its action: check_args refuses the
+    flag away from its default in a run that does not read it, and check_resumed_args checks it on --resume
+    as every flag, so a new flag needs no second edit."""
+    action = group.add_argument(*names, **kw)
+    action.read_when = read_when
+    return action
+
+
+def read_when_flags():
+    """{flag's action: (whether this run reads it, the options that make it read)}, every flag declared with one."""
+    return {a: a.read_when for a in build_parser()._actions if getattr(a, "read_when", None)}
 
 
 def check_args(args, world, ckpt=None):
@@ -712,11 +713,11 @@ def check_args(args, world, ckpt=None):
         raise ValueError(f"--quant-method {args.quant_method} is a rounding of NVFP4 weights: it needs --quant nvfp4 "
                          f"(got --quant {args.quant})")
     defaults = parser_defaults()
-    for name, (reads, when) in READ_WHEN.items():
-        if getattr(args, name) != defaults[name] and not reads(args):
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} {getattr(args, name)} is read only with {when}, which this run does not have: "
-                             f"drop {flag}")
+    for action, (reads, when) in read_when_flags().items():
+        if getattr(args, action.dest) != defaults[action.dest] and not reads(args):
+            flag = action.option_strings[0]
+            raise ValueError(f"{flag} {getattr(args, action.dest)} is read only with {when}, which this run does not "
+                             f"have: drop {flag}")
     if args.aqn and args.aqn_kind != "feedback":  # the schedule's stages and range, before any work
         aqn.check_schedule(args.steps, args.num_stages, args.sigma_start, args.sigma_end, args.aqn_kind)
     if args.warmup >= args.steps:
@@ -741,15 +742,22 @@ def check_args(args, world, ckpt=None):
 def check_resumed_args(args):
     """--resume: every argument the checkpoint gave, within its flag's own range and choices (an edited or
     damaged trainer_state.pt could hold --grad-clip -1, which would flip the clipped gradient's sign)."""
-    for action in build_parser()._actions:
+    for action in build_parser()._actions:  # every flag: a new one is checked here as it is declared
         value = getattr(args, action.dest, None)
-        if value is None or isinstance(value, bool) or not action.option_strings:
+        unset = value is None and action.default is None  # --data, --out...: not given
+        if not action.option_strings or action.default == argparse.SUPPRESS or unset:  # SUPPRESS: --help
             continue
+        switch = isinstance(action.default, bool)  # --aqn, --quiet...: True or False, and only they are
         try:
-            if action.choices is not None and value not in action.choices:
+            if switch or isinstance(value, bool):
+                if not (switch and isinstance(value, bool)):
+                    raise ValueError("not True or False" if switch else "a switch's value")
+            elif action.choices is not None and value not in action.choices:
                 raise ValueError(f"not one of {', '.join(map(str, action.choices))}")
-            if action.type is not None:
-                action.type(str(value))
+            elif action.type is not None and action.type(str(value)) != value:  # '0.5' (text) for 0.5
+                raise ValueError(f"a {type(value).__name__}")
+            elif action.type is None and not isinstance(value, str):  # a folder, a device: text
+                raise ValueError(f"a {type(value).__name__}, not text")
         except (argparse.ArgumentTypeError, ValueError) as e:
             raise ValueError(f"--resume: the checkpoint's {action.option_strings[0]} {value!r} is not a value of that "
                              f"flag ({e}): its trainer_state.pt is damaged or edited; resume from another "
@@ -766,6 +774,12 @@ def use_gpu_path(device):
     if quantize.nvfp4_kernel() is None:
         raise ValueError("--gpu-path needs triton (pip install triton; Linux only)")
     quantize.NVFP4Linear.kernel_on_cpu = True
+
+
+def sampling_options(args):
+    """sample_groups' keyword arguments from the command line (but rank and draw): train's, and a bench's."""
+    return {"group": args.group, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "seed": args.seed, "compiled": args.compile, "noise": args.aqn_scale, "site": args.aqn_site}
 
 
 def update_options(args):
@@ -797,8 +811,7 @@ def show_step(args, shown=4):
     # the step's batch, sampled as train samples it; the first group whose rewards differ (the others carry no signal)
     problems = task.problems(args.seed, step, args.batch)
     samples, _ = sample_groups(model, tok, [tok.encode(task.prompt(p)) for p in problems], step, sigma,
-                               seed=args.seed, group=G, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, noise=args.aqn_scale, site=args.aqn_site)
+                               **sampling_options(args))
     rewards, _ = score(task, problems, samples.texts, G)  # (B*G,)
     flat = rewards.view(-1, G).std(1) == 0  # (B,)
     if flat.all():
@@ -870,15 +883,21 @@ def build_parser():
     N = cli.number  # each number's allowed range: what makes no sense is refused before any work
     p = cli.ArgumentParser(description="GRPO with LoRA on a quantized base and AQN (QeRL). The first group "
                            "defines QeRL; the rest have defaults that work.")
+    # when a flag is read (add_flag's read_when): a run without it refuses the flag
+    with_aqn = (lambda args: args.aqn, "--aqn")
+    noisy = (lambda args: args.aqn and args.aqn_kind != "none", "--aqn with an --aqn-kind other than none")
+    decaying = (lambda args: args.aqn and args.aqn_kind in aqn.DECAYING_KINDS, "--aqn with a decaying --aqn-kind")
     q = p.add_argument_group("QeRL: the model, its 4-bit base, LoRA, AQN, pi_old and the GRPO batch")
     q.add_argument("--model", default=TINY_MODEL, help="Hugging Face model folder (default: the bundled tiny model)")
     q.add_argument("--quant", choices=quantize.QUANT_CHOICES, default="nvfp4", help="the frozen base's format")
     q.add_argument("--lora-r", type=N(int, 1), default=16)
     q.add_argument("--lora-alpha", type=N(int, 1), default=32)
     q.add_argument("--aqn", action=argparse.BooleanOptionalAction, default=True, help="adaptive quantization noise")
-    q.add_argument("--sigma-start", type=N(above=0), default=1e-2, help="AQN's noise in its first noisy stage")
-    q.add_argument("--sigma-end", type=N(above=0), default=5e-4, help="AQN's noise in its last stage")
-    q.add_argument("--num-stages", type=N(int, 1), default=10, help="AQN's stages (the first adds no noise)")
+    add_flag(q, "--sigma-start", type=N(above=0), default=1e-2, help="AQN's noise in its first noisy stage",
+             read_when=noisy)
+    add_flag(q, "--sigma-end", type=N(above=0), default=5e-4, help="AQN's noise in its last stage", read_when=decaying)
+    add_flag(q, "--num-stages", type=N(int, 1), default=10, help="AQN's stages (the first adds no noise)",
+             read_when=decaying)
     q.add_argument("--pi-old", choices=list(PI_OLD), default=UpdateOptions.pi_old, help="pi_old in the ratio: "
                    + "; ".join(f"{k}: {v.help}" for k, v in PI_OLD.items()))
     q.add_argument("--steps", type=N(int, 1), default=750, help="planned steps (sets the LR and AQN schedules)")
@@ -896,13 +915,15 @@ def build_parser():
                    help="system prompt: the paper's instruction, none, or auto (the instruction unless "
                    "config.json says \"qerl_prompt\": \"bare\", as the bundled model's does)")
     a = p.add_argument_group("AQN, more")
-    a.add_argument("--aqn-kind", default="exp", choices=aqn.SIGMA_KINDS, help="the schedule (exp: the official code's "
-                   "geometric decay; linear, cosine, log: our forms of the paper's ablation)")
-    a.add_argument("--aqn-scale", default="absolute", choices=list(aqn.NOISES), help="how a noise draw is sized "
-                   "(04 NOISES): absolute, Z ~ N(0, sigma^2) as the paper; relative, Z_i ~ N(0, (sigma w_i)^2)")
-    a.add_argument("--aqn-site", default="norms", choices=list(aqn.SITES), help="where the noise lands (04 SITES): "
-                   + "; ".join(f"{k}: {v.help}" for k, v in aqn.SITES.items()))
-    a.add_argument("--target-entropy", type=N(above=0), default=0.15, help="aqn-kind feedback: entropy to hold")
+    add_flag(a, "--aqn-kind", default="exp", choices=aqn.SIGMA_KINDS, help="the schedule (exp: the official code's "
+             "geometric decay; linear, cosine, log: our forms of the paper's ablation)", read_when=with_aqn)
+    add_flag(a, "--aqn-scale", default="absolute", choices=list(aqn.NOISES), help="how a noise draw is sized "
+             "(04 NOISES): absolute, Z ~ N(0, sigma^2) as the paper; relative, Z_i ~ N(0, (sigma w_i)^2)",
+             read_when=with_aqn)
+    add_flag(a, "--aqn-site", default="norms", choices=list(aqn.SITES), help="where the noise lands (04 SITES): "
+             + "; ".join(f"{k}: {v.help}" for k, v in aqn.SITES.items()), read_when=with_aqn)
+    add_flag(a, "--target-entropy", type=N(above=0), default=0.15, help="aqn-kind feedback: entropy to hold",
+             read_when=(lambda args: args.aqn and args.aqn_kind == "feedback", "--aqn-kind feedback"))
     a.add_argument("--train-norms", action="store_true", help="train the RMSNorm gains of every decoder layer "
                    "(input/post-attention, fp32) with the adapters; saved as PEFT modules_to_save")
     g = p.add_argument_group("GRPO loss and update")

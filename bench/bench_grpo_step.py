@@ -3,13 +3,16 @@
 QeRL's speed claim is about the rollout: sampling runs the model once per generated token, so it is
 memory-bound and a 4-bit base streams ~3.5x fewer weight bytes. The update (one forward + backward
 over the sampled tokens, AdamW on the adapters) and the reward barely change with the base format.
-This script measures that split on the bundled tiny model with stage 05's own functions, one step
-of its loop (`one_step` below), default batch 16 prompts x 8 samples, for an unquantized, an NF4 and an NVFP4 base:
-  rollout  building the prompts + sampling B*G completions (05's t_sample, with its merged weights)
-  reward   scoring the completions (the step record's t_score)
-  update   the rest of the step: log-probs with gradients, the clipped loss, backward, clip, AdamW
-Each quantization gets its own model; after `--warmup` unmeasured steps each, the steps of the three
-are interleaved and averaged over `--steps` per quantization.
+This script measures that split on the bundled tiny model by running stage 05's own `train()` (its step
+code, so every 05 flag after -- means what it means there), default batch 16 prompts x 8 samples, for an
+unquantized, an NF4 and an NVFP4 base, and reading each step's record in metrics.jsonl:
+  rollout  building the prompts + sampling B*G completions (the record's t_sample, with 05's merged weights)
+  reward   scoring the completions (t_score)
+  update   the rest of the step (s/step - t_sample - t_score): log-probs with gradients, the clipped loss,
+           backward, clip, AdamW, and 05's check after the update (one no-grad forward over 16 rows)
+Each quantization runs `--warmup` unmeasured steps then `--steps` measured ones (05's --stop-at, on 05's
+schedule of its --steps, 750 by default: the first steps add no noise), one quantization after another, in
+a scratch run folder, with no evaluation; the means are over the measured steps.
 
 On the CPU the quantized layers dequantize their weights (05 merges them once per step for
 sampling, but the update's forward and backward dequantize in every layer call), so they are
@@ -19,7 +22,10 @@ expected to be *slower* here; the rollout gain is a GPU effect (bench/bench_roll
     python bench/bench_grpo_step.py --quants none nvfp4 --steps 10 --warmup 3 --threads 2
     python bench/bench_grpo_step.py -- --no-aqn --max-new-tokens 64   # after --: 05_grpo.py flags
 """
+import contextlib
 import importlib
+import io
+import json
 import os
 import statistics
 import sys
@@ -33,64 +39,43 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 cli = importlib.import_module("cli")
 devices = importlib.import_module("devices")
-tasks = importlib.import_module("tasks")
-runs = importlib.import_module("runs")
 grpo = importlib.import_module("05_grpo")
 quantize = importlib.import_module("01_quantize")
 
 # ---------------------------------------------------------------------------------------------------
-# One quantization: build what 05's train() builds (with its functions), then run one step of its loop and split its time
+# One quantization: 05's train() for --warmup + --steps steps, its step records split into phases
+
+SET_HERE = ("--quant", "--out", "--resume", "--stop-at", "--eval-size", "--save-every", "--time-budget", "--show-step")
 
 
-def setup(args):
-    """Model, tokenizer, optimizer and task, made by 05's own functions."""
-    device = str(devices.pick_device(args.device))
-    task = tasks.make_task(args, grpo.parser_defaults())
-    model, tok, params, opt = grpo.build_policy(args, device)
-    return dict(model=model, tok=tok, opt=opt, params=params, task=task)
-
-
-def one_step(args, s, step):
-    """One step of 05's train() loop, phase for phase -> its record (runs.step_record, which times the phases)."""
-    clock, model, tok, task = runs.StepClock(), s["model"], s["tok"], s["task"]
-    for group in s["opt"].param_groups:  # as 05's train() does before each step
-        group["lr"] = args.lr * grpo.lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
-    problems = task.problems(args.seed, step, args.batch)
-    prompts = [tok.encode(task.prompt(p)) for p in problems]
-    samples, _ = grpo.sample_groups(model, tok, prompts, step, grpo.step_sigma(args, step), seed=args.seed,
-                                    group=args.group, max_new_tokens=args.max_new_tokens,
-                                    temperature=args.temperature, compiled=args.compile, noise=args.aqn_scale)
-    clock.lap("sample")
-    rewards, correct = grpo.score(task, problems, samples.texts, args.group)
-    clock.lap("score")
-    mask = samples.completion_mask.float().clone()  # (N, T)
-    truncated = grpo.truncated_rows(samples.completion_ids, mask, tok.eos_token_ids)
-    report = grpo.policy_update(model, s["opt"], s["params"], samples.prompt_ids, samples.completion_ids.clone(),
-                                mask, samples.logprobs.float().clone(), rewards, **grpo.update_options(args))
-    return runs.step_record(step + 1, samples, mask, truncated, rewards, correct, report, clock)
+def train_steps(train_argv, quant, steps, scratch):
+    """05's train() on `train_argv` with --quant `quant` for `steps` steps, quietly -> (its args, the steps' records
+    from metrics.jsonl)."""
+    out = os.path.join(scratch, quant)
+    args = grpo.build_parser().parse_args([*train_argv, "--quant", quant, "--out", out, "--stop-at", str(steps),
+                                           "--eval-size", "0", "--save-every", "0", "--time-budget", "0", "--quiet"])
+    with contextlib.redirect_stdout(io.StringIO()):  # its notes and summary: this script prints its own lines
+        grpo.train(args)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return args, [rec for rec in map(json.loads, f) if "s/step" in rec]  # the steps, not the evaluations
 
 
 def measure(bench_args, train_argv):
-    """Mean seconds per phase for each quantization. All models are loaded first and the steps are
-    interleaved (none, nf4, nvfp4, none, ...), so a slow spell of a shared CPU hits every format alike
-    instead of whichever happened to run then."""
-    runs = {}
-    for q in bench_args.quants:
-        args = grpo.build_parser().parse_args(train_argv + ["--quant", q])
-        with tempfile.TemporaryDirectory() as scratch:  # check_args checks a run folder; this script writes none
-            args.out = scratch
-            grpo.check_args(args, 1)
-        runs[q] = (args, setup(args), [])
-    for step in range(bench_args.warmup + bench_args.steps):
-        for q, (args, s, rows) in runs.items():
-            rec = one_step(args, s, step)
-            if step >= bench_args.warmup:  # the step's own record times its phases (t_score: the rewards)
-                total, roll, rew = rec["s/step"], rec["t_sample"], rec["t_score"]
-                rows.append({"rollout": roll, "reward": rew, "update": total - roll - rew, "total": total,
-                             "tokens": rec["len"] * args.batch * args.group,
-                             "rows_updated": (1 - rec["frac_zero_std"]) * args.batch * args.group})
-    results = {q: {k: statistics.mean(r[k] for r in rows) for k in rows[0]} for q, (_, _, rows) in runs.items()}
-    return results, next(iter(runs.values()))[0]
+    """Mean seconds per phase for each quantization, over the steps after --warmup."""
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for q in bench_args.quants:
+            args, recs = train_steps(train_argv, q, bench_args.warmup + bench_args.steps, scratch)
+            if len(recs) <= bench_args.warmup:
+                raise ValueError(f"05's --steps {args.steps} ended the run after {len(recs)} step(s), within the "
+                                 f"--warmup {bench_args.warmup}: raise 05's --steps (after --)")
+            rows = [{"rollout": rec["t_sample"], "reward": rec["t_score"], "total": rec["s/step"],
+                     "update": rec["s/step"] - rec["t_sample"] - rec["t_score"],
+                     "tokens": rec["len"] * args.batch * args.group,
+                     "rows_updated": (1 - rec["frac_zero_std"]) * args.batch * args.group}
+                    for rec in recs[bench_args.warmup:]]
+            results[q] = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
+    return results, args
 
 # ---------------------------------------------------------------------------------------------------
 # Report
@@ -129,8 +114,9 @@ def main(argv=None):
         i = argv.index("--")
         argv, train_argv = argv[:i], argv[i + 1:]
     args = build_parser().parse_args(argv)
-    if any(a.split("=")[0] in ("--quant", "--out", "--resume") for a in train_argv):
-        raise ValueError("--quant/--out/--resume after -- are not used here: pick quantizations with --quants")
+    if any(a.split("=")[0] in SET_HERE for a in train_argv):
+        raise ValueError(f"{', '.join(SET_HERE)} after -- are set by this script: pick quantizations with --quants, "
+                         f"steps with --steps and --warmup")
     torch.set_num_threads(args.threads)
     t0 = time.time()
     results, last = measure(args, train_argv)

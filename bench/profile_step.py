@@ -136,9 +136,7 @@ def main(argv=None):
     sigma = grpo.step_sigma(args, 1)
 
     def sample():
-        return grpo.sample_groups(model, tok, prompts, 1, sigma, group=args.group,
-                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                                  compiled=args.compile, noise=args.aqn_scale)[0]
+        return grpo.sample_groups(model, tok, prompts, 1, sigma, **grpo.sampling_options(args))[0]
 
     samples = sample()  # and a warm-up (first-call costs, the allocator), with update() below
     # rewards 0, 1, 0, 1, ...: every group has signal, so the update trains all B x G rows (a step's worst case,

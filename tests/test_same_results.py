@@ -1,0 +1,31 @@
+"""bench/same_results.py: what it drops as volatile, how it names a difference, and that a run repeats exactly."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+import same_results  # noqa: E402
+
+
+def test_normalize_drops_clock_machine_and_paths():
+    row = {"step": 1, "loss": 0.5, "tok/s": 9.0, "s/step": 0.1, "t_sample": 0.2, "cpu_s": 0.3, "wall_s": 1.0,
+           "peak_rss_mb": 400.0, "time": 2.0, "eval": {"greedy": 0.5, "seconds": 0.1},
+           "args": {"out": "/tmp/x", "model": "/m", "seed": 2, "time_budget": 0.0}}
+    assert same_results.normalize(row) == {"step": 1, "loss": 0.5, "eval": {"greedy": 0.5},
+                                           "args": {"seed": 2, "time_budget": 0.0}}
+
+
+def test_differences_name_the_file_and_first_key():
+    want = {"sha256": {"adapter_model.safetensors": "a", "metrics.jsonl": "m"},
+            "metrics": [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25, "reward": 1.0}]}
+    got = {"sha256": {"adapter_model.safetensors": "b", "metrics.jsonl": "n"},
+           "metrics": [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.3, "reward": 0.0}]}
+    diff = same_results.differences(want, got)
+    assert diff[0] == "adapter_model.safetensors"
+    assert "line[2].loss" in diff[1] and "0.25" in diff[1] and "0.3" in diff[1]
+
+
+def test_a_config_repeats_exactly(tmp_path):
+    runs = [same_results.measure("no-eval", str(tmp_path / str(i))) for i in range(2)]
+    assert runs[0]["sha256"] == runs[1]["sha256"]
+    assert runs[0]["steps_with_gradient"] > 0  # the adapters moved: their hash proves something
