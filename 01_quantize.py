@@ -410,7 +410,8 @@ def _expected_shape(name, config):
     D = config.get("head_dim") or C // H
     KV = (config.get("num_key_value_heads") or H) * D
     shapes = {"q_proj": (H * D, C), "k_proj": (KV, C), "v_proj": (KV, C), "o_proj": (C, H * D), "gate_proj": (I, C),
-              "up_proj": (I, C), "down_proj": (C, I)}
+              "up_proj": (I, C), "down_proj": (C, I), "input_layernorm": (C,), "post_attention_layernorm": (C,),
+              "norm": (C,), "q_norm": (D,), "k_norm": (D,)}  # norms: copied as they are, so checked here
     if isinstance(V, int):
         shapes.update(embed_tokens=(V, C), lm_head=(V, C))
     parent, _, leaf = name.rpartition(".")

@@ -241,7 +241,8 @@ def _bad_config_fields(cfg):
           and all(isinstance(t, str) for t in targets),
           "lora_dropout": number(cfg.get("lora_dropout", 0.0)) and 0 <= cfg.get("lora_dropout", 0.0) < 1,
           "use_rslora": isinstance(cfg.get("use_rslora", False), bool),
-          "modules_to_save": cfg.get("modules_to_save") is None or isinstance(cfg.get("modules_to_save"), list)}
+          "modules_to_save": cfg.get("modules_to_save") is None or isinstance(cfg.get("modules_to_save"), list)
+          and all(isinstance(m, str) for m in cfg["modules_to_save"])}
     return [k for k, good in ok.items() if not good]
 
 

@@ -273,6 +273,13 @@ def adam_state(file, saved, opt, max_steps):
     bad = None if isinstance(state, dict) else "it holds no AdamW state"
     for i, one in (state or {}).items():
         bad = bad or adam_problem(i, one, params, max_steps)
+    # AdamW steps every parameter at once: a state for some of them, or of unequal step counts, was edited (the
+    # moments left out would start again from zero)
+    steps = sorted({float(one["step"]) for one in state.values()}) if state and not bad else []
+    if steps and len(state) != len(params):
+        bad = f"AdamW's state covers {len(state)} of the run's {len(params)} parameters (a step updates them all)"
+    elif len(steps) > 1:
+        bad = f"AdamW's step counts differ between parameters ({steps[0]:g} and {steps[-1]:g})"
     if bad:
         raise ValueError(f"--resume: {file}: {bad}: the checkpoint is damaged; resume from another checkpoint")
     return {i: {"step": torch.tensor(float(one["step"]), dtype=torch.float32), "exp_avg": one["exp_avg"],

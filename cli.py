@@ -104,7 +104,7 @@ class ClosedPipeGuard:
         self.stream, self.closed = stream, False
 
     def write(self, text):
-        if not self.closed:
+        if not self.closed and self.stream is not None:  # None: started with `>&-`, print writes nothing
             try:
                 return self.stream.write(text)
             except BrokenPipeError:
@@ -112,7 +112,7 @@ class ClosedPipeGuard:
         return len(text)
 
     def flush(self):
-        if not self.closed:
+        if not self.closed and self.stream is not None:
             try:
                 self.stream.flush()
             except BrokenPipeError:

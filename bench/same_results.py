@@ -3,9 +3,9 @@
 A refactor (stage files restructured, common.py split) must change no number. This runs each CONFIGS entry
 (3 steps of the bundled tiny model on the CPU, a few seconds) in a fresh process of the checkout this file
 lives in, so a worktree of an old commit measures its own code, and records sha256 of the final checkpoint's
-adapter_model.safetensors and adapter_config.json, and of metrics.jsonl and summary.json with what depends on
-the clock, the machine or the paths removed (normalize). The normalized metrics are kept beside the hashes so
-that --check can name the first differing key.
+adapter_model.safetensors and adapter_config.json (less its base model's path), and of metrics.jsonl and
+summary.json with what depends on the clock, the machine or the paths removed (normalize). The normalized
+metrics are kept beside the hashes so that --check can name the first differing key.
 
     python bench/same_results.py --write bench/results/same_results/baseline-<sha>.json
     python bench/same_results.py --check bench/results/same_results/baseline-<sha>.json [--only NAME ...]
@@ -129,8 +129,11 @@ def record(out):
         metrics = [normalize(json.loads(line)) for line in f if line.strip()]
     with open(os.path.join(out, "summary.json")) as f:
         summary = normalize(json.load(f))
-    files = {name: sha256(open(os.path.join(ckpt, name), "rb").read())
-             for name in ("adapter_model.safetensors", "adapter_config.json")}
+    with open(os.path.join(ckpt, "adapter_model.safetensors"), "rb") as f:
+        files = {"adapter_model.safetensors": sha256(f.read())}
+    with open(os.path.join(ckpt, "adapter_config.json")) as f:  # its base model's path is the checkout's
+        config = {k: v for k, v in json.load(f).items() if k != "base_model_name_or_path"}
+    files["adapter_config.json"] = sha256(json.dumps(config, sort_keys=True).encode())
     files["metrics.jsonl"] = sha256(json.dumps(metrics, sort_keys=True).encode())
     files["summary.json"] = sha256(json.dumps(summary, sort_keys=True).encode())
     trained = sum(1 for m in metrics if (m.get("grad_norm") or 0) > 0)

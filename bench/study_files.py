@@ -220,6 +220,7 @@ def fifth_mean(values, last):
 def flag_values(flags):
     """{dest: value} of a 05 flag list: "--no-aqn" -> aqn False, "--aqn" -> aqn True, "--aqn-kind log" -> "log"."""
     out, i = {}, 0
+    flags = [part for f in flags for part in (f.split("=", 1) if f.startswith("--") else [f])]  # --lr=2e-3
     while i < len(flags):
         name, has_value = flags[i][2:].replace("-", "_"), i + 1 < len(flags) and not flags[i + 1].startswith("--")
         if has_value:

@@ -1,4 +1,5 @@
 """bench/same_results.py: what it drops as volatile, how it names a difference, and that a run repeats exactly."""
+import json
 import os
 import sys
 
@@ -29,3 +30,22 @@ def test_a_config_repeats_exactly(tmp_path):
     runs = [same_results.measure("no-eval", str(tmp_path / str(i))) for i in range(2)]
     assert runs[0]["sha256"] == runs[1]["sha256"]
     assert runs[0]["steps_with_gradient"] > 0  # the adapters moved: their hash proves something
+
+
+def test_the_checkout_path_is_not_recorded(tmp_path):
+    """Two checkouts at other paths record the same run alike: adapter_config.json's base model path (the
+    bundled model inside the checkout) is left out of its hash; every other field counts."""
+    def fake_run(folder, base, r=16):
+        ckpt = folder / "checkpoint-000003"
+        ckpt.mkdir(parents=True)
+        (ckpt / "adapter_model.safetensors").write_bytes(b"weights")
+        (ckpt / "adapter_config.json").write_text(
+            json.dumps({"base_model_name_or_path": base, "r": r}))
+        (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")
+        (folder / "summary.json").write_text(json.dumps({"steps_done": 3}))
+        return same_results.record(str(folder))["sha256"]
+
+    a = fake_run(tmp_path / "a", "/one/checkout/assets/tiny-qwen")
+    b = fake_run(tmp_path / "b", "/another/assets/tiny-qwen")
+    c = fake_run(tmp_path / "c", "/one/checkout/assets/tiny-qwen", r=8)
+    assert a == b and a["adapter_config.json"] != c["adapter_config.json"]
