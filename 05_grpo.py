@@ -565,7 +565,8 @@ def train(args, task=None):
                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                    loss_options=loss_options, update_options=update_options)
             # kl_after: how far the update moved the policy from the sampler; "diverged" when something is not finite
-            checked = check_step(step + 1, model, params, samples, loss_mask, report, args.temperature)  # Part 2
+            checked = check_step(step + 1, model, params, samples, loss_mask, report, args.temperature,
+                                 args.kl_after_rows)  # Part 2
             rec = runs.step_record(step + 1, samples, mask, truncated, rewards, correct, report, clock,
                                    sigma=sigma, sigma_applied=sigma_applied, **refilled, **checked)
             if feedback is not None:
@@ -986,6 +987,9 @@ def build_parser():
     o.add_argument("--stop-at", type=N(int, 0), default=0, help="stop after this step with a checkpoint, as if "
                    "interrupted (for testing --resume)")
     o.add_argument("--quiet", action="store_true", help="no per-step lines")
+    o.add_argument("--kl-after-rows", type=N(int, 0), default=0, help="after each update, kl_after (KL from the "
+                   "sampler to the updated policy; beyond runs.DIVERGED_KL the log warns) over this many rows: one "
+                   "more forward, 0.9 s of a 12 s SmolLM2 step at 16 (0: off, kl_after null)")
     o.add_argument("--show-step", action="store_true", help="train nothing: work one sampled group through "
                    "the rewards, advantages, ratio and loss by hand, and print it (a few seconds)")
     return p

@@ -19,10 +19,12 @@ import torch
 import files
 import hf_files
 
+# how to compute or watch, not what: a resume may change them
 RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_every", "device", "quiet",
-                "micro_batch", "grad_checkpoint", "gpu_path", "compile", "dist_timeout")  # how to compute, not what: a resume may change them
+                "micro_batch", "grad_checkpoint", "gpu_path", "compile", "dist_timeout", "kl_after_rows",
+                "show_step")
 INHERITED_RUNTIME_ARGS = ("time_budget", "eval_every", "save_every", "quiet", "micro_batch", "grad_checkpoint",
-                          "compile")  # a resume keeps these unless given again
+                          "compile", "kl_after_rows")  # a resume keeps these unless given again
 
 
 # Saved arguments args.json may hold otherwise: the paths as given (the run record checks them) and the number

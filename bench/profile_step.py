@@ -9,7 +9,7 @@ the policy with stage 05's own functions (default: SmolLM2-135M-Instruct, NVFP4 
            Python, dispatch), per decode step;
   update   `policy_update` on every row (rewards 0, 1, 0, 1, ...: every group has signal) the same way, per micro-batch (forward with log-probs, backward, AdamW), with the
            dequantization of the 4-bit weights as its own row.
-  check    `check_step`, 05's look after each update (one no-grad forward over 16 rows: kl_after, finiteness),
+  check    `check_step`, 05's look after each update (finiteness, and the no-grad forward over 16 rows for kl_after that 05 runs with --kl-after-rows 16),
            timed only, with its share of the step.
 Each phase's wall time is the median of --repeats runs outside the profiler (the profiler adds its own cost).
 

@@ -426,14 +426,15 @@ def test_a_far_update_is_named_a_likely_divergence(tmp_path, capsys):
     """--lr 1e3 wrecks the policy in one update: the step's kl_after is beyond runs.DIVERGED_KL, the log
     names it, and the summary says so instead of a plain success. The default LR stays far below it."""
     out = tmp_path / "far"
-    args = tiny_args(out, "--steps", "2", "--eval-size", "0", "--lr", "1e3", "--warmup", "0")
+    args = tiny_args(out, "--steps", "2", "--eval-size", "0", "--lr", "1e3", "--warmup", "0", "--kl-after-rows", "16")
     args.quiet = False
     summary = grpo.train(args)
     text = capsys.readouterr().out
     assert summary["likely_divergence_steps"] and "likely divergence" in text
     steps, _ = step_rows(out)
     assert max(r["kl_after"] for r in steps) > runs.DIVERGED_KL
-    calm = grpo.train(tiny_args(tmp_path / "calm", "--steps", "2", "--eval-size", "0", "--lr", "1e-3"))  # the default
+    calm = grpo.train(tiny_args(tmp_path / "calm", "--steps", "2", "--eval-size", "0", "--lr", "1e-3",  # the default
+                                "--kl-after-rows", "16"))
     assert calm["likely_divergence_steps"] == []
     assert all(r["kl_after"] < 0.1 * runs.DIVERGED_KL for r in step_rows(tmp_path / "calm")[0])
 
