@@ -362,6 +362,9 @@ def settings_line(name, key, had, want):
             f"settings; give the finished runs' settings again, or --force to retrain these runs, or another --out")
 
 
+STOP_WAIT_S = 60  # Ctrl-C or kill: how long a run this script started has to stop before it is killed
+
+
 def run_all(args, methods=None):
     """Train every (method, seed) not already done (methods: default --methods). Returns the (method,
     seed) list in order; sets args.stopped when --max-wall left runs unstarted."""
@@ -468,7 +471,11 @@ def run_all(args, methods=None):
         for proc, *_ in running:  # only the processes this script started
             proc.terminate()
         for proc, m, s, run_dir, log, _ in running:
-            proc.wait()
+            try:  # 05 stops at its step's end with a checkpoint; one that does not is killed (a bounded wait)
+                proc.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             log.close()
             os.remove(os.path.join(runs_root, f".{m}-s{s}.claim"))
         if isinstance(e, KeyboardInterrupt):  # run_cli: one line, exit 130 (143 for kill)

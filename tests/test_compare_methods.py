@@ -307,7 +307,11 @@ def test_ctrl_c_or_kill_stops_the_runs_and_exits_128_plus_the_signal(tmp_path, m
     started = []
     monkeypatch.setattr(runner, "run_command", lambda *a, **k: [sys.executable, "-c", "import time; time.sleep(60)"])
 
-    def tick(seconds):  # the first second of the wait loop: the signal arrives
+    real_sleep = time.sleep
+
+    def tick(seconds):  # the first second of the wait loop: the signal arrives (later sleeps: the stop's wait)
+        if started:
+            return real_sleep(seconds)
         started.extend(p for p in os.listdir(out / "runs") if p.endswith(".claim"))
         raise cmp.cli.Interrupted(signum=signum)
     monkeypatch.setattr(runner.time, "sleep", tick)
