@@ -102,7 +102,9 @@ printed when it starts.
              each gain (--aqn-scale relative, 1e-2 -> 5e-4: what the paper's absolute 1e-2 is on gains near
              1), and LoRA + AQN. Greedy on the 200 problems at the start and the end only; its curves add the
              mismatch KL, the gradient norm and the completion length.
-The methods, phases and questions are data (STUDIES); --methods restricts a study to some of its
+  dynamic-sampling  The bundled model, 6 seeds x 100 steps: QeRL as 05 runs it against the same plus
+             --dynamic-sampling 2 (DAPO: flat groups replaced by up to 2 more sampling rounds a step).
+The methods, phases and questions are data (bench/studies.py); --methods restricts a study to some of its
 methods. Every question is a - b of two methods: the table gives the difference of means of final
 greedy accuracy, of pass@k and of first-fifth entropy, each with its 95% interval and p-value from Welch's
 t-test over the seeds (the verdict, on final greedy: "a ends higher than b" when p < 0.05, otherwise "not

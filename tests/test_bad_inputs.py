@@ -1770,7 +1770,9 @@ def test_a_study_interrupted_by_ctrl_c_exits_130(tmp_path):
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "compare_methods.py"), "--methods", "lora",
                              "--seeds", "0", "--steps", "200", "--eval-size", "2", "--out", str(tmp_path / "cmp")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            # a suite started in the background (`cmd &`) ignores SIGINT, and a child inherits that
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for_line(proc, "command | ")
     log = tmp_path / "cmp" / "runs" / "lora-s0" / "train.log"
     for _ in range(600):  # until its run has started (the log is opened just before)
