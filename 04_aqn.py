@@ -1,39 +1,25 @@
-"""Stage 04: Adaptive Quantization Noise (AQN): its schedule, the noise in the RMSNorm gains, and the
-exploration it buys.
+"""Stage 04: Adaptive Quantization Noise (AQN): its schedule, the noise in the RMSNorm gains, and
+the exploration it buys.
 
-QeRL's idea: a 4-bit base's rounding error acts like parameter noise that raises sampling entropy, which
-helps RL explore; AQN adds scheduled Gaussian noise Z ~ N(0, sigma^2) to the RMSNorm gains w, which is
-multiplicative noise on the input columns of the Linear that reads the norm (paper Eq. 9-10, App. G):
+A 4-bit base's rounding error acts like parameter noise that raises sampling entropy, which helps RL
+explore. AQN adds scheduled Gaussian noise Z ~ N(0, sigma^2) to the RMSNorm gains w: multiplicative
+noise on the input columns of the Linear that reads the norm (paper Eq. 9-10),
 
     ((w + Z) * rmsnorm(x)) @ W.T  ==  (w * rmsnorm(x)) @ (W * (1 + Z / w)).T
 
-so input column i of W gets relative noise of std sigma / |w_i|, and the packed NVFP4 weights are never
-touched. The norms are each decoder layer's input_layernorm (read by q/k/v) and post_attention_layernorm
-(read by gate/up); o_proj, down_proj, model.norm and Qwen3's q_norm/k_norm get none. `aqn_noise` only sets
-each norm's `noise` attribute: 03_rollout.py's `RMSNorm.forward` adds it to the gain there, in fp32
-((w + Z) * rmsnorm(x), rounded once to the activation dtype), so the gains themselves are never written.
+so the packed NVFP4 weights are never touched. The noise acts only in the sampler, one draw per
+step; the update runs on the clean policy (05 takes pi_old from it, as the official code does).
 
-The noise acts only in the sampler, one draw per step, while the update runs on the clean policy. Stage
-05 takes pi_old from the clean policy as the official code does, so the noise reaches the gradient
-uncorrected; `--pi-old sampler` uses the noisy sampler's log-probabilities instead, as Algorithm 1
-line 9 reads (docs/paper-notes.md).
-
-Run it (the schedule of a 600-step run, then the exploration table: entropy and KL to the unquantized base, per
-sampled token, of fp32 / NF4 / NVFP4 and of base / NVFP4 under AQN, on the bundled model):
-    python 04_aqn.py                # fp32, 32 problems x 8 samples x 2 draws: ~50 s on 2 CPU cores
-    python 04_aqn.py --full         # fp32 and bf16, 64 x 8 x 2, three sigmas: 3-5 min
-    python 04_aqn.py --model path/to/hf-folder --samples 8 --sigmas 1e-2 5e-2
-    python 04_aqn.py --schedule-only --steps 750  # the schedule table alone (instant)
-Measured tables and what they show: docs/aqn.md.
+Run `python 04_aqn.py` (the schedule, then the entropy table: ~50 s; --full, --schedule-only);
+measured: docs/aqn.md.
 """
+import collections
 import contextlib
-import dataclasses
 import importlib
 import math
 import os
 import sys
 import time
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,40 +29,24 @@ import devices
 import hf_files
 import memory
 
-quantize = importlib.import_module("01_quantize")
-lora = importlib.import_module("02_lora")
 rollout = importlib.import_module("03_rollout")
 
 # -----------------------------------------------------------------------------
-# The noise schedule. Training splits into K equal intervals ("stages"): stage 0 carries quantization
-# noise only (sigma = 0), stages 1..K-1 decay from sigma_start to sigma_end, the last one exactly
-# sigma_end. The linear, cosine and log kinds (our own forms for the paper's scheduler ablation, Fig. 9,
-# which shows only their curves) map u = (k - 1) / (K - 2) in [0, 1] between the two.
-# docs/figures/aqn_schedule.png draws each kind over the default run.
-
-def _u(k, K):
-    return (k - 1) / max(K - 2, 1)  # 0 at stage 1, 1 at the last stage
-
-
+# The schedule (the official code's): training splits into K equal stages; stage 0 carries only the
+# quantization noise (sigma = 0), stages 1..K-1 decay geometrically from sigma_start to sigma_end
+# (the paper's Eq. 8 divides by K - 1, so never reaches sigma_end: docs/paper-notes.md).
 DECAYS = {  # kind -> sigma at stage k = 1 .. K-1 of K, from s0 (sigma_start) to s1 (sigma_end)
-    "exp": lambda k, K, s0, s1: s0 * (s1 / s0) ** _u(k, K),  # the official code's (Eq. 8 divides by K - 1)
-    "linear": lambda k, K, s0, s1: s0 + (s1 - s0) * _u(k, K),
-    "cosine": lambda k, K, s0, s1: s1 + (s0 - s1) * 0.5 * (1 + math.cos(math.pi * _u(k, K))),
-    # falls fastest early, like exp, but linearly in log(1 + stage) rather than in stage
-    "log": lambda k, K, s0, s1: s0 + (s1 - s0) * math.log1p(k - 1) / math.log1p(max(K - 2, 1)),
-}
-DECAYING_KINDS = tuple(DECAYS)
-SIGMA_KINDS = DECAYING_KINDS + ("none", "feedback")  # feedback: FeedbackSigma, our extension (Part 2)
+    "exp": lambda k, K, s0, s1: s0 * (s1 / s0) ** ((k - 1) / max(K - 2, 1)),
+}  # linear, cosine, log: below the banner
 
 
 def sigma_stage(step, total_steps, num_stages):
-    """Which of the `num_stages` equal intervals 0-based `step` falls in (sigma_schedule checks the input)."""
+    """Which of the `num_stages` equal intervals 0-based `step` falls in."""
     return min(step * num_stages // total_steps, num_stages - 1)
 
 
 def sigma_schedule(step, total_steps, sigma_start=1e-2, sigma_end=5e-4, num_stages=10, kind="exp"):
-    """The AQN noise std for 0-based `step` of a `total_steps` run (Algorithm 1's stages; exp is the
-    official code's K-1 geometric values, see docs/paper-notes.md)."""
+    """The AQN noise std for 0-based `step` of a `total_steps` run."""
     check_schedule(total_steps, num_stages, sigma_start, sigma_end, kind, step)
     stage = sigma_stage(step, total_steps, num_stages)
     if kind == "none" or stage == 0:
@@ -85,9 +55,15 @@ def sigma_schedule(step, total_steps, sigma_start=1e-2, sigma_end=5e-4, num_stag
 
 
 # -----------------------------------------------------------------------------
-# The noise, in each layer's two pre-norms
-
+# The noise, in each decoder layer's two pre-norms (o_proj, down_proj, model.norm get none)
 AQN_NORMS = ("input_layernorm", "post_attention_layernorm")  # read by q/k/v, then by gate/up
+
+
+def aqn_norms(model):
+    """[(name, RMSNorm)]: per decoder layer, input_layernorm then post_attention_layernorm."""
+    layers = _check_aqn_layers(model)
+    return [(f"model.layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(layers)
+            for n in AQN_NORMS]
 
 
 def _standard_normal(w, generator):
@@ -96,55 +72,114 @@ def _standard_normal(w, generator):
     return torch.randn(w.shape, generator=generator, device=device, dtype=torch.float32)  # (C,)
 
 
-# The kinds of AQN noise. A kind is a function (w, sigma, generator) -> Z: w is one tensor of the noise's
-# site (SITES below; a norm's gains (C,) by default), sigma the step's noise level (> 0), and Z the noise
-# added to it, an fp32 tensor of w's shape on any device (aqn_noise moves it to w's). It draws only from
-# `generator` (None: torch's global one), once per call: aqn_noise calls it once per tensor, in the site's
-# order, once per step, so a seed fixes every draw. Another kind is one more entry, as "relative" below is.
-NOISES = {
-    "absolute": lambda w, sigma, gen: _standard_normal(w, gen) * sigma,  # Z ~ N(0, sigma^2): the paper's
-    # Z_i ~ N(0, (sigma w_i)^2): input column i of the next Linear is scaled by 1 + sigma * N(0, 1) whatever the
-    # gains, so sigma means the same relative perturbation on every model (the paper's absolute sigma was sized
-    # for Qwen2.5's gains near 1; SmolLM2's are near 0.3, and 0.02 in layer 0: docs/aqn.md)
-    "relative": lambda w, sigma, gen: _standard_normal(w, gen) * sigma * w.detach().float().abs().to(
-        gen.device if gen is not None else "cpu"),
-}
+# A noise kind: (w, sigma, generator) -> Z, fp32 of w's shape, one draw from `generator` (None:
+# torch's), called per tensor in the site's order, so a seed fixes every draw.
+NOISES = {"absolute": lambda w, sigma, gen: _standard_normal(w, gen) * sigma}  # Z ~ N(0, sigma^2)
 
-
-def aqn_norms(model):
-    """The (name, RMSNorm) pairs AQN perturbs, in order: per decoder layer its input_layernorm, then its
-    post_attention_layernorm (2 per layer)."""
-    layers = _check_aqn_layers(model)
-    return [(f"model.layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(layers) for n in AQN_NORMS]
-
-
-# -----------------------------------------------------------------------------
-# Where the noise lands (05 --aqn-site). A site names the tensors AQN perturbs and how: find(model) -> [(tensor
-# name, its module)] in draw order; weight(module), the tensor a kind sizes Z on (its w); add(module, Z) -> (the
-# perturbation as it landed: what the model now computes with minus the clean tensor, a function undoing it
-# exactly). Another site is one more entry. Noise must reach what the sampler runs: 05 samples on a CPU with
-# merged weights W + s B A (02 lora_merged), built when that block is entered, so a LoRA site writes the
-# matrices themselves before the merge, and refuses to act inside one (its noise would miss the merged copy).
-
-@dataclasses.dataclass(frozen=True)
-class NoiseSite:
-    help: str  # for 05's --aqn-site
-    find: Callable  # model -> [(tensor name, module)], in draw order
-    weight: Callable  # module -> the tensor Z is drawn for
-    add: Callable  # (module, Z) -> (landed perturbation, undo)
-
-
-def _norm_gains(model):
-    return [(f"{name}.weight", norm) for name, norm in aqn_norms(model)]
+# A site, the tensors AQN perturbs: find(model) -> [(name, module)] in draw order; weight(module),
+# the tensor Z is drawn for; add(module, Z) -> (the perturbation as it landed, undo); help: for 05.
+NoiseSite = collections.namedtuple("NoiseSite", "help find weight add")
 
 
 def _add_to_gain(norm, z):
-    """03's RMSNorm adds `noise` to its gain in fp32, (w + Z) * rmsnorm(x) rounded once: the gains themselves
-    are never written (a bf16 gain near 1 would round a draw of 5e-4 away; trained gains come back exactly)."""
+    """03's RMSNorm computes (w + Z) * rmsnorm(x) in fp32: a bf16 gain would round Z = 5e-4 away."""
     norm.noise = z
     w = norm.weight.detach().float()
     return (w + z) - w, lambda: setattr(norm, "noise", None)
 
+
+SITES = {"norms": NoiseSite(
+    "each decoder layer's two pre-norm gains, as the paper (multiplicative noise on the input "
+    "columns of q/k/v and gate/up)",
+    lambda model: [(f"{name}.weight", norm) for name, norm in aqn_norms(model)],
+    lambda norm: norm.weight, _add_to_gain)}  # lora-A, lora-B: below the banner
+
+
+@contextlib.contextmanager
+def aqn_noise(model, sigma, generator=None, kind="absolute", site="norms"):
+    """Draw Z for each tensor of the site; on exit, even after an error, the model is noise-free
+    again, bit for bit. Yields {sigma, site, num_tensors, applied_std: the RMS of what landed}."""
+    _check_noise(sigma, kind, site)
+    where = SITES[site]
+    found = where.find(model)
+    info = {"sigma": float(sigma), "site": site, "applied_std": 0.0, "num_tensors": len(found)}
+    undo, landed = [], []
+    try:
+        if sigma > 0:  # at 0 (stage 0) only the quantization noise acts: no draw
+            for _, m in found:
+                w = where.weight(m)
+                delta, restore = where.add(m, NOISES[kind](w, sigma, generator).to(w.device))
+                undo.append(restore)
+                landed.append(delta.reshape(-1))
+            info["applied_std"] = float(torch.cat(landed).double().pow(2).mean().sqrt())
+        yield info
+    finally:
+        for restore in reversed(undo):
+            restore()
+
+
+# -----------------------------------------------------------------------------
+# What the noise buys: entropy of the sampling distribution (and KL to the unquantized base)
+@torch.inference_mode()
+def measure_exploration(reference, variants, prompts, num_samples=8, max_new_tokens=32,
+                        temperature=1.0, sigmas=(), seed=0, eos_token_ids=None, rounds=2):
+    """Rows {name, sigma, entropy and KL to `reference` per sampled token, len}: each of `variants`,
+    then "base" and "NVFP4" under each of `sigmas` (a fresh draw per round, as per RL step)."""
+    plan = [(name, model, 0.0) for name, model in variants.items()]
+    plan += [(n, variants[n], s) for n in ("base", "NVFP4") if n in variants for s in sigmas]
+    rows = []
+    for name, model, sigma in plan:
+        gen = torch.Generator().manual_seed(seed)  # one seed for all rows: only the model differs
+        ent_sum = kl_sum = tok = 0.0
+        for _ in range(rounds):
+            with aqn_noise(model, sigma, gen):
+                out = rollout.generate(model, prompts, num_samples, max_new_tokens, temperature,
+                                       eos_token_ids=eos_token_ids, generator=gen)
+                ids = (out.prompt_ids, out.completion_ids)
+                logp = F.log_softmax(rollout.completion_logits(model, *ids) / temperature, -1)
+            logq = F.log_softmax(rollout.completion_logits(reference, *ids) / temperature, -1)
+            kl = (logp.exp() * (logp - logq)).sum(-1)  # (B, T) exact KL per position
+            m = out.completion_mask.float()  # (B, T)
+            ent_sum += float((out.entropy * m).sum())
+            kl_sum += float((kl * m).sum())
+            tok += float(m.sum())
+        rows.append({"name": name, "sigma": sigma, "entropy": ent_sum / max(tok, 1), "kl": kl_sum /
+                     max(tok, 1), "len": tok / (rounds * len(prompts) * num_samples)})
+    return rows
+
+
+# ============ Part 2: variants (decays, relative noise, LoRA sites, feedback), checks, demo, command line ============
+quantize = importlib.import_module("01_quantize")  # its NVFP4_METHODS: the demo's --quant-method
+lora = importlib.import_module("02_lora")  # its LoRALinear: the LoRA sites
+
+# -----------------------------------------------------------------------------
+# More decays (05 --aqn-kind): linear, cosine and log are our forms of the paper's scheduler ablation
+# (Fig. 9 shows only their curves). Each maps u = (k - 1) / (K - 2) in [0, 1], the exponent exp uses,
+# from sigma_start to sigma_end; docs/figures/aqn_schedule.png draws each kind over the default run.
+
+def _u(k, K):
+    return (k - 1) / max(K - 2, 1)  # 0 at stage 1, 1 at the last stage
+
+
+DECAYS["linear"] = lambda k, K, s0, s1: s0 + (s1 - s0) * _u(k, K)
+DECAYS["cosine"] = lambda k, K, s0, s1: s1 + (s0 - s1) * 0.5 * (1 + math.cos(math.pi * _u(k, K)))
+# falls fastest early, like exp, but linearly in log(1 + stage) rather than in stage
+DECAYS["log"] = lambda k, K, s0, s1: s0 + (s1 - s0) * math.log1p(k - 1) / math.log1p(max(K - 2, 1))
+DECAYING_KINDS = tuple(DECAYS)  # read after every decay is registered
+SIGMA_KINDS = DECAYING_KINDS + ("none", "feedback")  # feedback: FeedbackSigma, our extension (below)
+
+# -----------------------------------------------------------------------------
+# Relative noise (05 --aqn-scale relative): Z_i ~ N(0, (sigma w_i)^2), so input column i of the next Linear
+# is scaled by 1 + sigma * N(0, 1) whatever the gains, and sigma means the same relative perturbation on every
+# model (the paper's absolute sigma was sized for Qwen2.5's gains near 1; SmolLM2's are near 0.3, and 0.02 in
+# layer 0: docs/aqn.md). Another kind is one more entry.
+NOISES["relative"] = lambda w, sigma, gen: _standard_normal(w, gen) * sigma * w.detach().float().abs().to(
+    gen.device if gen is not None else "cpu")
+
+# -----------------------------------------------------------------------------
+# The LoRA sites (05 --aqn-site lora-A, lora-B). Noise must reach what the sampler runs: 05 samples on a CPU
+# with merged weights W + s B A (02 lora_merged), built when that block is entered, so a LoRA site writes the
+# matrices themselves before the merge, and refuses to act inside one (its noise would miss the merged copy).
 
 def _lora_matrices(attr):
     """find(model) for a site on every LoRA layer's `attr` (lora_A or lora_B)."""
@@ -170,76 +205,11 @@ def _add_to_matrix(attr):
     return add
 
 
-SITES = {
-    "norms": NoiseSite("each decoder layer's two pre-norm gains, as the paper (multiplicative noise on the input "
-                       "columns of q/k/v and gate/up)", _norm_gains, lambda norm: norm.weight, _add_to_gain),
-    "lora-A": NoiseSite("every LoRA A matrix (02), before a CPU sampler merges them",
-                        _lora_matrices("lora_A"), lambda m: m.lora_A, _add_to_matrix("lora_A")),
-    "lora-B": NoiseSite("every LoRA B matrix (02), before a CPU sampler merges them",
-                        _lora_matrices("lora_B"), lambda m: m.lora_B, _add_to_matrix("lora_B")),
-}
+SITES["lora-A"] = NoiseSite("every LoRA A matrix (02), before a CPU sampler merges them",
+                            _lora_matrices("lora_A"), lambda m: m.lora_A, _add_to_matrix("lora_A"))
+SITES["lora-B"] = NoiseSite("every LoRA B matrix (02), before a CPU sampler merges them",
+                            _lora_matrices("lora_B"), lambda m: m.lora_B, _add_to_matrix("lora_B"))
 
-
-@contextlib.contextmanager
-def aqn_noise(model, sigma, generator=None, kind="absolute", site="norms"):
-    """Draw Z (kind "absolute": Z ~ N(0, sigma^2)), one fp32 tensor per tensor of the site (SITES; "norms": one
-    [hidden] vector per pre-norm, which stage 03's RMSNorm adds to its gain); on exit, even after an error, the
-    model is noise-free again, bit for bit. Yields {sigma, site, num_tensors, applied_std: the RMS of the
-    perturbation as it landed (the tensors the model computes with minus the clean ones), not of the draw}."""
-    _check_noise(sigma, kind, site)
-    where = SITES[site]
-    found = where.find(model)
-    info = {"sigma": float(sigma), "site": site, "applied_std": 0.0, "num_tensors": len(found)}
-    undo = []
-    try:
-        if sigma > 0:  # at 0 (stage 0) only the quantization noise acts: no draw, the model untouched
-            landed = []
-            for _, m in found:
-                w = where.weight(m)
-                delta, restore = where.add(m, NOISES[kind](w, sigma, generator).to(w.device))
-                undo.append(restore)
-                landed.append(delta.reshape(-1))
-            info["applied_std"] = float(torch.cat(landed).double().pow(2).mean().sqrt())
-        yield info
-    finally:
-        for restore in reversed(undo):
-            restore()
-
-
-# -----------------------------------------------------------------------------
-# Measuring exploration: entropy of the sampling distribution and KL to the unquantized base
-
-@torch.inference_mode()
-def measure_exploration(reference, variants, prompts, num_samples=8, max_new_tokens=32, temperature=1.0,
-                        sigmas=(), seed=0, eos_token_ids=None, rounds=2):
-    """Entropy and KL-to-reference of several versions of one policy. reference: the unquantized model
-    (KL against it, noise-free); variants: name -> model, e.g. {"base": ref, "NF4": ..., "NVFP4": ...}.
-    For every variant, and for "base" and "NVFP4" with each of `sigmas`, samples `num_samples` completions
-    per prompt (a fresh AQN draw per round, like one per RL step). Returns rows {name, sigma, entropy (nats
-    per sampled token), kl (per-token KL(variant || reference) over the sampled positions), len}."""
-    plan = [(name, model, 0.0) for name, model in variants.items()]
-    plan += [(name, variants[name], s) for name in ("base", "NVFP4") if name in variants for s in sigmas]
-    rows = []
-    for name, model, sigma in plan:
-        gen = torch.Generator().manual_seed(seed)  # same seed for every row: differences come from the model
-        ent_sum = kl_sum = tok = 0.0
-        for _ in range(rounds):
-            with aqn_noise(model, sigma, gen):
-                out = rollout.generate(model, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
-                                       temperature=temperature, eos_token_ids=eos_token_ids, generator=gen)
-                logp = F.log_softmax(rollout.completion_logits(model, out.prompt_ids, out.completion_ids) / temperature, -1)
-            logq = F.log_softmax(rollout.completion_logits(reference, out.prompt_ids, out.completion_ids) / temperature, -1)
-            kl = (logp.exp() * (logp - logq)).sum(-1)  # (B, T) exact KL per position
-            m = out.completion_mask.float()
-            ent_sum += float((out.entropy * m).sum())
-            kl_sum += float((kl * m).sum())
-            tok += float(m.sum())
-        rows.append({"name": name, "sigma": sigma, "entropy": ent_sum / max(tok, 1),
-                     "kl": kl_sum / max(tok, 1), "len": tok / (rounds * len(prompts) * num_samples)})
-    return rows
-
-
-# ============ Part 2: plumbing (feedback extension, checks, schedule table, demo, command line) =============
 # -----------------------------------------------------------------------------
 # --aqn-kind feedback: sigma from an entropy-feedback controller instead of the schedule (our extension)
 

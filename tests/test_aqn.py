@@ -85,6 +85,13 @@ def test_none_kind_and_bad_settings():
         aqn.sigma_schedule(50, 50)
 
 
+def test_registries_hold_part_1_then_part_2_entries_in_the_cli_order():
+    # the paper's path first (Part 1), then the variants registered below the banner: 05's choices read these
+    assert list(aqn.DECAYS) == ["exp", "linear", "cosine", "log"] and aqn.DECAYING_KINDS == tuple(aqn.DECAYS)
+    assert aqn.SIGMA_KINDS == aqn.DECAYING_KINDS + ("none", "feedback")
+    assert list(aqn.NOISES) == ["absolute", "relative"] and list(aqn.SITES) == ["norms", "lora-A", "lora-B"]
+
+
 def test_check_schedule_refuses_what_sigma_schedule_refuses_before_any_step():
     assert aqn.check_schedule(600, 10, 1e-2, 5e-4, "exp") is None
     assert aqn.check_schedule(1, 2, 1e-2, 5e-4, "none") is None
