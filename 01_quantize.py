@@ -1,20 +1,14 @@
-"""Stage 01: store a model's Linear weights in 4 bits, as NVFP4 (QeRL) and as NF4 (the QLoRA baseline).
+"""Stage 01: store a model's Linear weights in 4 bits, as NVFP4: QeRL's frozen base model.
 
-QeRL keeps the frozen base model in NVFP4 (4-bit E2M1 values, an FP8 E4M3 scale per 16 inputs, an FP32
-scale per tensor): rollouts get cheaper, and the rounding noise raises policy entropy, which the paper finds
-helps exploration. Both formats are byte for byte what compressed-tensors `nvfp4-pack-quantized` and
-bitsandbytes `quantize_4bit(nf4)` produce; NVFP4 is also written as a checkpoint (--out), which loads in
-compressed-tensors and vLLM.
+NVFP4 keeps 4-bit E2M1 values, an FP8 E4M3 scale per 16 inputs and an FP32 scale per tensor.
+Rollouts get cheaper, and the rounding noise raises policy entropy, which the paper finds helps
+exploration. The bytes are compressed-tensors' `nvfp4-pack-quantized`; --out writes a checkpoint
+that it and vLLM load. Part 2: NF4 (bitsandbytes, QLoRA's baseline), Four Over Six, the fast
+forward, the checkpoint writer and the demo.
 
-    python 01_quantize.py                                  # demo: bits, bytes, error, time per format
-    python 01_quantize.py --model DIR --out DIR [--force]  # HF folder -> compressed-tensors NVFP4 folder
-    python 01_quantize.py --show-block [--seed N]         # one 16-weight block quantized step by step
-
-Part 1 shows a quantized layer's forward as what it computes, F.linear(x, W, b) with W dequantized from
-4 bits. What runs is the same product, cheaper (fast_forward, Part 2): NVFP4 on CUDA through the Triton
-kernel (kernels/; on the CPU too when NVFP4Linear.kernel_on_cpu is True, by Triton's interpreter, as stage
-05's --gpu-path sets), else W rebuilt in backward instead of saved (quant_engine.py). Later stages load
-this file with `importlib.import_module("01_quantize")`.
+    python 01_quantize.py                                  # demo: bits, bytes, error, time
+    python 01_quantize.py --model DIR --out DIR [--force]  # HF folder -> NVFP4 checkpoint
+    python 01_quantize.py --show-block [--seed N]          # one block of 16, step by step
 """
 import functools
 import math
@@ -28,36 +22,32 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cli
-import devices
 import files
-import hf_files
-import quant_engine  # beneath the quantized Linears: the rebuilt-in-backward product, kept weights, dtype-keeping .to()
+import quant_checkpoint  # the checkpoint writer's config, checks and reads
+import quant_engine  # what the quantized Linears share that is not the method
 
-# -----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # NVFP4: E2M1 values, an FP8 E4M3 scale per 16 inputs, an FP32 scale per tensor (all maths in fp32)
 
 FP4_MAX, FP8_MAX, NVFP4_BLOCK = 6.0, 448.0, 16
 # Code c (bit 3 = sign, bits 0..2 = index into the 8 magnitudes) decodes to E2M1_VALUES[c].
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                             -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-# Round-to-nearest-even onto the magnitudes: the index is how many midpoints |y| passes. At a midpoint
-# whose lower neighbour has the even mantissa (0.25, 1.25, 2.5, 5) it must be passed strictly (ties stay
-# down); where the upper neighbour is even (0.75, 1.75, 3.5) reaching it is enough (ties go up).
-_E2M1_MIDS = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)]
-
-
-# Four Over Six (arXiv 2512.02010), an extension: a rounding that may scale a block's max to 4 instead of
-# 6 where that reconstructs the block better, in NVFP4's bytes (`four_over_six` below also says why 256).
-NVFP4_METHODS = ("rtn", "4over6")
-FOUR_OVER_SIX_SCALE_MAX = 256.0
+# Round to nearest, ties to even: the index is how many midpoints |y| passes. Ties stay down where
+# the lower neighbour's mantissa is even (0.25, 1.25, 2.5, 5), go up where the upper one's is.
+_E2M1_MIDS = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+              (3.5, True), (5.0, False)]
+# The roundings: name -> (the FP8 scale the largest block gets, a per-block re-pick of codes and
+# scales, or None). QeRL's is round to nearest; Part 2 registers Four Over Six ("4over6").
+NVFP4_METHODS = {"rtn": (FP8_MAX, None)}
 
 
 def nvfp4_global_scale(weights, method="rtn"):
-    """fp32 [1] encode scale 2688/amax (448*6: the largest block lands on the FP8 and E2M1 maxima; 256*6 for
-    4over6), amax over all of `weights` (one tensor, or a fused group that shares one scale). An all-zero
-    tensor would divide by ~0 -> inf; compressed-tensors then uses 1.0, and so do we."""
+    """fp32 [1] scale 448 * 6 / amax: the largest block lands on the FP8 and E2M1 maxima. amax over
+    all of `weights` (one tensor, or a fused group sharing one scale). An all-zero tensor would
+    give inf; compressed-tensors then uses 1.0, and so do we."""
     _check_method(method)
-    top = FP8_MAX if method == "rtn" else FOUR_OVER_SIX_SCALE_MAX
+    top = NVFP4_METHODS[method][0]
     amax = torch.stack([w.detach().abs().amax().float() for w in weights]).max().reshape(1)
     gs = (top * FP4_MAX) / amax.clamp(min=torch.finfo(torch.float32).tiny)
     return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
@@ -65,50 +55,29 @@ def nvfp4_global_scale(weights, method="rtn"):
 
 def _block_scales(amax_b, gs, block_max):
     """fp8-representable block scales (as fp32) that map each block's amax to `block_max`."""
-    s = (gs * (amax_b / block_max)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()  # RNE cast
-    # A block far below the tensor's amax (or all zero) underflows FP8 to 0; compressed-tensors then
-    # stores 0.125, which avoids a 0/0 below and still decodes the block to (nearly) all zeros.
+    s = (gs * (amax_b / block_max)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()  # RNE
+    # A block far below the tensor's amax (or all zero) underflows FP8 to 0; compressed-tensors
+    # then stores 0.125, which avoids a 0/0 below and still decodes the block to ~all zeros.
     return torch.where(s == 0, 0.125, s)                                 # (out, nb)
 
 
 def _e2m1_codes(blocks, s, gs):
-    """Round blocks / (s / gs) to the nearest E2M1 value (ties to even) -> 4-bit codes, shaped like blocks."""
-    y = blocks / (s / gs).unsqueeze(-1)                                  # (out, nb, 16), two divisions as in CT
+    """blocks / (s / gs) rounded to the nearest E2M1 value (ties to even) -> 4-bit codes."""
+    y = blocks / (s / gs).unsqueeze(-1)                                  # (out, nb, 16)
     y = y.clamp(-FP4_MAX, FP4_MAX)
     mag = y.abs()
     idx = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)      # (out, nb, 16), 0..7
     for t, tie_goes_up in _E2M1_MIDS:  # seven compares beat torch.bucketize on CPU
         idx += (mag >= t) if tie_goes_up else (mag > t)
-    # y < 0 (not signbit): a tiny negative that rounds to 0 keeps its sign (0x8), an input -0.0 gives 0x0.
-    return idx | ((y < 0).to(torch.uint8) << 3)
-
-
-# Four Over Six (arXiv 2512.02010): E2M1 has nothing between 4 and 6, so a weight at 67-100% of its block's
-# max loses up to a sixth of its size. Scaling the block max to 4 instead of 6 (a 1.5x larger block scale)
-# trades range for resolution there; per block, keep whichever candidate reconstructs the block better. The
-# bytes stay NVFP4. The larger candidate must still fit E4M3: the tensor scale puts the largest block's
-# max -> 6 scale at 256 instead of 448, so its max -> 4 scale is 384 (the reference code's choice).
-def four_over_six(blocks, amax_b, gs, code, s):
-    """quantize_nvfp4's "4over6": per block, the max -> 4 candidate where its squared reconstruction error is
-    lower than the max -> 6 one's (code, s) -> the chosen (code (out, nb, 16), s (out, nb)). A max -> 4 scale
-    that E4M3 cannot hold (only with a global scale meant for "rtn") leaves that block at max -> 6."""
-    s4 = _block_scales(amax_b, gs, FP4_MAX / 1.5)                        # (out, nb), the max -> 4 candidate
-    code4 = _e2m1_codes(blocks, s4, gs)                                  # (out, nb, 16)
-    values = E2M1_VALUES.to(blocks.device)
-
-    def sq_error(c, sc):                                                 # (out, nb)
-        return (values[c.long()] * (sc / gs).unsqueeze(-1) - blocks).pow(2).sum(-1)
-    fits = gs * amax_b / (FP4_MAX / 1.5) <= FP8_MAX
-    use4 = fits & (sq_error(code4, s4) < sq_error(code, s))              # (out, nb); ties keep max -> 6
-    return torch.where(use4.unsqueeze(-1), code4, code), torch.where(use4, s4, s)
+    # y < 0, not signbit: a tiny negative rounded to 0 keeps its sign (0x8); -0.0 gives 0x0.
+    return idx | ((y < 0).to(torch.uint8) << 3)                          # (out, nb, 16)
 
 
 @torch.no_grad()
 def quantize_nvfp4(w, global_scale=None, name="weight", method="rtn"):
-    """w [out, in] -> packed uint8 [out, K_pad/2], scale fp8 [out, K_pad/16], global_scale fp32 [1].
-    Pass global_scale to share one across fused layers (q/k/v, gate/up), as vLLM requires. method "rtn"
-    is compressed-tensors' round to nearest, byte for byte; "4over6" picks, per block, the max -> 6 or the
-    max -> 4 scale by the lower squared reconstruction error (four_over_six)."""
+    """w [out, in] -> packed uint8 [out, K_pad/2], fp8 scale [out, K_pad/16], fp32 global scale [1].
+    Pass global_scale to share one across fused layers (q/k/v, gate/up), as vLLM requires.
+    "rtn" is compressed-tensors' round to nearest, byte for byte."""
     _check_weight(w, name, global_scale)
     _check_method(method)
     w = w.detach().float()
@@ -124,27 +93,159 @@ def quantize_nvfp4(w, global_scale=None, name="weight", method="rtn"):
     amax_b = blocks.abs().amax(dim=-1)                                   # (out, nb)
     s = _block_scales(amax_b, gs, FP4_MAX)                               # (out, nb)
     code = _e2m1_codes(blocks, s, gs)                                    # (out, nb, 16)
-    if method == "4over6":  # per block, the max -> 4 candidate instead where it reconstructs better
-        code, s = four_over_six(blocks, amax_b, gs, code, s)             # (out, nb, 16), (out, nb)
+    repick = NVFP4_METHODS[method][1]
+    if repick is not None:  # a variant's per-block choice (Four Over Six, Part 2)
+        code, s = repick(blocks, amax_b, gs, code, s)                    # same shapes
     code = code.view(out_f, k_pad)                                       # (out, K_pad)
-    packed = code[:, 0::2] | (code[:, 1::2] << 4)                        # (out, K_pad/2), even elt low nibble
+    packed = code[:, 0::2] | (code[:, 1::2] << 4)                        # (out, K_pad/2), even: low
     return packed.contiguous(), s.to(torch.float8_e4m3fn), gs
 
 
-# Byte -> its two decoded values (low nibble first): one gather per byte instead of unpack + two gathers.
-_NVFP4_BYTE_LUT = torch.stack((E2M1_VALUES[torch.arange(256) & 0xF], E2M1_VALUES[torch.arange(256) >> 4]), -1)
+# Byte -> its two values (low nibble first): one gather per byte, not an unpack and two gathers.
+_NVFP4_BYTE_LUT = E2M1_VALUES[torch.stack((torch.arange(256) & 0xF, torch.arange(256) >> 4), -1)]
 
 
 def dequantize_nvfp4(packed, scale, global_scale, dtype=torch.float32):
     """-> [out, K_pad]: E2M1 value * (fp8 scale / global scale), in fp32, then cast to dtype."""
-    vals = _NVFP4_BYTE_LUT.to(packed.device)[packed.long()]                  # (out, K_pad/2, 2)
-    step = scale.float() / global_scale.float().to(packed.device)             # (out, nb)
-    w = vals.view(*step.shape, NVFP4_BLOCK) * step.unsqueeze(-1)              # (out, nb, 16)
-    return w.view(packed.shape[0], -1).to(dtype)
+    vals = _NVFP4_BYTE_LUT.to(packed.device)[packed.long()]              # (out, K_pad/2, 2)
+    step = scale.float() / global_scale.float().to(packed.device)        # (out, nb)
+    w = vals.view(*step.shape, NVFP4_BLOCK) * step.unsqueeze(-1)         # (out, nb, 16)
+    return w.view(packed.shape[0], -1).to(dtype)                         # (out, K_pad)
 
+
+# --------------------------------------------------------------------------------------------------
+# Quantized Linear modules (frozen buffers; only LoRA trains on top of them in stage 02)
+
+
+class _QuantLinear(quant_engine.FrozenQuantLinear):
+    """A weight format's layer: its buffers under their checkpoint names (load_state_dict fills
+    them), an optional bias, the forward. `methods`: its roundings; `global_scale`: whether it takes
+    the one quantize_model shares within a fused group."""
+    methods = ("rtn",)
+    global_scale = False
+    fast = True  # what runs: this product, cheaper (fast_forward: Triton, or W rebuilt in backward)
+
+    def __init__(self, in_features, out_features, bias, device, **format_buffers):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        for k, t in format_buffers.items():
+            self.register_buffer(k, t)
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    def forward(self, x):                                                # (..., in) -> (..., out)
+        if self.fast:
+            return fast_forward(self, x)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized_weight(x.dtype), b)          # W (out, in) from 4 bits
+
+
+class NVFP4Linear(_QuantLinear):
+    """y = x @ W_hat^T + b, W_hat stored as NVFP4 in a compressed-tensors checkpoint's buffers."""
+    methods = NVFP4_METHODS
+    global_scale = True
+    BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")  # quantize_nvfp4's outputs
+
+    def __init__(self, in_features, out_features, bias=False, device=None):
+        k_pad = -(-in_features // NVFP4_BLOCK) * NVFP4_BLOCK
+        o, nb = out_features, k_pad // NVFP4_BLOCK
+        super().__init__(in_features, out_features, bias, device,
+                         weight_packed=torch.zeros(o, k_pad // 2, dtype=torch.uint8, device=device),
+                         weight_scale=torch.zeros(o, nb, dtype=torch.float8_e4m3fn, device=device),
+                         weight_global_scale=torch.ones(1, dtype=torch.float32, device=device))
+
+    @classmethod
+    def from_linear(cls, linear, global_scale=None, name="weight", method="rtn"):
+        quantized = quantize_nvfp4(linear.weight, global_scale, name=name, method=method)
+        return cls._from_linear(linear, dict(zip(cls.BUFFERS, quantized)))
+
+    def dequantized_weight(self, dtype=torch.float32):
+        w = dequantize_nvfp4(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
+        return w[:, : self.in_features]                                  # (out, in), unpadded
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole-model quantization. vLLM runs q/k/v (and gate/up) as one fused matmul with one global
+# scale, so each group gets the scale of its largest amax (= the smallest of their own scales).
+
+FUSED_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
+                "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def fused_group(name):
+    """'model.layers.0.self_attn.k_proj' -> ('model.layers.0.self_attn', 'qkv'); else (name,)."""
+    parent, _, leaf = name.rpartition(".")
+    return (parent, FUSED_GROUPS[leaf]) if leaf in FUSED_GROUPS else (name,)
+
+
+# The weight formats: one registry that --quant, the loaders, quantize_model and the demo read. A
+# new one is a _QuantLinear subclass and one line; Part 2 registers NF4, then sets QUANT_CHOICES.
+WEIGHT_FORMATS = {"nvfp4": NVFP4Linear}
+
+
+def weight_format(fmt):
+    """The quantized Linear class of format `fmt`; an unknown name is an error, never a fallback."""
+    if fmt not in WEIGHT_FORMATS:
+        choices = ", ".join(WEIGHT_FORMATS)
+        raise ValueError(f"unknown weight format {fmt!r}: choose one of {choices}")
+    return WEIGHT_FORMATS[fmt]
+
+
+def replace_module(model, name, new):
+    """Put `new` where model's submodule `name` (e.g. "model.layers.0.mlp.up_proj") is; -> `new`."""
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, new)  # get_submodule("") is the model itself
+    return new
+
+
+@torch.no_grad()
+def quantize_model(model, fmt="nvfp4", skip=("lm_head",), method="rtn"):
+    """Replace every nn.Linear (but names containing a `skip` entry) in place; returns model."""
+    linear_cls = weight_format(fmt)
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not any(s in n for s in skip)}
+    groups = {}  # fused group -> its members' weights
+    for n, m in linears.items():
+        _check_weight(m.weight, n)
+        groups.setdefault(fused_group(n), []).append(m.weight)
+    scales = {g: nvfp4_global_scale(ws, method) if linear_cls.global_scale else None
+              for g, ws in groups.items()}
+    for n, m in linears.items():
+        new = linear_cls.from_linear(m, scales[fused_group(n)], name=n, method=method)
+        replace_module(model, n, new)
+    return model
+
+
+# ========= Part 2: variants (Four Over Six, NF4), the fast forward, checks, checkpoint writer, demo, CLI =========
 
 # -----------------------------------------------------------------------------------------------------
-# NF4 (bitsandbytes quantize_4bit, quant_type="nf4", no double quantization)
+# Four Over Six (arXiv 2512.02010), an extension: NVFP4_METHODS["4over6"], in NVFP4's bytes. E2M1 has nothing
+# between 4 and 6, so a weight at 67-100% of its block's max loses up to a sixth of its size. Scaling the block
+# max to 4 instead of 6 (a 1.5x larger block scale) trades range for resolution there; per block, keep whichever
+# candidate reconstructs the block better. The larger candidate must still fit E4M3: the tensor scale puts the
+# largest block's max -> 6 scale at 256 instead of 448, so its max -> 4 scale is 384 (the reference code's choice).
+
+FOUR_OVER_SIX_SCALE_MAX = 256.0
+
+
+def four_over_six(blocks, amax_b, gs, code, s):
+    """quantize_nvfp4's "4over6": per block, the max -> 4 candidate where its squared reconstruction error is
+    lower than the max -> 6 one's (code, s) -> the chosen (code (out, nb, 16), s (out, nb)). A max -> 4 scale
+    that E4M3 cannot hold (only with a global scale meant for "rtn") leaves that block at max -> 6."""
+    s4 = _block_scales(amax_b, gs, FP4_MAX / 1.5)                        # (out, nb), the max -> 4 candidate
+    code4 = _e2m1_codes(blocks, s4, gs)                                  # (out, nb, 16)
+    values = E2M1_VALUES.to(blocks.device)
+
+    def sq_error(c, sc):                                                 # (out, nb)
+        return (values[c.long()] * (sc / gs).unsqueeze(-1) - blocks).pow(2).sum(-1)
+    fits = gs * amax_b / (FP4_MAX / 1.5) <= FP8_MAX
+    use4 = fits & (sq_error(code4, s4) < sq_error(code, s))              # (out, nb); ties keep max -> 6
+    return torch.where(use4.unsqueeze(-1), code4, code), torch.where(use4, s4, s)
+
+
+NVFP4_METHODS["4over6"] = (FOUR_OVER_SIX_SCALE_MAX, four_over_six)  # its tensor scale: 256 * 6 / amax
+
+# -----------------------------------------------------------------------------------------------------
+# NF4 (bitsandbytes quantize_4bit, quant_type="nf4", no double quantization): QLoRA's baseline, --quant nf4
 
 NF4_CODE = torch.tensor([
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -190,59 +291,6 @@ def dequantize_nf4(packed, absmax, shape, blocksize=64):
     return (vals * per_elem).view(*shape)
 
 
-# -----------------------------------------------------------------------------------------------------
-# Quantized Linear modules (frozen buffers; only LoRA trains on top of them in stage 02)
-
-
-class _QuantLinear(quant_engine.FrozenQuantLinear):
-    """What NVFP4Linear and NF4Linear share: the format's buffers (under their checkpoint names, so that
-    `load_state_dict` and stage 03 fill them by name), an optional bias, and the forward. A format says
-    which roundings it has (`methods`) and whether it takes the global scale quantize_model shares within a
-    fused group (`global_scale`). The base class (quant_engine) holds what is not the method: .to() keeping
-    the buffers' dtypes, building a layer from checked buffers, and the kept weights of keep_dequantized."""
-    methods = ("rtn",)
-    global_scale = False
-    fast = True  # runs the product below cheaper (fast_forward, Part 2); False: the plain product, as written
-
-    def __init__(self, in_features, out_features, bias, device, **format_buffers):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        for k, t in format_buffers.items():
-            self.register_buffer(k, t)
-        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
-
-    def forward(self, x):                                                # (..., in) -> (..., out)
-        if self.fast:  # what runs: this y and dL/dx, cheaper (the Triton kernel, or W rebuilt in backward)
-            return fast_forward(self, x)
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantized_weight(x.dtype), b)          # W (out, in) rebuilt from its 4 bits
-
-
-class NVFP4Linear(_QuantLinear):
-    """y = x @ W_hat^T + b with W_hat stored as NVFP4; its buffers are a compressed-tensors checkpoint's."""
-    kernel_on_cpu = False  # True: CPU inputs too go through the Triton kernel (fast_forward; 05's --gpu-path)
-    methods = NVFP4_METHODS
-    global_scale = True
-    BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")  # quantize_nvfp4's outputs, in order
-
-    def __init__(self, in_features, out_features, bias=False, device=None):
-        k_pad = -(-in_features // NVFP4_BLOCK) * NVFP4_BLOCK
-        o, nb = out_features, k_pad // NVFP4_BLOCK
-        super().__init__(in_features, out_features, bias, device,
-                         weight_packed=torch.zeros(o, k_pad // 2, dtype=torch.uint8, device=device),
-                         weight_scale=torch.zeros(o, nb, dtype=torch.float8_e4m3fn, device=device),
-                         weight_global_scale=torch.ones(1, dtype=torch.float32, device=device))
-
-    @classmethod
-    def from_linear(cls, linear, global_scale=None, name="weight", method="rtn"):
-        quantized = quantize_nvfp4(linear.weight, global_scale, name=name, method=method)
-        return cls._from_linear(linear, dict(zip(cls.BUFFERS, quantized)))
-
-    def dequantized_weight(self, dtype=torch.float32):
-        w = dequantize_nvfp4(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
-        return w[:, : self.in_features]                                  # (out, in), padding dropped
-
-
 class NF4Linear(_QuantLinear):
     """The QLoRA baseline: NF4 weight, dequantized to x.dtype on every forward."""
     BUFFERS = ("weight_packed", "weight_absmax")  # quantize_nf4's outputs, in order
@@ -267,62 +315,17 @@ class NF4Linear(_QuantLinear):
         return dequantize_nf4(self.weight_packed, self.weight_absmax, shape, self.blocksize).to(dtype)
 
 
-# -----------------------------------------------------------------------------------------------------
-# Whole-model quantization. vLLM runs q/k/v (and gate/up) as one fused matmul with one global
-# scale, so each group gets the scale of its largest amax (= the smallest of their own scales).
-
-FUSED_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
-
-
-def fused_group(name):
-    """'model.layers.0.self_attn.k_proj' -> ('model.layers.0.self_attn', 'qkv'); unfused -> (name,)."""
-    parent, _, leaf = name.rpartition(".")
-    return (parent, FUSED_GROUPS[leaf]) if leaf in FUSED_GROUPS else (name,)
-
-
-# The weight formats, in one registry that every --quant choice, loader, quantize_model and 01's demo
-# reads. A new format is a _QuantLinear subclass (its buffers, `methods`, `global_scale`,
-# dequantized_weight, and from_linear(linear, global_scale, name, method)) and one line here.
-WEIGHT_FORMATS = {"nvfp4": NVFP4Linear, "nf4": NF4Linear}
+WEIGHT_FORMATS["nf4"] = NF4Linear
 QUANT_CHOICES = ("none", *WEIGHT_FORMATS)  # what --quant takes: "none" keeps the float weights
 
-
-def weight_format(fmt):
-    """The quantized Linear class of format `fmt`; an unknown name is an error, never a fallback."""
-    if fmt not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight format {fmt!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
-    return WEIGHT_FORMATS[fmt]
-
-
-def replace_module(model, name, new):
-    """Put `new` where model's submodule `name` (e.g. "model.layers.0.mlp.up_proj") is; returns `new`."""
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent), leaf, new)  # get_submodule("") is the model itself
-    return new
-
-
-@torch.no_grad()
-def quantize_model(model, fmt="nvfp4", skip=("lm_head",), method="rtn"):
-    """Replace every nn.Linear (names containing a `skip` entry excepted) in place; returns model.
-    method: NVFP4's rounding, "rtn" (compressed-tensors) or "4over6" (see quantize_nvfp4)."""
-    linear_cls = weight_format(fmt)  # WEIGHT_FORMATS[fmt]; an unknown name is an error
-    linears = {n: m for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and not any(s in n for s in skip)}
-    groups = {}  # fused group -> its members' weights
-    for n, m in linears.items():
-        _check_weight(m.weight, n)
-        groups.setdefault(fused_group(n), []).append(m.weight)
-    scales = {g: nvfp4_global_scale(ws, method) if linear_cls.global_scale else None for g, ws in groups.items()}
-    for n, m in linears.items():
-        replace_module(model, n, linear_cls.from_linear(m, scales[fused_group(n)], name=n, method=method))
-    return model
-
-
-# ========== Part 2: plumbing (fast forward, checks, compressed-tensors writer, demo, command line) ==========
-
 # -----------------------------------------------------------------------------------------------------
-# The fast forward: _QuantLinear.forward's product with the same ops, cheaper (quant_engine has the why)
+# The fast forward: _QuantLinear.forward's product, cheaper. NVFP4 on CUDA goes through the Triton kernel
+# (kernels/), which reads the 4-bit bytes; on the CPU too when NVFP4Linear.kernel_on_cpu is True (Triton's
+# interpreter, as 05's --gpu-path sets). Otherwise F.linear on the dequantized W, W rebuilt in backward instead
+# of saved (quant_engine.py has the why), and kept under keep_dequantized. tests/test_quantize.py checks that
+# both give the plain forward's outputs and input gradients.
 
+NVFP4Linear.kernel_on_cpu = False  # True: CPU inputs too go through the Triton kernel (05's --gpu-path)
 keep_dequantized = quant_engine.keep_dequantized  # a CPU's frozen base: each 4-bit weight rebuilt once per dtype
 
 
@@ -366,115 +369,21 @@ def _check_method(method):
         raise ValueError(f"unknown NVFP4 method {method!r}: choose one of {', '.join(NVFP4_METHODS)}")
 
 
-def _check_copied_file_inside(model_dir, name):
-    """A tokenizer file is copied into the output byte for byte, never parsed: one that is a link must lead
-    inside the model folder, or into the blobs of the Hugging Face cache entry the folder is a snapshot of
-    (models--ORG--NAME/snapshots/REV/tokenizer.json -> ../../blobs/SHA). A link to anywhere else (a planted
-    one to ~/.ssh/id_rsa, say) would copy that file into an output meant to be shared."""
-    real, home = os.path.realpath(os.path.join(model_dir, name)), os.path.realpath(model_dir)
-    snapshots, entry = os.path.dirname(home), os.path.dirname(os.path.dirname(home))
-    inside = [home]
-    if os.path.basename(snapshots) == "snapshots" and os.path.basename(entry).startswith("models--"):
-        inside.append(os.path.join(entry, "blobs"))
-    if not any(real.startswith(folder + os.sep) for folder in inside):
-        raise ValueError(f"{os.path.join(model_dir, name)} is a link to {real}, outside the model folder; 01 copies "
-                         f"it into its output as it is: put the file itself in {model_dir}, or remove the link")
-
-
-def _check_checkpoint_args(model_dir, out_dir, fmt, force, device):
-    """quantize_checkpoint's checks, before any tensor is read -> (config, weight_map, has_index, device)."""
-    if fmt != "nvfp4":
-        raise ValueError(f"checkpoint format {fmt!r} not supported: only nvfp4 (compressed-tensors) is written")
-    config, weight_map, has_index = hf_files.find_weight_files(model_dir)
-    if "quantization_config" in config:
-        raise ValueError(f"{model_dir} is already quantized (its config.json has a quantization_config)")
-    hf_files.check_config_fits_weights(model_dir, config, weight_map)  # the config is copied into the output as is
-    for name in TOKENIZER_FILES:  # copied beside the weights: a pipe or a device there is refused, not skipped
-        if os.path.lexists(os.path.join(model_dir, name)):
-            files.check_regular(os.path.join(model_dir, name))
-            _check_copied_file_inside(model_dir, name)
-    files.check_out_dir(out_dir, [model_dir], force=force,
-                        ours=lambda f: files.output_files(f, QUANTIZE_COMMAND) is not None, command=QUANTIZE_COMMAND)
-    return config, weight_map, has_index, devices.pick_device(device)
-
-
-# The projections of a decoder layer, and the shapes config.json implies for its weights
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _expected_shape(name, config):
-    """The shape config.json implies for a decoder weight (None for names it does not describe)."""
-    C, I, H, V = (config.get(k) for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"))
-    if not all(isinstance(v, int) for v in (C, I, H)):
-        return None
-    D = config.get("head_dim") or C // H
-    KV = (config.get("num_key_value_heads") or H) * D
-    shapes = {"q_proj": (H * D, C), "k_proj": (KV, C), "v_proj": (KV, C), "o_proj": (C, H * D), "gate_proj": (I, C),
-              "up_proj": (I, C), "down_proj": (C, I), "input_layernorm": (C,), "post_attention_layernorm": (C,),
-              "norm": (C,), "q_norm": (D,), "k_norm": (D,)}  # norms: copied as they are, so checked here
-    if isinstance(V, int):
-        shapes.update(embed_tokens=(V, C), lm_head=(V, C))
-    parent, _, leaf = name.rpartition(".")
-    return shapes.get(parent.rpartition(".")[2]) if leaf == "weight" else None
-
-
 # -----------------------------------------------------------------------------------------------------
 # Checkpoint writer: HF folder -> compressed-tensors nvfp4-pack-quantized folder, one output shard at a time
-# (HF shards are <= ~5 GB): memory holds that shard's tensors plus the fused group being quantized.
+# (HF shards are <= ~5 GB): memory holds that shard's tensors plus the fused group being quantized. Its config,
+# checks and reads are quant_checkpoint.py's (re-exported here).
 
-NVFP4_QUANT_CONFIG = {  # weight-only NVFP4 (W4A16): no input_activations, unlike the W4A4 example
-    "config_groups": {"group_0": {
-        "format": "nvfp4-pack-quantized", "input_activations": None, "output_activations": None,
-        "targets": ["Linear"],
-        "weights": {"dynamic": False, "group_size": 16, "num_bits": 4, "scale_dtype": "torch.float8_e4m3fn",
-                    "strategy": "tensor_group", "symmetric": True, "type": "float"}}},
-    "format": "nvfp4-pack-quantized", "global_compression_ratio": None, "ignore": ["lm_head"],
-    "kv_cache_scheme": None, "moe_sparsity_config": None, "quant_method": "compressed-tensors",
-    "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {}}
-QUANTIZE_COMMAND = "01_quantize.py"  # the command its output folders' manifest names
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
-
-
-def _plan_shards(model_dir, weight_map, config):
-    """-> (headers {shard: {tensor: info}}, where {tensor: shard}, fused groups {gid: [weight names]}).
-    Every header, size and shape is checked here, before anything is written."""
-    headers = hf_files.read_weight_headers(model_dir, weight_map)  # each sound, each weight's dtype one to quantize
-    where = {k: s for s in headers for k in headers[s]}
-    for k, s in where.items():
-        want, got = _expected_shape(k, config), tuple(headers[s][k]["shape"])
-        if want is not None and got != want:
-            raise ValueError(f"{os.path.join(model_dir, s)}: tensor {k} has shape {got}, config.json implies {want}")
-    groups = {}
-    for k in sorted(where):
-        info, parts = headers[where[k]][k], k.split(".")
-        if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEAR_NAMES and len(info["shape"]) == 2:
-            if info["shape"][1] % NVFP4_BLOCK:
-                raise ValueError(f"{k}: in_features {info['shape'][1]} is not a multiple of 16, "
-                                 "which compressed-tensors checkpoints need")
-            groups.setdefault(fused_group(k[: -len(".weight")]), []).append(k)
-    return headers, where, groups
-
-
-def _read_input(path, names):
-    """{name: tensor} from the input shard `path`. Its header passed read_safetensors_header's checks, so this
-    should not fail; if safetensors still refuses the file, the line names this INPUT file (a SafetensorError
-    raised while write_output writes would be reported as the output folder's)."""
-    from safetensors import SafetensorError, safe_open
-    try:
-        with safe_open(path, framework="pt") as f:
-            return {k: f.get_tensor(k) for k in names}
-    except (OSError, SafetensorError) as e:
-        raise ValueError(f"{path}: cannot read this input file ({e}); the file is corrupt, download or write it "
-                         f"again") from None
+NVFP4_QUANT_CONFIG, LINEAR_NAMES = quant_checkpoint.NVFP4_QUANT_CONFIG, quant_checkpoint.LINEAR_NAMES
+TOKENIZER_FILES, QUANTIZE_COMMAND = quant_checkpoint.TOKENIZER_FILES, quant_checkpoint.QUANTIZE_COMMAND
 
 
 def _shard_tensors(model_dir, s, plan, device, log, progress, method="rtn"):
     """Output shard s as {name: tensor}: its other tensors as they are, its weights quantized one fused
     group at a time (progress: [weights done, weights in all])."""
-    (headers, where, groups), tensors = plan, {}
+    (headers, where, groups), tensors, read_input = plan, {}, quant_checkpoint.read_input
     quant = {k for members in groups.values() for k in members}
-    tensors.update(_read_input(os.path.join(model_dir, s), [k for k in headers[s] if k not in quant]))
+    tensors.update(read_input(os.path.join(model_dir, s), [k for k in headers[s] if k not in quant]))
     for k in tensors:
         log(f"copy   {k} | dtype {headers[s][k]['dtype']} | shape {'x'.join(map(str, headers[s][k]['shape']))}")
     for members in groups.values():
@@ -484,7 +393,7 @@ def _shard_tensors(model_dir, s, plan, device, log, progress, method="rtn"):
             continue
         ws = {}
         for k in members:
-            ws[k] = _read_input(os.path.join(model_dir, where[k]), [k])[k].to(device)
+            ws[k] = read_input(os.path.join(model_dir, where[k]), [k])[k].to(device)
             _check_weight(ws[k], k)  # before the group scale: an Inf would make it 0 and blame a sibling
         gs = nvfp4_global_scale(ws.values(), method)
         for k in (k for k in members if where[k] == s):
@@ -506,8 +415,9 @@ def quantize_checkpoint(model_dir, out_dir, fmt="nvfp4", force=False, device=Non
     method ("rtn" or "4over6") is recorded in each shard's safetensors metadata; readers ignore it."""
     from safetensors.torch import save_file
     _check_method(method)
-    config, weight_map, has_index, device = _check_checkpoint_args(model_dir, out_dir, fmt, force, device)
-    plan = headers, where, groups = _plan_shards(model_dir, weight_map, config)
+    checked = quant_checkpoint.check_checkpoint_args(model_dir, out_dir, fmt, force, device)
+    config, weight_map, has_index, device = checked
+    plan = headers, where, groups = quant_checkpoint.plan_shards(model_dir, weight_map, config, fused_group)
     n_quant = sum(map(len, groups.values()))
     t0, progress, new_map, sizes = time.time(), [0, n_quant], {}, []
 

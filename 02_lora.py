@@ -2,14 +2,14 @@
 
 QeRL never updates the quantized weights. Every targeted linear layer y = W x keeps its frozen NVFP4
 weight W and gets a small trainable side branch, y = W x + (alpha / r) * B A x, with A [r, in] and
-B [out, r]. B starts at zero, so training starts from exactly the base model, and only r * (in + out)
-numbers per layer get gradients and AdamW state (about 1% of a 7B model at r = 32). This is the part
-of PEFT that QeRL uses, by hand: `LoRALinear` wraps any frozen [..., in] -> [..., out] module (nn.Linear,
-NVFP4Linear, NF4Linear); `add_lora` puts one on every projection; `lora_disabled` gives the base
-model's output (GRPO's reference policy) without a second copy. Part 2: `lora_merged` runs each layer as
-one matmul of W + (alpha / r) B A while the weights are fixed (sampling: the same function, cheaper);
-`merge_lora` folds B A into the base for good; `save_adapter` / `load_adapter` write and read PEFT's
-files (PeftModel.from_pretrained loads them).
+B [out, r]. B starts at zero, so training starts from exactly the base model, and only
+r * (in + out) numbers per layer get gradients and AdamW state (about 1% of a 7B model at r = 32).
+This is the part of PEFT that QeRL uses, by hand: `LoRALinear` wraps any frozen [..., in] ->
+[..., out] module (nn.Linear, NVFP4Linear, NF4Linear); `add_lora` puts one on every projection;
+`lora_disabled` gives the base model's output (GRPO's reference policy) without a second copy.
+Part 2: `lora_merged` runs each layer as one matmul of W + (alpha / r) B A while the weights are
+fixed (sampling: the same function, cheaper); `merge_lora` folds B A into the base for good;
+`save_adapter` / `load_adapter` write and read PEFT's files (PeftModel.from_pretrained loads them).
 
 Run the demo (a frozen NVFP4 MLP learns a teacher through LoRA alone, < 30 s on 2 CPU cores):
     python 02_lora.py
@@ -41,8 +41,8 @@ DEFAULT_TARGETS = quantize.LINEAR_NAMES  # every projection of a decoder layer
 
 
 class LoRALinear(nn.Module):
-    """y = base(x) + scaling * B (A dropout(x)): the frozen base's W x + b plus a trainable rank-r branch,
-    A [r, in] and B [out, r] held in fp32."""
+    """y = base(x) + scaling * B (A dropout(x)): the frozen base's W x + b plus a trainable
+    rank-r branch, A [r, in] and B [out, r] held in fp32."""
 
     def __init__(self, base, r, alpha, dropout=0.0, use_rslora=False, generator=None):
         super().__init__()
@@ -53,76 +53,67 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.disabled = False
-        self.merged = None  # (W + scaling * B A, bias) while `lora_merged` (Part 2) is active: one F.linear a call
-        # fp32 adapters whatever the activations: an Adam step of lr 1e-5 is a relative change that
-        # bf16's 8 significand bits would round away. Initialised on the CPU, so one seeded generator
-        # gives the same adapter on any device.
+        self.merged = None  # (W + scaling * B A, bias) inside lora_merged (Part 2)
+        # fp32 adapters whatever the activations: an Adam step of lr 1e-5 is a relative change
+        # that bf16's 8 significand bits would round away. Initialised on the CPU, so one seeded
+        # generator gives the same adapter on any device.
         device = devices.model_device(base)
         A = torch.empty(r, base.in_features, dtype=torch.float32)  # (r, in)
-        # Kaiming-uniform with a=sqrt(5) is nn.Linear's (and PEFT's) default: U(-1/sqrt(in), 1/sqrt(in)).
+        # Kaiming-uniform, a=sqrt(5): nn.Linear's (and PEFT's) default, U(-1/sqrt(in), 1/sqrt(in)).
         nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
         self.lora_A = nn.Parameter(A.to(device))
         # B = 0 makes the wrapped layer start as exactly the base layer.
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, dtype=torch.float32, device=device))
+        B = torch.zeros(base.out_features, r, dtype=torch.float32, device=device)  # (out, r)
+        self.lora_B = nn.Parameter(B)
 
-    @property
-    def in_features(self):
-        return self.base.in_features
-
-    @property
-    def out_features(self):
-        return self.base.out_features
+    in_features = property(lambda self: self.base.in_features)
+    out_features = property(lambda self: self.base.out_features)
 
     def forward(self, x):  # x (..., in) -> (..., out)
-        if self.merged is not None:  # inside lora_merged (Part 2): this same function as one matmul, for sampling
+        if self.merged is not None:  # sampling (lora_merged): this function as one cheaper matmul
             return F.linear(x, *self.merged)
         y = self.base(x)  # (..., out) in x.dtype: W x + b, W frozen
         if self.disabled:
             return y  # bit-identical to the base: lora_disabled relies on this
-        # The low-rank branch runs in the activations' dtype (autocast off, so nothing else picks it): the
-        # fp32 master A and B are cast on the way in, and their gradients come back to them in fp32.
+        # The low-rank branch runs in the activations' dtype (autocast off, so nothing else picks
+        # it): the fp32 master A and B are cast on the way in; their gradients return in fp32.
         with torch.autocast(x.device.type, enabled=False):
             h = self.lora_dropout(x) @ self.lora_A.to(x.dtype).t()  # (..., r)
             return y + (h @ self.lora_B.to(x.dtype).t()) * self.scaling  # (..., out)
 
     def extra_repr(self):
-        return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:.4g}, disabled={self.disabled}"
+        return (f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:.4g}, "
+                f"disabled={self.disabled}")
 
 
 # -----------------------------------------------------------------------------
 # Wrapping a model
 
 
-def _is_linear_like(m):
-    return hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, LoRALinear)
+def _is_linear_like(m):  # nn.Linear or a quantized one, not already wrapped
+    has_features = hasattr(m, "in_features") and hasattr(m, "out_features")
+    return has_features and not isinstance(m, LoRALinear)
 
 
 def _lora_layers(model):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
-def add_lora(model, r=32, alpha=64, targets=DEFAULT_TARGETS, dropout=0.0, use_rslora=False, generator=None):
+def add_lora(model, r=32, alpha=64, targets=DEFAULT_TARGETS, dropout=0.0, use_rslora=False,
+             generator=None):
     """Wrap every Linear-like module whose name ends in one of `targets` with a LoRALinear,
     freeze every other parameter, print the trainable/frozen counts. Returns the model."""
     _check_rank(r)
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    if _lora_layers(model):
-        raise ValueError("model already has LoRA adapters: call add_lora once (or merge_lora first)")
     linear = [(n, m) for n, m in model.named_modules() if n and _is_linear_like(m)]
     chosen = [(n, m) for n, m in linear if n.rsplit(".", 1)[-1] in targets]
-    leaves = sorted({n.rsplit(".", 1)[-1] for n, _ in linear})
-    missing = [t for t in targets if t not in {n.rsplit(".", 1)[-1] for n, _ in chosen}]
-    if missing:
-        raise ValueError(f"LoRA target(s) {missing} match no Linear-like module in "
-                         f"{type(model).__name__}; available leaf names: {leaves}")
+    _check_targets(model, targets, linear, chosen)  # and that the model has no LoRA yet
     for p in model.parameters():
         p.requires_grad_(False)
     for name, m in chosen:
-        quantize.replace_module(model, name, LoRALinear(m, r, alpha, dropout, use_rslora, generator))
-    trainable, frozen = count_parameters(model)
-    print(f"add_lora | wrapped {len(chosen)} modules {sorted(set(targets))} | r {r} | alpha {alpha} | "
-          f"trainable {trainable:,} ({100 * trainable / max(trainable + frozen, 1):.3f}%) | frozen {frozen:,} "
-          f"(quantized weights counted as logical in*out values)")
+        lora = LoRALinear(m, r, alpha, dropout, use_rslora, generator)
+        quantize.replace_module(model, name, lora)
+    _print_added(model, chosen, targets, r, alpha)
     return model
 
 
@@ -249,6 +240,25 @@ def _bad_config_fields(cfg):
 def _check_rank(r):
     if not isinstance(r, int) or r <= 0:
         raise ValueError(f"LoRA rank r must be a positive integer, got r={r!r}")
+
+
+def _check_targets(model, targets, linear, chosen):
+    """add_lora's checks: no LoRA yet, and each target names some Linear-like module."""
+    if _lora_layers(model):
+        raise ValueError("model already has LoRA adapters: call add_lora once (or merge_lora first)")
+    leaves = sorted({n.rsplit(".", 1)[-1] for n, _ in linear})
+    missing = [t for t in targets if t not in {n.rsplit(".", 1)[-1] for n, _ in chosen}]
+    if missing:
+        raise ValueError(f"LoRA target(s) {missing} match no Linear-like module in "
+                         f"{type(model).__name__}; available leaf names: {leaves}")
+
+
+def _print_added(model, chosen, targets, r, alpha):
+    """add_lora's line: what it wrapped, and the trainable and frozen counts."""
+    trainable, frozen = count_parameters(model)
+    print(f"add_lora | wrapped {len(chosen)} modules {sorted(set(targets))} | r {r} | alpha {alpha} | "
+          f"trainable {trainable:,} ({100 * trainable / max(trainable + frozen, 1):.3f}%) | frozen {frozen:,} "
+          f"(quantized weights counted as logical in*out values)")
 
 
 def count_parameters(model):
