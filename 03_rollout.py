@@ -1,49 +1,25 @@
 """Stage 03: the policy model and the rollout sampler, written from scratch in plain torch.
 
-In GRPO each prompt gets G sampled completions, compared within their group. Generating them
-("rollouts") eats most of RL's wall-clock time, which is why QeRL samples from an NVFP4 policy.
-Part 1: a Qwen2 / Llama / Qwen3 decoder with the HF module names (so stages 01 and 02 find layers by
-name), a batched sampler (`generate`: a prefill, one `decode_step` per new token over a preallocated KV
-cache, then a trim; compiled=True runs that same step through torch.compile), and `sequence_logprobs`
-(the sampled tokens' log-probs again, with gradients). Part 2: two options (llama3 RoPE scaling, top-k /
-top-p), the loader, the CLI. Beneath the stages: engine.py runs the fast equivalents of Part 1's plain
-computations (the compiled step, chunked log-probs, a CPU decode attention; tests/test_rollout.py proves
-them equal), hf_files.py reads a model folder's files (config.json's checks, tokenizer, safetensors).
-
-Run it:
-    python 03_rollout.py                                 # the bundled assets/tiny-qwen
-    python 03_rollout.py --model DIR --prompt "What is 12+7?" --num-samples 4 --temperature 0.8
-    python 03_rollout.py --model DIR --quant nvfp4       # quantize on the way in (stage 01)
-    python 03_rollout.py --compile                       # decode steps through torch.compile
-
-On a CPU each command takes a few seconds (3-9 s for the bundled model, mostly starting torch); --compile
-adds a one-time compile: 3-9 s with a warm inductor cache, tens of seconds cold.
-
-Simplifications: prompts are left-padded and repeated G times (no shared prefill); one preallocated KV
-cache per batch (no paged attention, no continuous batching); only SwiGLU, RMSNorm and rotate-half RoPE.
-"""
-import importlib
-import math
-import sys
-import time
+GRPO samples G completions per prompt ("rollouts"): most of RL's time, hence QeRL's NVFP4 policy.
+Part 1: a Qwen2 decoder with the HF module names (stages 01, 02 find layers by name); `generate`, a
+prefill then a `decode_step` per token over a KV cache -> a Rollout (tokens, log-probs, entropies);
+`sequence_logprobs`, those log-probs with gradients. Part 2: Llama's and Qwen3's differences, top-k
+and top-p, the loader, the CLI."""
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
+from torch.utils.checkpoint import checkpoint
 
-import cli
 import devices
-import memory
-import engine  # the fast equivalents of Part 1's plain computations (compiled step, chunked log-probs)
-import hf_files  # a model folder's files: config.json's checks, safetensors reads, the tokenizer, ChatML
-quantize = importlib.import_module("01_quantize")
+import engine  # the fast paths (False below: Part 1's plain computation; tests/test_rollout.py)
+import hf_files  # a model folder's files: config.json's checks, safetensors, the tokenizer, ChatML
 
-# ---------------------------------------------------------------------------------------------------
-# The model: config.json's fields, RMSNorm, RoPE, attention with a KV cache, SwiGLU MLP, the decoder
+DECODE_ATTENTION_CPU = True  # a CPU decode step attends by the plain product: 2x faster than SDPA
+CHUNKED_LOGPROBS = True  # log-probs a few tokens at a time: a 7B batch's full logits are ~80 GB
 
+# ---- The model: config.json's fields, RMSNorm, RoPE, a KV cache, attention, SwiGLU MLP, decoder
 @dataclass
 class ModelConfig:
     model_type: str = "qwen2"
@@ -56,19 +32,17 @@ class ModelConfig:
     head_dim: int = 16
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict = None            # None or {"rope_type": "llama3", "factor": ..., ...}
+    rope_scaling: dict = None      # Llama 3: {"rope_type": "llama3", "factor": ..., ...} (Part 2)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = True          # bias on q/k/v (Qwen2 always; Llama/Qwen3 from config)
-    o_bias: bool = False                 # bias on o_proj (Llama/Qwen3 follow attention_bias, Qwen2 never)
+    attention_bias: bool = True    # bias on q/k/v (Qwen2 always; Llama/Qwen3 from config)
+    o_bias: bool = False           # bias on o_proj (Llama/Qwen3 follow attention_bias)
     mlp_bias: bool = False
-    qk_norm: bool = False                # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    qk_norm: bool = False          # Qwen3: RMSNorm on each head of q and k (Part 2)
 
     @classmethod
-    def from_dict(cls, d, where="config.json"):
-        """config.json's dict -> ModelConfig; each bad or unsupported field is one clear error (hf_files.py)."""
+    def from_dict(cls, d, where="config.json"):  # each bad or unsupported field: one clear error
         return cls(**hf_files.model_config_fields(d, where))
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -76,52 +50,37 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.noise = None  # AQN (stage 04): an fp32 [dim] vector added to the gain while it is set
-
-    def forward(self, x):
-        # HF's exact order: normalize in fp32, cast back, then scale. Swapping the last two steps
-        # changes bf16 rounding, and the reference logits would no longer match.
+    def forward(self, x):  # HF's order: normalize in fp32, cast back, scale (bf16 rounds as HF's)
         h = x.float()
         h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        if self.noise is None:  # .to(): a no-op unless the gain is an fp32 master copy (05 --train-norms)
+        if self.noise is None:  # .to(): a no-op unless the gain is an fp32 master copy (05)
             return (self.weight * h).to(x.dtype)
-        # w + Z and the product in fp32, rounded once: Z added to a bf16 gain would mostly round away (README, 04).
+        # w + Z in fp32, rounded once: Z added to a bf16 gain would mostly round away (README, 04)
         return ((self.weight.float() + self.noise) * h.float()).to(x.dtype)
 
-
-def rope_inv_freq(cfg, device=None):
-    """Inverse frequencies (fp32, [head_dim/2]); "llama3" scaling stretches the long wavelengths (Part 2)."""
+def rope_inv_freq(cfg, device=None):  # (D/2,) fp32; Llama 3 stretches the long wavelengths (Part 2)
     D = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, device=device).float() / D))  # (D/2,)
     return inv if cfg.rope_scaling is None else llama3_scaled_inv_freq(inv, cfg.rope_scaling)
 
-
-def apply_rope(x, cos, sin):
-    # HF convention: the two halves of head_dim form the (real, imaginary) pairs, not even/odd lanes.
+def apply_rope(x, cos, sin):  # HF's pairs: the two halves of head_dim, not even/odd lanes
     a, b = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-b, a), dim=-1) * sin  # (B, H, T, D)
 
-
 class KVCache:
-    """Preallocated keys/values: k[i], v[i] are (B, H_kv, S, D) for layer i; `pos`, a (1,) device tensor, is the
-    next slot to write (left padding puts every row's next token in the same slot). Attention reads all S slots,
-    the mask hiding the unwritten: every decode step has one shape and no host read, so it runs eager or compiled."""
-
+    """Layer i's keys/values k[i], v[i] (B, H_kv, S, D); `pos` (1,): the next slot, every row's."""
     def __init__(self, cfg, batch, max_len, device, dtype):
-        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        shape, L = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim), cfg.num_hidden_layers
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(L)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(L)]
         self.pos, self.max_len = torch.zeros(1, dtype=torch.long, device=device), max_len
-
     def slots(self, T):
-        return self.pos + torch.arange(T, device=self.pos.device)  # (T,) the slots the next T tokens fill
-
-    def update(self, layer, k, v):
-        """Write k, v (B, H_kv, T, D) at the next T slots -> every slot's keys and values (B, H_kv, S, D)."""
+        return self.pos + torch.arange(T, device=self.pos.device)  # (T,) the next T tokens' slots
+    def update(self, layer, k, v):  # k, v (B, H_kv, T, D) -> all S slots' keys and values
         slots = self.slots(k.shape[2])  # (T,)
         self.k[layer].index_copy_(2, slots, k)  # in place: no reallocation per step
         self.v[layer].index_copy_(2, slots, v)
-        return self.k[layer], self.v[layer]
-
+        return self.k[layer], self.v[layer]  # (B, H_kv, S, D): unwritten slots are masked
 
 class Attention(nn.Module):
     def __init__(self, cfg, layer_idx):
@@ -133,34 +92,28 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(C, self.H_kv * self.D, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(C, self.H_kv * self.D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.H * self.D, C, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, mask, kv_cache=None):
-        """x (B, T, C); mask (B, 1, T, S) bool, True where a query may attend to a key slot."""
+    def qkv(self, x):  # x (B, T, C) -> q (B, T, H, D), k, v (B, T, H_kv, D); Qwen3 norms q, k here
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.H, self.D)  # (B, T, H, D)
-        k = self.k_proj(x).view(B, T, self.H_kv, self.D)  # (B, T, H_kv, D)
-        v = self.v_proj(x).view(B, T, self.H_kv, self.D).transpose(1, 2)  # (B, H_kv, T, D)
-        if hasattr(self, "q_norm"):  # Qwen3 normalizes each head before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, H_kv, T, D)
+        q = self.q_proj(x).view(B, T, self.H, self.D)
+        k = self.k_proj(x).view(B, T, self.H_kv, self.D)
+        return q, k, self.v_proj(x).view(B, T, self.H_kv, self.D)
+    def forward(self, x, cos, sin, mask, kv_cache=None):  # mask (B, 1, T, S): may t see slot s
+        B, T, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x))  # (B, H, T, D), (B, H_kv, T, D) twice
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), all of the cache's slots
-        # Grouped-query attention without copying K/V: query head h reads K/V head h // G, so the G heads of a group
-        # fold into the query axis, the mask with them (SDPA's enable_gqa with a mask falls back to math on CUDA).
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), all the cache's slots
+        # Grouped-query attention, K/V not copied: query head h reads K/V head h // G, so the G
+        # heads of a group fold into the query axis, the mask with them.
         G, S = self.H // self.H_kv, k.shape[2]
         q = q.reshape(B, self.H_kv, G * T, self.D)  # (B, H_kv, G*T, D)
-        if T != 1 or q.is_cuda:  # softmax(q k^T / sqrt(D)) v over the allowed keys
-            mask = mask[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # (B, 1, G*T, S)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.D ** -0.5)  # (B, H_kv, G*T, D)
-        else:  # a CPU decode step: the same as the plain product, 2x faster there than SDPA's kernel (engine.py)
+        if DECODE_ATTENTION_CPU and T == 1 and not q.is_cuda:  # a CPU decode step: the fast path
             y = engine.decode_attention_cpu(q, k, v, mask, self.D ** -0.5)  # (B, H_kv, G, D)
+        else:  # softmax(q k^T / sqrt(D)) v over the allowed keys
+            mask = mask[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # (B, 1, G*T, S)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.D ** -0.5)
         y = y.reshape(B, self.H, T, self.D).transpose(1, 2)  # (B, T, H, D)
         return self.o_proj(y.reshape(B, T, self.H * self.D))  # (B, T, C)
-
 
 class MLP(nn.Module):
     def __init__(self, cfg):
@@ -169,254 +122,197 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(C, I, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(C, I, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(I, C, bias=cfg.mlp_bias)
-
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU, (B, T, C)
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = (QKNormAttention if cfg.qk_norm else Attention)(cfg, layer_idx)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
     def forward(self, x, cos, sin, mask, kv_cache=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)  # (B, T, C)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-
 class CausalLM(nn.Module):
-    # Activation checkpointing (stage 05 sets it for the policy update): each layer keeps only its input
-    # for backward and reruns its forward then, one layer's activations at a time for a second forward.
-    grad_checkpoint = False
-
+    grad_checkpoint = False  # 05's update: layers keep their input only, rerun forward in backward
     def __init__(self, cfg):
         super().__init__()
-        self.config = cfg
-        self.model = nn.Module()  # what HF calls `model.*`, so state-dict names match the checkpoint's
+        self.config, L = cfg, cfg.num_hidden_layers
+        self.model = nn.Module()  # HF's `model.*`, so state-dict names match the checkpoint's
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(L))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._inv_freq = {}  # device -> RoPE inverse frequencies, computed once (see `rope`)
-
     def hidden_states(self, input_ids, positions=None, attention_mask=None, kv_cache=None):
-        """Final-norm hidden states (B, T, C). attention_mask (B, S) marks the real key slots: S = T without a
-        cache; with one, S is the cache's length and the T tokens fill slots kv_cache.pos ... pos + T - 1."""
+        """-> final-norm (B, T, C); attention_mask (B, S): real key slots (S: T or the cache's)"""
         B, T = input_ids.shape
         dev = input_ids.device
         S = T if kv_cache is None else kv_cache.max_len
         if attention_mask is None:
             attention_mask = torch.ones(B, S, dtype=torch.bool, device=dev)
         key_ok = attention_mask.bool()  # (B, S)
-        slots = torch.arange(T, device=dev) if kv_cache is None else kv_cache.slots(T)  # (T,) the tokens' slots
+        slots = torch.arange(T, device=dev) if kv_cache is None else kv_cache.slots(T)  # (T,)
         if positions is None:  # RoPE position = number of real tokens before this one in the row
             positions = (key_ok.long().cumsum(-1) - 1).clamp(min=0)[:, slots]  # (B, T)
         q_slot, k_slot = slots[:, None], torch.arange(S, device=dev)[None, :]  # (T, 1), (1, S)
-        # Causal AND key is real. Each slot may also see itself: a left-pad query has no real key before
-        # it, and a softmax over nothing is NaN (its output is never used, but NaN would spread via 0*NaN).
+        # Causal AND key is real. Each slot also sees itself: a left-pad query has no real key,
+        # and a softmax over nothing is NaN (never used, but NaN would spread via 0*NaN).
         mask = ((k_slot <= q_slot) & key_ok[:, None, None, :]) | (k_slot == q_slot)  # (B, 1, T, S)
-
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = self.rope(positions, x.dtype)  # (B, 1, T, D) each
-        checkpoint = self.grad_checkpoint and torch.is_grad_enabled() and kv_cache is None
+        ckpt = self.grad_checkpoint and torch.is_grad_enabled() and kv_cache is None
         for layer in self.model.layers:
-            if checkpoint:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, kv_cache, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, mask, kv_cache)  # (B, T, C)
+            x = (checkpoint(layer, x, cos, sin, mask, kv_cache, use_reentrant=False) if ckpt
+                 else layer(x, cos, sin, mask, kv_cache))  # (B, T, C)
         if kv_cache is not None:
             kv_cache.pos.add_(T)  # every layer has written its slots; advance once
         return self.model.norm(x)  # (B, T, C)
-
-    def rope(self, positions, dtype):
-        """cos, sin (B, 1, T, D) for RoPE positions (B, T). inv_freq is a cached attribute, not a buffer:
-        model.to(bf16) would round a buffer, and bf16 RoPE frequencies garble positions past a few hundred."""
-        dev = str(positions.device)
-        if dev not in self._inv_freq:  # once per device, not at every decode step
+    def rope(self, positions, dtype):  # positions (B, T) -> cos, sin (B, 1, T, D)
+        dev = str(positions.device)  # inv_freq: fp32 once per device (a buffer would go bf16)
+        if dev not in self._inv_freq:
             self._inv_freq[dev] = rope_inv_freq(self.config, positions.device)
         freqs = positions[..., None].float() * self._inv_freq[dev]  # (B, T, D/2), fp32
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (B, 1, T, D)
-
     def forward(self, input_ids, positions=None, attention_mask=None, kv_cache=None):
         h = self.hidden_states(input_ids, positions, attention_mask, kv_cache)  # (B, T, C)
-        return self.lm_head(h).float()  # (B, T, V), fp32 so log-softmax is accurate even for bf16 models
+        return self.lm_head(h).float()  # (B, T, V), fp32 so log-softmax is accurate for bf16
 
-
-# ---------------------------------------------------------------------------------------------------
-# Sampler: draw from the tempered logits; generate = a prefill, one decode_step per new token, a trim
-
-def entropy_from_logp(logp, p=None):  # p = exp(logp); clamping -inf keeps 0 * log 0 at 0, value and gradient
-    p = logp.exp() if p is None else p
+# ---- Sampler: draw from the tempered logits; generate = a prefill, a decode_step per token
+def entropy_from_logp(logp, p=None):
+    p = logp.exp() if p is None else p  # clamping -inf keeps 0 * log 0 at 0, value and gradient
     return -(p * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
-
-
-def sample_from(p, generator):
-    """One index per row of probabilities p (B, V) by inverse CDF: torch.multinomial's distribution, several
-    times faster on a CPU at V = 49,152. u < total strictly, so the index found has a nonzero probability."""
-    cdf = p.cumsum(-1)  # (B, V)
-    total = cdf[:, -1:]  # (B, 1), 1 up to rounding
-    dev = generator.device if generator is not None else p.device  # a CPU generator may drive CUDA
-    u = torch.rand(p.shape[0], 1, generator=generator, device=dev).to(p.device) * total  # (B, 1)
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    # (B,) the first cdf > u; a row whose logits overflowed (NaN) would find none: its last index, and its NaN
-    # log-prob tells the caller (05 stops the run on it)
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=p.shape[-1] - 1)
-
 
 def sample_next(logits, temperature, top_k, top_p, generator):
     """One token per row from logits (B, V) -> (token, logprob, entropy), each (B,)."""
     if temperature == 0:
         logp = logits.log_softmax(-1)  # (B, V), greedy reports the untempered distribution
         tok = logits.argmax(-1)
-    else:
-        logp = filter_logits(logits / temperature, top_k, top_p).log_softmax(-1)  # (B, V); top-k/top-p: Part 2
+    else:  # top-k / top-p (Part 2): no-ops at their defaults
+        logp = filter_logits(logits / temperature, top_k, top_p).log_softmax(-1)  # (B, V)
     p = logp.exp()  # (B, V)
-    if temperature != 0:
-        tok = sample_from(p, generator)  # (B,)
+    if temperature != 0:  # torch.multinomial's draw by inverse CDF, several times faster on a CPU
+        tok = engine.sample_from(p, generator)  # (B,)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1), entropy_from_logp(logp, p)
-
 
 @dataclass
 class Rollout:
-    prompt_ids: list          # list[list[int]], one per row (prompt-major: rows i*G..i*G+G-1 = prompt i)
+    prompt_ids: list               # list[list[int]] per row, prompt-major: rows i*G..i*G+G-1
     completion_ids: torch.Tensor   # (B*G, T) long, pad after EOS
     completion_mask: torch.Tensor  # (B*G, T) float, 1 for sampled tokens including the EOS token
-    logprobs: torch.Tensor         # (B*G, T) log-prob under the distribution the token was drawn from
+    logprobs: torch.Tensor         # (B*G, T) log-prob under the distribution it was drawn from
     entropy: torch.Tensor          # (B*G, T) entropy of that distribution
     texts: list = None             # decoded completions when a tokenizer is given
     stats: dict = field(default_factory=dict)  # prefill/decode token counts and seconds
 
-
 def decode_step(model, cache, tok, key_ok, temperature, top_k, top_p, generator):
-    """Feed tok (B, T) into the cache's next T slots and sample the token after the last one -> sample_next's
-    (token, logprob, entropy), each (B,). key_ok (B, S) marks the real slots of the whole cache, so the T = 1
-    steps all have one shape: torch.compile traces it once, and the sampler fuses with the model's last kernels."""
+    """tok (B, T) into the cache's next T slots (key_ok (B, S): real slots) -> sample_next's."""
     h = model.hidden_states(tok, attention_mask=key_ok, kv_cache=cache)  # (B, T, C)
     logits = model.lm_head(h[:, -1]).float()  # (B, V): only the last position is needed
-    return sample_next(logits, temperature, top_k, top_p, generator)  # a generator breaks a compiled graph here
+    return sample_next(logits, temperature, top_k, top_p, generator)
 
-
-# "All rows done?" is asked every DONE_CHECK_EVERY tokens only: on a GPU, reading a value waits for the queue.
-DONE_CHECK_EVERY = 8
-
+DONE_CHECK_EVERY = 8  # "all rows done?" every 8 tokens only: a host read waits for a GPU's queue
 
 @torch.no_grad()
 def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0, top_p=1.0,
              eos_token_ids=None, generator=None, tokenizer=None, compiled=False):
-    """Sample `num_samples` completions for each prompt (a list of token-id lists) -> Rollout, with rows
-    prompt-major. temperature=0 is greedy; each row stops at its own EOS (default: the tokenizer's). A
-    seeded torch.Generator (CPU or the model's device) makes it reproducible. compiled=True runs the decode
-    steps through torch.compile (engine.py; the first call per shape bucket compiles)."""
-    engine.check_generate(model.config, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
-    if eos_token_ids is None:
-        eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else []
-    pad_id = tokenizer.pad_token_id if tokenizer is not None else (list(eos_token_ids) or [0])[0]
+    """`num_samples` completions of each prompt (a list of token ids) -> Rollout, rows prompt-major.
+    temperature=0 is greedy; each row stops at its own EOS (default: the tokenizer's)."""
+    sampling = (temperature, top_k, top_p, generator)
+    engine.check_generate(model.config, prompts, num_samples, max_new_tokens, *sampling)
     dev = devices.model_device(model)
-    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=dev)
+    eos, pad_id = engine.eos_and_pad(eos_token_ids, tokenizer, dev)  # eos (E,): default tokenizer's
     rows = [list(p) for p in prompts for _ in range(num_samples)]  # prompt-major
     B, N = len(rows), max_new_tokens
     out_ids = torch.full((B, N), pad_id, dtype=torch.long, device=dev)  # (B, N)
     out_mask, out_lp, out_ent = (torch.zeros(B, N, device=dev) for _ in range(3))  # (B, N)
     ids, key_ok, P = left_pad(rows, out_ids)  # key_ok (B, P+N): prompt tokens and every new slot
-    S = -(-(P + N) // 64) * 64  # cache slots, rounded up: prompts of different lengths share a compiled step
+    S = engine.cache_slots(P + N)  # P+N rounded up: prompts of many lengths share a compiled step
     key_ok = F.pad(key_ok, (0, S - P - N))  # (B, S); the slots past P+N are never written
-    sampling = (temperature, top_k, top_p, generator)
-    if compiled:  # the same step through torch.compile, over a cache kept for later calls (engine.py)
-        step = engine.compiled_decode_step(dev, decode_step)
-        cache, compiling = engine.static_cache(model, B, S, (temperature, top_k, top_p, generator is None), KVCache)
+    if compiled:  # the same decode_step through torch.compile over a kept cache: faster on a GPU
+        step, cache, compiling = engine.compiled_step(model, B, S, sampling, decode_step, KVCache)
     else:
         step, compiling = decode_step, False
-        cache = KVCache(model.config, B, S, dev, model.model.embed_tokens.weight.dtype)  # freed when we return
-    live = torch.ones(B, dtype=torch.bool, device=dev)  # (B,) rows that have not sampled an EOS yet
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
-    t0 = time.perf_counter()
-    tok, lp, ent = decode_step(model, cache, ids[:, :P], key_ok, *sampling)  # prefill: slots 0..P-1, (B,) each
-    sync()
-    t1 = time.perf_counter()
-    compile_s = 0.0
-    for t in range(N):
-        # Finished rows keep being fed pad tokens (outputs ignored): dropping them would mean compacting the cache.
+        cache = KVCache(model.config, B, S, dev, model.model.embed_tokens.weight.dtype)
+    live = torch.ones(B, dtype=torch.bool, device=dev)  # (B,) rows that have not sampled an EOS
+    clock = engine.Clock(dev, "prefill_s", "compile_s", "decode_s")  # seconds (GPU: synced)
+    tok, lp, ent = decode_step(model, cache, ids[:, :P], key_ok, *sampling)  # prefill: 0..P-1
+    clock.lap("prefill_s")
+    for t in range(N):  # done rows are fed pads (outputs ignored): no compacting of the cache
         tok = torch.where(live, tok, pad_id)  # (B,)
-        out_ids[:, t], out_mask[:, t], out_lp[:, t], out_ent[:, t] = tok, live.float(), lp * live, ent * live
+        out_ids[:, t], out_mask[:, t] = tok, live.float()
+        out_lp[:, t], out_ent[:, t] = lp * live, ent * live
         live = live & ~torch.isin(tok, eos)  # the EOS token itself stays in the completion
         if t == N - 1 or ((t + 1) % DONE_CHECK_EVERY == 0 and not bool(live.any())):
             break
         tok, lp, ent = step(model, cache, tok[:, None], key_ok, *sampling)  # slot P+t, (B,) each
-        if compiling and t == 0:  # a new bucket or setting: this first step traced and compiled
-            sync()
-            compile_s = time.perf_counter() - t1
-    steps = int(out_mask[:, :t + 1].any(0).sum())  # rows only ever stop, so the live columns are a prefix
-    sync()
-    t2 = time.perf_counter()
+        clock.lap("compile_s", when=compiling and t == 0)  # a new shape or setting compiled
+    steps = int(out_mask[:, :t + 1].any(0).sum())  # rows only stop: the live columns are a prefix
+    clock.lap("decode_s")
     ids, mask = out_ids[:, :steps], out_mask[:, :steps]
-    texts = None if tokenizer is None else [tokenizer.decode(row[m > 0].tolist()) for row, m in zip(ids, mask)]
+    texts = [tokenizer.decode(r[m > 0].tolist()) for r, m in zip(ids, mask)] if tokenizer else None
     return Rollout(rows, ids, mask, out_lp[:, :steps], out_ent[:, :steps], texts, dict(
-        prefill_tokens=sum(map(len, rows)), prefill_s=t1 - t0, decode_tokens=int(mask.sum()), decode_steps=steps,
-        decode_steps_run=t + 1, decode_s=t2 - t1 - compile_s, compile_s=compile_s))
+        prefill_tokens=sum(map(len, rows)), decode_tokens=int(mask.sum()), decode_steps=steps,
+        decode_steps_run=t + 1, **clock.laps))
 
-
-def left_pad(prompt_ids, completion_ids):
-    """Prompts left-padded to one length P, then completions (B, T) -> ids, key_ok (real slots) (B, P+T), P."""
-    P = max(len(p) for p in prompt_ids)
-    ids = F.pad(completion_ids, (P, 0))  # (B, P+T)
-    key_ok = torch.ones_like(ids, dtype=torch.bool)  # (B, P+T)
-    for i, p in enumerate(prompt_ids):
-        ids[i, P - len(p):P] = torch.tensor(list(p), device=ids.device)
-        key_ok[i, :P - len(p)] = False
-    return ids, key_ok, P
-
-
-# ---------------------------------------------------------------------------------------------------
-# Log-probs with gradients, for the policy update
-
-def completion_hidden(model, prompt_ids, completion_ids):
-    """Final-norm hidden states (B, T, C) at the positions that predict each completion token."""
-    ids, key_ok, P = left_pad(prompt_ids, completion_ids.to(devices.model_device(model)))
-    return model.hidden_states(ids, attention_mask=key_ok)[:, P - 1:-1]  # (B, T, C): P-1+t predicts token t
-
-
-def completion_logits(model, prompt_ids, completion_ids):
-    """fp32 logits (B, T, V) of the distributions that produced each completion token."""
-    return model.lm_head(completion_hidden(model, prompt_ids, completion_ids)).float()  # (B, T, V)
-
-
+# ---- Log-probs with gradients, for the policy update
 def token_logprobs(lm_head, h, ids, temperature, entropy=True):
-    """Log-prob of ids and entropy (None unless `entropy`), each (n,), from hidden states h (n, C)."""
+    """Log-probs of ids and entropies (None unless `entropy`), each (n,), from h (n, C)."""
     logits = lm_head(h).float()  # (n, V)
     logp = (logits / temperature if temperature > 0 else logits).log_softmax(-1)  # (n, V)
-    return logp.gather(-1, ids[:, None]).squeeze(-1), entropy_from_logp(logp) if entropy else None  # (n,) each
+    return logp.gather(-1, ids[:, None]).squeeze(-1), entropy_from_logp(logp) if entropy else None
 
-
-def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0, entropy=True):
-    """Log-probs and entropies (None unless `entropy`) (B, T) of `completion_ids` after each row's prompt, with
-    gradients; 0 after EOS. Without top-k/top-p it equals what `generate` recorded (up to rounding). One
-    forward; only the completion tokens (mask > 0) reach lm_head."""
+def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0,
+                      entropy=True):
+    """Log-probs and entropies (None unless `entropy`) (B, T) of `completion_ids` after each row's
+    prompt, with gradients, 0 after EOS: what `generate` recorded (without top-k/top-p)."""
     completion_ids = completion_ids.to(devices.model_device(model))
     B, T = completion_ids.shape
-    h = completion_hidden(model, prompt_ids, completion_ids)  # (B, T, C)
+    ids, key_ok, P = left_pad(prompt_ids, completion_ids)
+    h = model.hidden_states(ids, attention_mask=key_ok)[:, P - 1:-1]  # (B, T, C): P-1+t predicts t
     m = completion_mask.to(h.device, torch.float32)  # (B, T)
     sel = m.reshape(-1).nonzero().squeeze(1)  # (n,) flat indices of the completion tokens
     h_sel, ids_sel = h.reshape(B * T, -1)[sel], completion_ids.reshape(-1)[sel]  # (n, C), (n,)
-    # equals token_logprobs(model.lm_head, h_sel, ids_sel, temperature, entropy), chunked (engine.py): a few
-    # tokens' logits at a time, recomputed in backward, never the whole batch's (a 7B batch's are ~80 GB)
-    picked = engine.chunked_token_logprobs(token_logprobs, model.lm_head, h_sel, ids_sel, temperature,
-                                           model.config.vocab_size, entropy)
-    zero = h.sum(-1).float().reshape(-1) * 0  # (B*T,) zeros that keep the graph even with no token selected
-    lp, ent = (zero.index_put((sel,), x) for x in picked) if picked else (zero, zero)  # (B*T,) each
-    return lp.view(B, T) * m, ent.view(B, T) * m if entropy else None  # (B, T) each
+    args = (model.lm_head, h_sel, ids_sel, temperature, entropy)  # only these tokens reach lm_head
+    lp, ent = (engine.chunked_token_logprobs(token_logprobs, *args) if CHUNKED_LOGPROBS
+               else token_logprobs(*args))  # (n,) each
+    zero = h.sum(-1).float().reshape(-1) * 0  # (B*T,) zeros that keep the graph with no token
+    lp = zero.index_put((sel,), lp).view(B, T) * m  # (B, T)
+    return lp, zero.index_put((sel,), ent).view(B, T) * m if entropy else None  # (B, T) each
 
+# ============ Part 2: other model families, options, plumbing, the loader, the command line ============
+# Part 2's own imports (the loader's and the command line's), kept out of Part 1's page
+import importlib  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-# ============ Part 2: plumbing (options, HF loader, random model, command line) ============
+import cli  # noqa: E402
+import memory  # noqa: E402
+quantize = importlib.import_module("01_quantize")
 
 # ---------------------------------------------------------------------------------------------------
-# Options the method calls by name: llama3 RoPE scaling (rope_inv_freq), top-k / top-p (sample_next)
+# Other model families (config.json says which): Qwen3's per-head q/k norms; Llama 3's RoPE scaling below
+
+class QKNormAttention(Attention):
+    """Qwen3's attention: an RMSNorm over head_dim on each head of q and of k, before RoPE."""
+
+    def __init__(self, cfg, layer_idx):
+        super().__init__(cfg, layer_idx)
+        self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps)
+
+    def qkv(self, x):
+        q, k, v = super().qkv(x)  # q (B, T, H, D), k and v (B, T, H_kv, D)
+        return self.q_norm(q), self.k_norm(k), v
+
 
 def llama3_scaled_inv_freq(inv, s):
     """Llama 3's rope_scaling of inverse frequencies inv (D/2,): the long wavelengths are stretched."""
@@ -430,6 +326,9 @@ def llama3_scaled_inv_freq(inv, s):
     middle = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
     return torch.where(middle, blend, slow)
 
+
+# ---------------------------------------------------------------------------------------------------
+# Options: top-k / top-p (sample_next calls it; no-ops at generate's defaults)
 
 def filter_logits(logits, top_k=0, top_p=1.0):
     """Set to -inf every logit (..., V) outside the top-k (ties at the k-th value stay), then outside the
@@ -445,6 +344,35 @@ def filter_logits(logits, top_k=0, top_p=1.0):
         drop[..., 0] = False  # the most likely token always stays
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return logits
+
+
+# ---------------------------------------------------------------------------------------------------
+# Batching and logits: left padding (generate, sequence_logprobs), the full logits (stage 04's KL)
+
+sample_from = engine.sample_from  # the inverse-CDF draw sample_next runs, under its old name here
+
+
+def left_pad(prompt_ids, completion_ids):
+    """Prompts left-padded to one length P, then completions (B, T) -> ids, key_ok (real slots) (B, P+T), P."""
+    P = max(len(p) for p in prompt_ids)
+    ids = F.pad(completion_ids, (P, 0))  # (B, P+T)
+    key_ok = torch.ones_like(ids, dtype=torch.bool)  # (B, P+T)
+    for i, p in enumerate(prompt_ids):
+        ids[i, P - len(p):P] = torch.tensor(list(p), device=ids.device)
+        key_ok[i, :P - len(p)] = False
+    return ids, key_ok, P
+
+
+def completion_hidden(model, prompt_ids, completion_ids):
+    """Final-norm hidden states (B, T, C) at the positions that predict each completion token (as in
+    sequence_logprobs)."""
+    ids, key_ok, P = left_pad(prompt_ids, completion_ids.to(devices.model_device(model)))
+    return model.hidden_states(ids, attention_mask=key_ok)[:, P - 1:-1]  # (B, T, C): P-1+t predicts token t
+
+
+def completion_logits(model, prompt_ids, completion_ids):
+    """fp32 logits (B, T, V) of the distributions that produced each completion token."""
+    return model.lm_head(completion_hidden(model, prompt_ids, completion_ids)).float()  # (B, T, V)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -537,7 +465,13 @@ def random_model(tok, seed=0, device="cpu"):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The command line
+# The command line. Run it:
+#     python 03_rollout.py                                 # the bundled assets/tiny-qwen
+#     python 03_rollout.py --model DIR --prompt "What is 12+7?" --num-samples 4 --temperature 0.8
+#     python 03_rollout.py --model DIR --quant nvfp4       # quantize on the way in (stage 01)
+#     python 03_rollout.py --compile                       # decode steps through torch.compile
+# On a CPU each takes a few seconds (3-9 s for the bundled model, mostly starting torch); --compile adds a
+# one-time compile: 3-9 s with a warm inductor cache, tens of seconds cold.
 
 def build_parser():
     number = cli.number

@@ -1,18 +1,21 @@
 """What stage 03's sampler and log-probs run beneath the method: fast equivalents of its plain computations.
 
-Each function here computes what a plain function of 03_rollout.py's Part 1 computes, only faster or in
-less memory, and tests/test_rollout.py proves the two equal:
-- `decode_attention_cpu`: a CPU decode step's attention as the plain product, where 03's `Attention`
-  otherwise calls SDPA (2x faster than SDPA's CPU kernel at one query per row);
-- `compiled_decode_step` and `static_cache`: 03's `decode_step` through torch.compile (the gpt-fast
-  recipe), over one KV cache per shape kept for later calls (docs/scaling.md, "What runs differently on a GPU");
-- `chunked_token_logprobs`: 03's `token_logprobs` over chunks of tokens, never holding the whole batch's
-  logits, not even for backward (docs/scaling.md, "One GPU at 7B");
-and `check_generate`, the checks of 03's `generate` arguments (tests/test_bad_inputs.py holds the cases).
+Each fast path here computes what a plain computation of 03_rollout.py's Part 1 computes, only faster or in
+less memory; one line of 03's Part 1 switches it on, and tests/test_rollout.py proves the two equal:
+- `decode_attention_cpu` (03's DECODE_ATTENTION_CPU): a CPU decode step's attention as the plain product,
+  where 03's `Attention` otherwise calls SDPA (2x faster than SDPA's CPU kernel at one query per row);
+- `chunked_token_logprobs` (03's CHUNKED_LOGPROBS): 03's `token_logprobs` over chunks of tokens, never
+  holding the whole batch's logits, not even for backward (docs/scaling.md, "One GPU at 7B");
+- `compiled_step` (generate(compiled=True)): 03's `decode_step` through torch.compile (the gpt-fast recipe),
+  over one KV cache per shape kept for later calls (docs/scaling.md, "What runs differently on a GPU"),
+  with `cache_slots`, the cache lengths rounded up so that prompts of many lengths share one graph.
+Then 03's `generate` plumbing: `sample_from` (torch.multinomial's draw, faster), `eos_and_pad`, `Clock`,
+and `check_generate`, the checks of its arguments (tests/test_bad_inputs.py holds the cases).
 This module imports no stage: where it needs 03's functions or classes, the caller passes them in.
 """
 import math
 import numbers
+import time
 
 import torch
 import torch.nn as nn
@@ -32,6 +35,24 @@ def decode_attention_cpu(q, k, v, mask, scale):
 
 # ---------------------------------------------------------------------------------------------------
 # compiled=True: the same decode step through torch.compile, over a KV cache kept per shape
+
+CACHE_SLOTS_MULTIPLE = 64  # KV cache lengths are rounded up to this: one compiled graph for many prompt lengths
+
+
+def cache_slots(n):
+    """The KV cache length for n = prompt + new tokens: n rounded up to CACHE_SLOTS_MULTIPLE (eager runs the
+    same length, so compiled and eager compute over the same slots)."""
+    return -(-n // CACHE_SLOTS_MULTIPLE) * CACHE_SLOTS_MULTIPLE
+
+
+def compiled_step(model, batch, slots, sampling, decode_step, make_cache):
+    """-> (decode_step through torch.compile, this model's kept KV cache for (batch, slots), whether its
+    first step compiles: a new shape or sampling setting). sampling: (temperature, top_k, top_p, generator)."""
+    temperature, top_k, top_p, generator = sampling
+    step = compiled_decode_step(devices.model_device(model), decode_step)
+    cache, first = static_cache(model, batch, slots, (temperature, top_k, top_p, generator is None), make_cache)
+    return step, cache, first
+
 
 _compiled_steps = {}  # (mode, step function) -> it under torch.compile; dynamo keeps one graph per shape and setting
 
@@ -120,27 +141,66 @@ class _ChunkLogprobs(torch.autograd.Function):
         return h.grad, None, None, None, None, None
 
 
-def chunked_token_logprobs(token_logprobs, lm_head, h, ids, temperature, vocab_size, entropy=True,
-                           chunk_bytes=None):
+def chunked_token_logprobs(token_logprobs, lm_head, h, ids, temperature, entropy=True, chunk_bytes=None):
     """token_logprobs(lm_head, h, ids, temperature, entropy) for h (n, C), ids (n,), over chunks of at most
-    chunk_bytes (default LOGITS_CHUNK_BYTES) of fp32 logits -> (log-prob, entropy), each (n,) (the entropy
-    zeros unless `entropy`); None when n is 0."""
+    chunk_bytes (default LOGITS_CHUNK_BYTES) of fp32 logits (V = lm_head's rows) -> what token_logprobs
+    returns: (log-prob, entropy or None unless `entropy`), each (n,)."""
+    if len(ids) == 0:  # no token: nothing to chunk (empty tensors, still in the graph)
+        return token_logprobs(lm_head, h, ids, temperature, entropy)
     chunk_bytes = LOGITS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    step = max(1, chunk_bytes // (4 * vocab_size))  # tokens per chunk
+    step = max(1, chunk_bytes // (4 * lm_head.weight.shape[0]))  # tokens per chunk
     chunks = [_ChunkLogprobs.apply(h[i:i + step], ids[i:i + step], lm_head, temperature, entropy, token_logprobs)
               for i in range(0, len(ids), step)]  # (log-prob, entropy) pairs, (chunk,) each
-    return tuple(torch.cat([c[j] for c in chunks]) for j in (0, 1)) if chunks else None
+    lp, ent = (torch.cat([c[j] for c in chunks]) for j in (0, 1))
+    return lp, ent if entropy else None
 
 
 # ---------------------------------------------------------------------------------------------------
-# generate()'s arguments, checked
+# generate()'s plumbing: the draw, EOS and pad ids, its clock, its arguments checked
+
+def sample_from(p, generator):
+    """One index per row of probabilities p (B, V) by inverse CDF: torch.multinomial's distribution, several
+    times faster on a CPU at V = 49,152. u < total strictly, so the index found has a nonzero probability."""
+    cdf = p.cumsum(-1)  # (B, V)
+    total = cdf[:, -1:]  # (B, 1), 1 up to rounding
+    dev = generator.device if generator is not None else p.device  # a CPU generator may drive CUDA
+    u = torch.rand(p.shape[0], 1, generator=generator, device=dev).to(p.device) * total  # (B, 1)
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    # (B,) the first cdf > u; a row whose logits overflowed (NaN) would find none: its last index, and its NaN
+    # log-prob tells the caller (05 stops the run on it)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=p.shape[-1] - 1)
+
+
+def eos_and_pad(eos_token_ids, tokenizer, device):
+    """-> (the EOS ids as a long tensor on device: eos_token_ids, else the tokenizer's, else none; the pad
+    id: the tokenizer's, else the first EOS id, else 0)."""
+    if eos_token_ids is None:
+        eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else []
+    pad_id = tokenizer.pad_token_id if tokenizer is not None else (list(eos_token_ids) or [0])[0]
+    return torch.tensor(list(eos_token_ids), dtype=torch.long, device=device), pad_id
+
+
+class Clock:
+    """Wall seconds between laps, each named lap adding to laps[name] (0.0 until then); on CUDA a lap first
+    waits for the queue, so that it counts the work queued before it."""
+
+    def __init__(self, device, *names):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.laps, self.t = dict.fromkeys(names, 0.0), time.perf_counter()
+
+    def lap(self, name, when=True):
+        if when:
+            self.sync()
+            now = time.perf_counter()
+            self.laps[name], self.t = self.laps.get(name, 0.0) + now - self.t, now
+
 
 # Below this (0 aside, which is greedy) logit / temperature heads for fp32's overflow (1e-40 gives inf,
 # then NaN probabilities), and long before it the draw is the greedy token in all but ties.
 MIN_TEMPERATURE = 1e-4
 
 
-def check_generate(cfg, prompts, num_samples, max_new_tokens, temperature, top_k, top_p):
+def check_generate(cfg, prompts, num_samples, max_new_tokens, temperature, top_k, top_p, generator=None):
     """generate()'s arguments, each bad one a clear error naming it (before any tensor is allocated)."""
     if isinstance(prompts, torch.Tensor):
         raise ValueError("generate: prompts must be a list of token-id lists (prompt.tolist() for a tensor)")

@@ -193,6 +193,29 @@ def test_cpu_decode_attention_equals_sdpa(dtype):
     assert torch.equal(engine.decode_attention_cpu(q, k2, v2, mask, D ** -0.5), plain)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_decode_attention_switch_gives_the_plain_sdpa_rollout(model, monkeypatch, temperature):
+    """DECODE_ATTENTION_CPU, the one line that chooses engine.decode_attention_cpu for a CPU decode step:
+    switched off, every step runs Part 1's SDPA, and the rollout is the same (tokens, log-probs, entropies)."""
+    kw = dict(num_samples=2, max_new_tokens=12, temperature=temperature, eos_token_ids=[3])
+    runs, calls, fast_path = [], [], engine.decode_attention_cpu
+
+    def counted(*args):
+        calls.append(1)
+        return fast_path(*args)
+    monkeypatch.setattr(engine, "decode_attention_cpu", counted)
+    for fast in (True, False):
+        monkeypatch.setattr(ro, "DECODE_ATTENTION_CPU", fast)
+        calls.clear()
+        runs.append(ro.generate(model, PROMPTS, generator=torch.Generator().manual_seed(4), **kw))
+        assert bool(calls) == fast  # the switch decides what runs
+    fast, plain = runs
+    assert torch.equal(fast.completion_ids, plain.completion_ids)
+    assert torch.equal(fast.completion_mask, plain.completion_mask)
+    torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.entropy, plain.entropy, atol=1e-5, rtol=1e-5)
+
+
 def test_batched_greedy_equals_each_prompt_alone(model):
     batch = ro.generate(model, PROMPTS, max_new_tokens=10, temperature=0.0)
     for i, p in enumerate(PROMPTS):
@@ -534,13 +557,13 @@ def test_chunked_token_logprobs_equal_the_plain_token_logprobs(temperature, entr
         h = h0.clone().requires_grad_()
         head.weight.grad = None
         if chunked:  # 4 tokens per chunk: 23 tokens make five full chunks and a partial one
-            lp, ent = engine.chunked_token_logprobs(ro.token_logprobs, head, h, ids, temperature, V, entropy,
+            lp, ent = engine.chunked_token_logprobs(ro.token_logprobs, head, h, ids, temperature, entropy,
                                                    chunk_bytes=4 * V * 4)
         else:
             lp, ent = ro.token_logprobs(head, h, ids, temperature, entropy)
         loss = (w_lp * lp).sum() + ((w_ent * ent).sum() if entropy else 0)
         loss.backward()
-        runs.append((lp.detach(), ent.detach() if entropy else None, h.grad,
+        runs.append((lp.detach(), ent.detach() if entropy else ent, h.grad,
                      head.weight.grad.clone() if head_trained else None))
     (lp_p, ent_p, gh_p, gw_p), (lp_c, ent_c, gh_c, gw_c) = runs
     torch.testing.assert_close(lp_c, lp_p, atol=1e-6, rtol=1e-5)
@@ -553,7 +576,9 @@ def test_chunked_token_logprobs_equal_the_plain_token_logprobs(temperature, entr
     if head_trained:
         torch.testing.assert_close(gw_c, gw_p, atol=1e-6, rtol=1e-5)
         assert gw_p.abs().sum() > 0
-    assert engine.chunked_token_logprobs(ro.token_logprobs, head, h0[:0], ids[:0], temperature, V) is None
+    assert ent_c is None if not entropy else ent_c.shape == (n,)  # what token_logprobs returns
+    lp0, ent0 = engine.chunked_token_logprobs(ro.token_logprobs, head, h0[:0], ids[:0], temperature)  # no token
+    assert lp0.shape == ent0.shape == (0,)
 
 
 def test_chunked_logprobs_equal_full_logits_values_and_gradients(model, monkeypatch):
@@ -577,6 +602,44 @@ def test_chunked_logprobs_equal_full_logits_values_and_gradients(model, monkeypa
     for a, b in zip(g_chunk, g_full):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert sum(float(g.abs().sum()) for g in g_chunk) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.9, 0.0])
+@pytest.mark.parametrize("entropy,head_trained", [(True, True), (False, True), (False, False)])
+def test_chunked_logprobs_switch_gives_the_plain_values_and_gradients(model, monkeypatch, temperature, entropy,
+                                                                       head_trained):
+    """CHUNKED_LOGPROBS, the one line that chooses engine.chunked_token_logprobs in sequence_logprobs: switched
+    off, token_logprobs runs over all selected tokens at once; the log-probs, entropies and every gradient are
+    the same (a frozen lm_head without the entropy: the chunk's backward written by hand)."""
+    r = ro.generate(model, PROMPTS, num_samples=3, max_new_tokens=12, temperature=0.9,
+                    eos_token_ids=[3, 7], generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(engine, "LOGITS_CHUNK_BYTES", 4 * model.config.vocab_size * 5)  # 5 tokens per chunk
+    model.lm_head.weight.requires_grad_(head_trained)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    runs = []
+    try:
+        for chunked in (True, False):
+            monkeypatch.setattr(ro, "CHUNKED_LOGPROBS", chunked)
+            model.zero_grad()
+            lp, ent = ro.sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask,
+                                           temperature=temperature, entropy=entropy)
+            assert (ent is None) == (not entropy)
+            loss = (lp * torch.linspace(0.5, 2.0, lp.shape[1])).sum() + (0.3 * ent.sum() if entropy else 0)
+            loss.backward()
+            runs.append([lp.detach()] + ([ent.detach()] if entropy else []) + [p.grad.clone() for p in trained])
+    finally:
+        model.lm_head.weight.requires_grad_(True)
+        model.zero_grad()
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert (runs[0][0][r.completion_mask == 0] == 0).all() and sum(float(g.abs().sum()) for g in runs[0][1:]) > 0
+    # no completion token at all: zeros, and still a graph to backpropagate through
+    for chunked in (True, False):
+        monkeypatch.setattr(ro, "CHUNKED_LOGPROBS", chunked)
+        lp, _ = ro.sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask * 0)
+        assert (lp == 0).all() and lp.requires_grad
+        lp.sum().backward()
+    model.zero_grad()
 
 
 def test_chunked_logprobs_never_hold_a_vocabulary_sized_tensor(model, monkeypatch):
