@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+import torch
+
 import checkpoints
 import cli
 import devices
@@ -47,8 +49,9 @@ class RunLog:
     """What a run prints and what rank 0 writes: metrics.jsonl, args.json, summary.json."""
     NO_SIGNAL_STEPS = 20  # steps in a row without signal before the warning
 
-    def __init__(self, args, rank, start, t_start, model, world, dtype_why="", defaults=None):
+    def __init__(self, args, rank, start, t_start, model, world, dtype_why="", defaults=None, fast=()):
         self.args, self.rank, self.t_start, self.flat_steps, self.start = args, rank, t_start, 0, start
+        self.world = world
         self.defaults = defaults or {}  # the parser's: a divergence names the flags this run changed
         self.metrics = os.path.join(args.out, "metrics.jsonl")
         self.opened, self.steps_logged, self.made, self.recent = False, 0, [], []  # recent: s/step of each step
@@ -59,6 +62,7 @@ class RunLog:
         print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
               f"pi_old {args.pi_old} | "
               f"device {devices.model_device(model)} | dtype {dtype}" + (f" ({dtype_why})" if dtype_why else "") +
+              f" | fast {','.join(fast) or 'none'}"  # the fast paths this run takes (05: grpo_variants.fast_paths)
               f" | steps {args.steps} | B {args.batch} | "
               f"G {args.group} | lr {args.lr:g} | out {args.out}" + (f" | ranks {world}" if world > 1 else ""))
 
@@ -289,6 +293,12 @@ class StepClock:
         self.laps[name], self.cpu_laps[name], self.last = now - self.last, time.process_time() - self.cpu0, now
 
 
+def truncated_rows(ids, mask, eos_token_ids):
+    """(N,) bool: the rows whose completion (ids, mask (N, T)) has no EOS token: max_new_tokens cut them off."""
+    eos = torch.tensor(list(eos_token_ids), dtype=ids.dtype, device=ids.device)
+    return ~(torch.isin(ids, eos) & (mask > 0)).any(1)
+
+
 def step_record(step, samples, mask, truncated, rewards, correct, report, clock, **extra):
     """A step's line of metrics.jsonl, every number global (summed, or maximised, over ranks): the rewards and
     samples (stage 03's Rollout, its completion mask (N, T), the truncated rows (N,)), the update's report
@@ -307,6 +317,82 @@ def step_record(step, samples, mask, truncated, rewards, correct, report, clock,
             "tok/s": total_tokens / max(t_sample, 1e-9), "s/step": time.time() - clock.t0, "t_sample": t_sample,
             "t_score": clock.laps["score"], "cpu_s": time.process_time() - clock.cpu0,
             "cpu_sample": clock.cpu_laps["sample"], "peak_rss_mb": devices.peak_rss_bytes() / 2 ** 20}
+
+
+class Milestones:
+    """What a run does between its steps besides the step: held-out evaluations (the first one, every
+    --eval-every steps, the full one with pass@k at the end), checkpoints (every --save-every steps, on a stop,
+    at the end) and the stop (a signal on any rank, --stop-at; --time-budget before a step). evaluate(step, k)
+    -> the evaluation's record; save(step, first_eval) -> the checkpoint's folder or None (rank 0 alone)."""
+
+    def __init__(self, args, rank, start, state, log, stop, evaluate, save):
+        self.args, self.rank, self.start, self.log, self.stop, self._save = args, rank, start, log, stop, save
+        self.evaluate = lambda step, k: evaluate(step, k) if args.eval_size else None
+        self.first_eval = (state or {}).get("first_eval") or self.evaluate(start, args.eval_k)
+        self.last_eval, self.last_ckpt, self.done, self.stopped, self.signum = \
+            self.first_eval, None, start, "steps", 0
+
+    def steps(self):
+        """The steps still to run; the time budget ends them early enough for the final evaluation."""
+        for step in range(self.start, self.args.steps):
+            if self.log.out_of_time(self.first_eval):
+                self.stopped = "time budget"
+                return
+            yield step
+
+    def save(self, step):
+        self.last_ckpt = self._save(step, self.first_eval) or self.last_ckpt
+
+    def after_step(self, done):
+        """After step `done`'s log line: an evaluation and a checkpoint when due; True: stop here."""
+        args, self.done = self.args, done
+        if args.eval_every and done % args.eval_every == 0 and done < args.steps:
+            self.last_eval = self.evaluate(done, 0) or self.last_eval
+        self.signum = self.stop.requested()  # asked on every rank: they stop together
+        halt = "stop-at" if args.stop_at and done >= args.stop_at else halt_reason(self.signum)
+        if self.rank == 0 and ((args.save_every and done % args.save_every == 0) or halt):
+            self.save(done)
+        if halt:
+            self.stopped = halt
+        return bool(halt)
+
+    def finish(self):
+        """The end: a last checkpoint and the full evaluation (unless a stop came), then the summary; a signal
+        raises cli.Interrupted once the summary is out (the log's line says how to resume)."""
+        done, last = self.done, self.last_eval
+        if self.stopped in ("steps", "time budget"):
+            if self.rank == 0 and done > self.start and not (self.last_ckpt or "").endswith(f"{done:06d}"):
+                self.save(done)
+            if last is None or last["step"] != done or "k" not in last:
+                self.last_eval = self.evaluate(done, self.args.eval_k) or last
+        summary = self.log.summary(done, self.stopped, self.first_eval, self.last_eval, self.last_ckpt)
+        if self.stopped not in ("steps", "time budget", "stop-at"):
+            raise cli.Interrupted(signum=self.signum)
+        return summary
+
+
+class StepStats:
+    """A step's statistics over its micro-batches: each a token mean (a micro-batch's value weighted by its share
+    of the step's tokens), but those named in max_stats, maxima from the value there; summed (maximised) over
+    ranks. `names`: every statistic, for a process without rows, so that every process sums the same list."""
+
+    def __init__(self, max_stats, names=None):
+        self.max_stats, self.maxes = max_stats, dict(max_stats)
+        self.sums = {k: 0.0 for k in names or () if k not in max_stats}
+
+    def add(self, stats, token_share):
+        for key, value in stats.items():
+            if key in self.max_stats:
+                self.maxes[key] = max(self.maxes.get(key, value), value)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + value * token_share
+
+    def global_totals(self, loss_sum, out):
+        """The loss summed over ranks (returned), and every statistic's total, into `out` by name."""
+        loss_sum, *totals = global_sum([loss_sum, *self.sums.values()])
+        out.update(zip(self.sums, totals))
+        out.update(zip(self.maxes, global_sum(self.maxes.values(), op="max")))
+        return loss_sum
 
 
 UPDATE_BOOKKEEPING = ("skipped", "kept_rows", "kept_rows_all", "rows_all", "flat_all")  # policy_update's, not stats

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import checkpoints  # the engine modules beneath 05 (conftest puts the repository on sys.path)
 import engine
+import grpo_variants
 import hf_files
 import memory
 import runs
@@ -776,7 +777,7 @@ def random_model_folder(path, layers=1, hidden=64):
     return str(path)
 
 
-def test_gpu_code_path_runs_two_steps(tmp_path, monkeypatch):
+def test_gpu_code_path_runs_two_steps(tmp_path, monkeypatch, capsys):
     """--gpu-path runs on the CPU what CUDA runs: NVFP4Linear through the Triton kernel (interpreted),
     no merged sampling weights, bf16 activations; here with micro-batches and checkpointing on.
     On a GPU machine the same test runs on CUDA itself."""
@@ -805,11 +806,29 @@ def test_gpu_code_path_runs_two_steps(tmp_path, monkeypatch):
     steps, _ = step_rows(out)
     assert [r["step"] for r in steps] == [1, 2] and all(math.isfinite(r["loss"]) and r["loss"] != 0 for r in steps)
     assert merged == [False, False]  # sampled through the modules, as on CUDA
+    run_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("run |"))
+    on_cpu = "" if torch.cuda.is_available() else ",decode-attention-cpu"  # the first line names the fast paths
+    assert f"| fast fast-forward,nvfp4-kernel{on_cpu},chunked-logprobs |" in run_line, run_line
     assert calls and {dt for dt, _ in calls} == {torch.bfloat16}
     assert any(g for _, g in calls) and any(not g for _, g in calls)  # the update and the sampler
     adapter = load_file(str(out / "checkpoint-000002" / "adapter_model.safetensors"))
     assert all(torch.isfinite(v).all() for v in adapter.values())
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())  # it moved
+
+
+@pytest.mark.parametrize("flags, fast", [
+    ((), "merged-sampling,kept-dequantized,fast-forward,decode-attention-cpu,chunked-logprobs"),
+    (("--quant", "none"), "merged-sampling,decode-attention-cpu,chunked-logprobs")])  # no 4-bit layer
+def test_the_first_log_line_names_the_fast_paths_in_use(tmp_path, capsys, flags, fast):
+    """Issue 46 item 3: what runs is what's read. A CPU run's first line names each fast path it takes (each
+    computes what Part 1 reads, and a test shows each equal); --gpu-path's: test_gpu_code_path_runs_two_steps."""
+    grpo.train(tiny_args(tmp_path / "run", "--steps", "1", "--eval-size", "0", "--max-new-tokens", "4", *flags))
+    run_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("run |"))
+    assert f"| fast {fast} |" in run_line, run_line
+    if not flags:  # --compile adds the compiled decode step (a run would compile for tens of seconds)
+        model = grpo.build_policy(tiny_args(tmp_path / "unused"), "cpu")[0]
+        assert grpo_variants.fast_paths(model, "cpu", True, True) == fast.split(",")[:3] + [
+            "compiled-step", "decode-attention-cpu", "chunked-logprobs"]
 
 
 def test_truncated_safetensors_is_one_clear_line(tmp_path):

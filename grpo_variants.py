@@ -1,0 +1,154 @@
+"""Beside stage 05: what its loop calls that is not the paper's method. The policy's log-probs before an update
+(--mu > 1), the step's check after it (kl_after, divergence), DAPO's dynamic sampling (--dynamic-sampling:
+refill_flat_groups, take_groups), the held-out evaluation, and the fast paths a run takes (its first log line
+names them). It imports
+stages 01-04 and the modules beneath, never 05: what it needs of 05 comes in as arguments.
+"""
+import importlib
+
+import torch
+
+import devices
+import distributed
+import quant_engine
+
+quantize = importlib.import_module("01_quantize")
+rollout = importlib.import_module("03_rollout")
+
+
+def sampling_options(args):
+    """05's sample_groups' keyword arguments from the command line (but rank and draw): its loop's, a bench's."""
+    return {"group": args.group, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "seed": args.seed, "compiled": args.compile, "noise": args.aqn_scale, "site": args.aqn_site}
+
+
+def policy_logprobs(model, prompts, ids, mask, slices, temperature):
+    """The current policy's log-probs (n, T) of the given rows, without gradients, a slice of rows at a time."""
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)  # (n, T)
+    with torch.no_grad():
+        for part in slices:
+            t = int(mask[part].sum(1).max())
+            logp, _ = rollout.sequence_logprobs(model, prompts[part], ids[part, :t], mask[part, :t],
+                                                temperature=temperature, entropy=False)  # (mb, t)
+            out[part, :t] = logp.float()
+    return out
+
+
+@torch.no_grad()
+def check_step(step, model, params, samples, mask, report, temperature, rows=16):
+    """After a step's update -> {"kl_after": how far the update moved the policy from the one that sampled,
+    the k3 estimate of KL(sampler || updated policy) per token over the first `rows` rows of each rank}, and
+    "diverged": why, when the sampler's log-probs, the loss, the gradient or an adapter weight is not finite.
+    runs.RunLog.step ends the run on "diverged" and names a kl_after beyond runs.DIVERGED_KL."""
+    m = mask[:rows].to(samples.logprobs.device)  # (r, T)
+    bad_samples = not bool(torch.isfinite(samples.logprobs[mask.to(samples.logprobs.device) > 0]).all())
+    kl_sum = 0.0
+    if m.sum() > 0 and not bad_samples and not report["skipped"]:
+        logp, _ = rollout.sequence_logprobs(model, samples.prompt_ids[:rows], samples.completion_ids[:rows], m,
+                                            temperature=temperature, entropy=False)  # (r, T)
+        d = logp.float() - samples.logprobs[:rows].float()  # (r, T) log of pi_updated / pi_sampler
+        kl_sum = float(((torch.exp(d) - 1 - d) * m).sum())
+    kl_sum, tokens, bad_samples = distributed.global_sum([kl_sum, float(m.sum()), bad_samples])
+    why = ("the sampler's log-probs are not finite (its logits overflowed: is --sigma-start far too large?)"
+           if bad_samples else f"the {report['skipped']}" if report["skipped"] else
+           "an adapter weight is not finite" if not all(bool(torch.isfinite(p).all()) for p in params) else None)
+    kl_after = kl_sum / tokens if tokens and not why else float("nan")
+    return {"kl_after": kl_after, **({"diverged": why} if why else {})}
+
+
+def refill_flat_groups(args, task, model, tok, step, sigma, rank, world, problems, samples, rewards, correct,
+                       *, sample_groups, score, sampling):
+    """DAPO's dynamic sampling (--dynamic-sampling N): a group whose G rewards all tie has zero advantage and
+    trains nothing, so up to N more rounds replace such groups with groups whose rewards differ, and the batch
+    keeps its size. Round r samples (draw r, under the step's one noise draw) this rank's share of the step's
+    next --batch problems, problems(seed, step, B (r + 1))[B r:] (prefix-stable, so fresh ones), as many as it
+    has flat groups; a group still flat after N rounds stays. Every draw is a function of (seed, step, r): a
+    resumed run refills as an uninterrupted one. sample_groups, score: 05's; sampling: its keyword arguments.
+    -> (problems, samples, rewards, correct) of the batch that trains, and {ds_rounds: rounds taken (the most
+    of any rank), ds_flat_before: flat groups before refilling}."""
+    G, B = args.group, args.batch
+
+    def flat_of(r):  # rewards (n*G,) -> n bools: whether each group's rewards all tie
+        return (r.view(-1, G).std(1) == 0).tolist()
+    flat = [g for g, f in enumerate(flat_of(rewards)) if f]  # this rank's flat groups, to replace in order
+    picks, problems, flat_before, rounds = [(samples, g) for g in range(len(problems))], list(problems), len(flat), 0
+    while flat and rounds < args.dynamic_sampling:
+        rounds += 1
+        more = distributed.shard(task.problems(args.seed, step, B * (rounds + 1))[B * rounds:], rank, world)
+        more = more[:len(flat)]
+        new, _ = sample_groups(model, tok, [tok.encode(task.prompt(p)) for p in more], step, sigma, rank=rank,
+                               draw=rounds, **sampling)
+        for g, is_flat in enumerate(flat_of(score(task, more, new.texts, G)[0])):
+            if not is_flat:
+                slot = flat.pop(0)
+                picks[slot], problems[slot] = (new, g), more[g]
+    if rounds:  # the trained batch: its groups in slot order, scored once more as one batch
+        samples = take_groups(picks, G, tok.pad_token_id)
+        rewards, correct = score(task, problems, samples.texts, G)
+    record = {"ds_rounds": int(distributed.global_sum([rounds], op="max")[0]),
+              "ds_flat_before": int(distributed.global_sum([flat_before])[0])}
+    return problems, samples, rewards, correct, record
+
+
+@torch.inference_mode()
+def take_groups(picks, group, pad_id):
+    """One Rollout of whole groups, picks[i] = (a Rollout, a group index in it), its tensors padded to the longest
+    completion (completion_ids with pad_id, the rest with 0: outside the mask)."""
+    T = max(r.completion_ids.shape[1] for r, _ in picks)
+    rows = [(r, slice(g * group, (g + 1) * group)) for r, g in picks]
+
+    def cat(field, value=0):
+        parts = [getattr(r, field)[s] for r, s in rows]  # (G, T_r) each
+        return torch.cat([torch.nn.functional.pad(t, (0, T - t.shape[1]), value=value) for t in parts])  # (N, T)
+    return rollout.Rollout(prompt_ids=[p for r, s in rows for p in r.prompt_ids[s]],
+                           completion_ids=cat("completion_ids", pad_id or 0), completion_mask=cat("completion_mask"),
+                           logprobs=cat("logprobs"), entropy=cat("entropy"),
+                           texts=[t for r, s in rows for t in r.texts[s]])
+
+
+@torch.inference_mode()
+def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512, compiled=False):
+    """The held-out accuracy of the clean policy (no AQN noise): greedy pass@1 and the greedy completions' mean
+    task.reward (partial credit: a format bonus, a near answer); with k > 0 also pass@1 (mean over the k
+    samples) and pass@k (any of k correct) at `temperature`. Returns counts and rates; under torchrun the
+    counts (and reward sums) of every rank's problems, summed. 05 runs it on its merged sampling weights."""
+    prompts, n, device = [tok.encode(task.prompt(p)) for p in problems], len(problems), devices.model_device(model)
+
+    def solved(num_samples, temperature, gen):  # generate() over chunks of rows (memory): the texts, their hits
+        texts, step = [], max(1, chunk // num_samples)
+        for i in range(0, n, step):
+            texts += rollout.generate(model, prompts[i:i + step], num_samples=num_samples, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=gen,
+                                      tokenizer=tok, compiled=compiled).texts
+        return texts, [[task.correct(p, texts[i * num_samples + j]) for j in range(num_samples)]
+                       for i, p in enumerate(problems)]
+
+    texts, hits = solved(1, 0.0, None)
+    greedy, reward = sum(h[0] for h in hits), sum(map(task.reward, problems, texts))
+    hits = solved(k, temperature, torch.Generator(device=device).manual_seed(seed))[1] if k > 0 else []
+    reward, *counts = distributed.global_sum([reward, n, greedy, sum(map(sum, hits)), sum(map(any, hits))])
+    n, greedy, sampled, passed = map(int, counts)
+    res = {"n": n, "greedy_correct": greedy, "greedy": greedy / max(n, 1), "greedy_reward": reward / max(n, 1)}
+    if k > 0:
+        res.update({"k": k, "sample_correct": sampled, "pass_k_correct": passed, "pass@1": sampled / max(k * n, 1),
+                    f"pass@{k}": passed / max(n, 1)})
+    return res
+
+
+def fast_paths(model, device, compiled, merged):
+    """The names of the fast paths this run takes, each computing what the stages' Part 1 reads (a test shows
+    each equal): merged-sampling (02's lora_merged, `merged`: 05's merge_for_sampling), kept-dequantized (01's
+    keep_dequantized), fast-forward (01's _QuantLinear.fast), nvfp4-kernel (the Triton kernel: CUDA or
+    --gpu-path), compiled-step (--compile), decode-attention-cpu and chunked-logprobs (03's switches)."""
+    quantized = [m for m in model.modules() if isinstance(m, quant_engine.FrozenQuantLinear)]
+    on_cpu = torch.device(device).type == "cpu"
+    kernel = any(m.fast and isinstance(m, quantize.NVFP4Linear) and (not on_cpu or m.kernel_on_cpu)
+                 for m in quantized) and quantize.nvfp4_kernel() is not None
+    used = {"merged-sampling": merged,
+            "kept-dequantized": any(m.kept is not None for m in quantized),
+            "fast-forward": any(m.fast for m in quantized),
+            "nvfp4-kernel": kernel,
+            "compiled-step": compiled,
+            "decode-attention-cpu": on_cpu and getattr(rollout, "DECODE_ATTENTION_CPU", True),
+            "chunked-logprobs": getattr(rollout, "CHUNKED_LOGPROBS", True)}
+    return [name for name, on in used.items() if on]
