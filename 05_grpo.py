@@ -31,9 +31,8 @@ MORE_PARAMS = []  # (model, args) -> more parameters to train (Part 2: --train-n
 
 def build_policy(args, device):
     """-> (model, tok, params, opt); the adapters depend on --seed alone (alike on every rank)."""
-    dtype = policy_dtype(args, device)[0]
-    model, tok = rollout.load_model(args.model, quant=args.quant, dtype=dtype, device=device,
-                                    method=args.quant_method)
+    dtype = policy_dtype(args, device)[0]  # --dtype auto: devices.pick_dtype
+    model, tok = rollout.load_model(args.model, args.quant, dtype, device, args.quant_method)
     model.grad_checkpoint = args.grad_checkpoint  # acts in the update (it needs gradients)
     quantize.keep_dequantized(model, merge_for_sampling(device))  # a CPU rebuilds each W once
     lora.add_lora(model, r=args.lora_r, alpha=args.lora_alpha,
@@ -53,9 +52,8 @@ def step_sigma(args, step):  # AQN's noise at `step`: 04's schedule (exp: the of
                               args.aqn_kind) if args.aqn else 0.0
 
 # ---- Sampling under AQN (noise on the RMSNorm gains, stage 04), rewards and group advantages
-def merge_for_sampling(device):
-    """A CPU samples on merged W + s B A (02's lora_merged): one matmul a layer, not four; CUDA's
-    kernel reads the 4-bit bytes (a merged copy would cost the model's size)."""
+def merge_for_sampling(device):  # CUDA's kernel reads 4 bits; merged W would cost the model's size
+    # a CPU samples on merged W + s B A (02's lora_merged): one matmul a layer, not four
     return torch.device(device).type == "cpu" and not quantize.NVFP4Linear.kernel_on_cpu
 
 def merged_sampling_weights(model, enabled=True):
@@ -107,11 +105,6 @@ def token_mean(values, mask, max_new_tokens=None, denom=None):  # DAPO's: a long
 
 LOSS_AGGS = {"token-mean": (token_mean, lambda n: max(n["tokens"], 1.0))}  # (reduce, denom)
 
-def aggregate(values, mask, mode, max_new_tokens=None, denom=None):  # (N, T) each -> a scalar
-    if mode not in LOSS_AGGS:
-        raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(LOSS_AGGS)}")
-    return LOSS_AGGS[mode][0](values, mask.to(values.dtype), max_new_tokens, denom)
-
 # Part 2 fills: loss inputs and terms; statistics (token means over the step, MAX_STATS: maxima)
 LOSS_INPUTS, LOSS_TERMS, LOSS_STATS, BATCH_STATS, MAX_STATS = [], [], [], [], {}
 
@@ -127,7 +120,7 @@ def grpo_loss(logp, old_logp, adv, mask, options=LossOptions(), *, weight=None, 
     per_tok = -surr if weight is None else -surr * weight  # (N, T)
     for term in LOSS_TERMS:
         per_tok = term(per_tok, logp, options, **inputs)  # (N, T)
-    loss = aggregate(per_tok, mask, options.loss_agg, max_new_tokens, denom)
+    loss = LOSS_AGGS[options.loss_agg][0](per_tok, mask, max_new_tokens, denom)  # a scalar
     with torch.no_grad():  # clipped: the clamp, not the ratio, sets the surrogate (no gradient)
         clipped = ((ratio < low) & (a < 0)) | ((ratio > high) & (a > 0))  # (N, T)
         stats = {"clip": float((clipped.float() * mask).sum() / mask.sum().clamp(min=1))}
@@ -138,8 +131,7 @@ def grpo_loss(logp, old_logp, adv, mask, options=LossOptions(), *, weight=None, 
 # ---- pi_old (--pi-old): read(current, sampler, before, options) -> (pi_old, weight or None) (N, T)
 PiOld = collections.namedtuple("PiOld", "help read needs_before", defaults=(False,))  # --mu > 1
 PI_OLD = {"trainer": PiOld(  # the clean policy before the batch's update; Part 2 adds the sampler's
-    "the clean policy being trained, as the official code (TRL) has it: at --mu 1 the ratio is 1 "
-    "and AQN's noise reaches the gradient uncorrected",
+    "the clean policy being trained (the official code's): at --mu 1 the ratio is 1",
     lambda current, sampler, before, o: (current if before is None else before, None), True)}
 
 @dataclasses.dataclass(frozen=True)
@@ -153,11 +145,6 @@ class UpdateOptions:  # policy_update's options besides the loss's, flags as in 
     @classmethod
     def from_args(cls, args):
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
-def update_options(args):  # policy_update's keyword arguments from the flags
-    return dict(group=args.group, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                loss_options=LossOptions.from_args(args),
-                update_options=UpdateOptions.from_args(args))
 
 # ---- The update: losses divide by global counts, so micro-batches and ranks add up exactly
 def micro_batch_loss(model, prompts, ids, mask, sampler_logp, before_logp, adv, denom, temperature,
@@ -231,6 +218,21 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewar
     opt.zero_grad(set_to_none=True)
     return out
 
+# ---- Evaluation: the clean policy (no AQN noise), greedy, on held-out problems
+@torch.inference_mode()
+def evaluate(model, tok, task, problems, max_new_tokens, chunk=512, compiled=False):
+    """-> greedy pass@1 and the answers' mean task.reward (partial credit), summed over ranks."""
+    prompts, texts = [tok.encode(task.prompt(p)) for p in problems], []
+    with merged_sampling_weights(model, merge_for_sampling(devices.model_device(model))):
+        for i in range(0, len(prompts), chunk):  # `chunk` rows a generate() call (memory)
+            texts += rollout.generate(model, prompts[i:i + chunk], max_new_tokens=max_new_tokens,
+                                      temperature=0.0, eos_token_ids=tok.eos_token_ids,
+                                      tokenizer=tok, compiled=compiled).texts
+    right, reward = sum(map(task.correct, problems, texts)), sum(map(task.reward, problems, texts))
+    reward, n, greedy = distributed.global_sum([reward, len(problems), right])
+    return {"n": int(n), "greedy_correct": int(greedy), "greedy": greedy / max(n, 1),
+            "greedy_reward": reward / max(n, 1)}
+
 # ---- The run: setup, then each step's LR, sigma, samples, rewards, update, log line; Part 2 fills:
 SIGMA_CONTROLLERS = {}  # --aqn-kind: args -> sigma's controller (.sigma, .update(entropy))
 REFILLS = []  # (args, task, ..., correct) -> (problems, samples, rewards, correct, record)
@@ -247,6 +249,9 @@ def train(args, task=None):
     controller = SIGMA_CONTROLLERS.get(args.aqn_kind, lambda args: None)(args) if args.aqn else None
     start = checkpoints.restore(ckpt, state, functools.partial(lora.load_adapter, model), opt,
                                 controller) if state else 0
+    update_args = dict(loss_options=LossOptions.from_args(args), temperature=args.temperature,
+                       update_options=UpdateOptions.from_args(args),
+                       max_new_tokens=args.max_new_tokens)
     fast = grpo_variants.fast_paths(model, device, args.compile, merge_for_sampling(device))
     with runs.RunLog(args, rank, start, t_start, model, world, dtype_why, parser_defaults(), fast) \
             as log, runs.StopAtStepEnd(runs.StopAtStepEnd.REPEAT_S if world > 1 else 0.0) as stop:
@@ -275,7 +280,7 @@ def train(args, task=None):
                 loss_mask = narrow(args, loss_mask, truncated)  # (N, T)
             ids, sampler_logp = samples.completion_ids.clone(), samples.logprobs.float().clone()
             report = policy_update(model, opt, params, samples.prompt_ids, ids, loss_mask,
-                                   sampler_logp, rewards, **update_options(args))
+                                   sampler_logp, rewards, group=args.group, **update_args)
             checked = grpo_variants.check_step(step + 1, model, params, samples, loss_mask, report,
                                                args.temperature, args.kl_after_rows)  # kl_after
             rec = runs.step_record(step + 1, samples, mask, truncated, rewards, correct, report,
@@ -284,7 +289,10 @@ def train(args, task=None):
             if controller is not None:
                 controller.update(rec["entropy"])  # the same global entropy on every rank
             log.step(rec, lr=lr)  # the log line; a step that diverged ends the run here
-            if run.after_step(step + 1):  # an evaluation, a checkpoint when due; a stop request
+            run.evaluate_if_due(step + 1)  # every --eval-every steps: `evaluate`, greedy
+            halt = run.halt(step + 1)  # a stop signal on any rank, or --stop-at
+            run.save_if_due(step + 1, halt)  # rank 0, every --save-every steps and on a halt
+            if halt:
                 break
         return run.finish()  # a last checkpoint and the full evaluation; the summary
 
@@ -453,11 +461,30 @@ REFILLS.append(dynamic_sampling)
 # The run between its steps: held-out evaluations and checkpoints (runs.Milestones)
 
 
-def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512, compiled=False):
-    """grpo_variants.evaluate (greedy pass@1 and reward; pass@k for k > 0) on the sampler's merged weights."""
-    with merged_sampling_weights(model, merge_for_sampling(devices.model_device(model))):
-        return grpo_variants.evaluate(model, tok, task, problems, max_new_tokens, k, temperature, seed, chunk,
-                                      compiled)
+def aggregate(values, mask, mode, max_new_tokens=None, denom=None):
+    """Reduce per-token values (N, T) under mask (N, T) to a scalar as LOSS_AGGS[mode] does; an unknown mode is
+    an error. denom, when given, replaces the divisor (policy_update passes counts summed over all ranks)."""
+    if mode not in LOSS_AGGS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(LOSS_AGGS)}")
+    return LOSS_AGGS[mode][0](values, mask.to(values.dtype), max_new_tokens, denom)
+
+
+def evaluate_pass_k(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512,
+                    compiled=False):
+    """Part 1's greedy `evaluate`, and with k > 0 also pass@1 (the mean over k samples) and pass@k (any of k
+    correct) at `temperature`, seeded by `seed` (grpo_variants.pass_at_k): the evaluation at a run's ends."""
+    res = evaluate(model, tok, task, problems, max_new_tokens, chunk, compiled)
+    if k > 0:
+        with torch.inference_mode(), merged_sampling_weights(model, merge_for_sampling(devices.model_device(model))):
+            res.update(grpo_variants.pass_at_k(model, tok, task, problems, max_new_tokens, k, temperature, seed,
+                                               chunk, compiled))
+    return res
+
+
+def update_options(args):
+    """policy_update's keyword arguments from the command line (its options as LossOptions and UpdateOptions)."""
+    return {"group": args.group, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "loss_options": LossOptions.from_args(args), "update_options": UpdateOptions.from_args(args)}
 
 
 def milestones(log, stop, state, model, tok, task, opt, params, controller):
@@ -468,8 +495,8 @@ def milestones(log, stop, state, model, tok, task, opt, params, controller):
     def held_out(step, k):
         devices.release_freed_memory()  # the steps' freed activations go back first: the peaks do not add up
         t0 = time.time()
-        res = evaluate(model, tok, task, distributed.shard(task.held, rank, world), args.max_new_tokens, k,
-                       args.temperature, tasks.EVAL_SEED, args.eval_chunk, args.compile)
+        res = evaluate_pass_k(model, tok, task, distributed.shard(task.held, rank, world), args.max_new_tokens, k,
+                              args.temperature, tasks.EVAL_SEED, args.eval_chunk, args.compile)
         return log.eval(res, step, k, time.time() - t0)
 
     def save(step, first_eval):
@@ -511,7 +538,7 @@ def check_sizes(args, task, world, device):
     return run_checks.check_sizes(args, task, world, device, rollout.ModelConfig.from_dict, policy_dtype)
 
 
-add_flag = run_checks.add_flag
+add_flag, use_gpu_path = run_checks.add_flag, grpo_variants.use_gpu_path
 
 
 def policy_dtype(args, device, cfg=None):
@@ -523,17 +550,6 @@ def policy_dtype(args, device, cfg=None):
         cfg = rollout.ModelConfig.from_dict(hf_files.find_weight_files(args.model)[0])
     return devices.pick_dtype(args.dtype, device, cfg.hidden_size if cfg else None)
 
-
-def use_gpu_path(device):
-    """--gpu-path: run CUDA's code path (NVFP4Linear through the Triton kernel) on any device."""
-    if torch.device(device).type == "cpu":
-        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("--gpu-path on the CPU runs the Triton kernel under the interpreter, which must be "
-                             "on before triton is imported: set TRITON_INTERPRET=1 in the environment")
-        os.environ["TRITON_INTERPRET"] = "1"
-    if quantize.nvfp4_kernel() is None:
-        raise ValueError("--gpu-path needs triton (pip install triton; Linux only)")
-    quantize.NVFP4Linear.kernel_on_cpu = True
 
 # -----------------------------------------------------------------------------
 # The command line

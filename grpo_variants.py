@@ -1,10 +1,12 @@
 """Beside stage 05: what its loop calls that is not the paper's method. The policy's log-probs before an update
 (--mu > 1), the step's check after it (kl_after, divergence), DAPO's dynamic sampling (--dynamic-sampling:
-refill_flat_groups, take_groups), the held-out evaluation, and the fast paths a run takes (its first log line
-names them). It imports
-stages 01-04 and the modules beneath, never 05: what it needs of 05 comes in as arguments.
+refill_flat_groups, take_groups), pass@k in the held-out evaluation, --gpu-path, and the fast paths a run takes
+(its first log line names them). It imports stages 01-04 and the modules beneath, never 05: what it needs of 05
+comes in as arguments.
 """
 import importlib
+import os
+import sys
 
 import torch
 
@@ -106,33 +108,20 @@ def take_groups(picks, group, pad_id):
                            texts=[t for r, s in rows for t in r.texts[s]])
 
 
-@torch.inference_mode()
-def evaluate(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512, compiled=False):
-    """The held-out accuracy of the clean policy (no AQN noise): greedy pass@1 and the greedy completions' mean
-    task.reward (partial credit: a format bonus, a near answer); with k > 0 also pass@1 (mean over the k
-    samples) and pass@k (any of k correct) at `temperature`. Returns counts and rates; under torchrun the
-    counts (and reward sums) of every rank's problems, summed. 05 runs it on its merged sampling weights."""
-    prompts, n, device = [tok.encode(task.prompt(p)) for p in problems], len(problems), devices.model_device(model)
-
-    def solved(num_samples, temperature, gen):  # generate() over chunks of rows (memory): the texts, their hits
-        texts, step = [], max(1, chunk // num_samples)
-        for i in range(0, n, step):
-            texts += rollout.generate(model, prompts[i:i + step], num_samples=num_samples, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=gen,
-                                      tokenizer=tok, compiled=compiled).texts
-        return texts, [[task.correct(p, texts[i * num_samples + j]) for j in range(num_samples)]
-                       for i, p in enumerate(problems)]
-
-    texts, hits = solved(1, 0.0, None)
-    greedy, reward = sum(h[0] for h in hits), sum(map(task.reward, problems, texts))
-    hits = solved(k, temperature, torch.Generator(device=device).manual_seed(seed))[1] if k > 0 else []
-    reward, *counts = distributed.global_sum([reward, n, greedy, sum(map(sum, hits)), sum(map(any, hits))])
-    n, greedy, sampled, passed = map(int, counts)
-    res = {"n": n, "greedy_correct": greedy, "greedy": greedy / max(n, 1), "greedy_reward": reward / max(n, 1)}
-    if k > 0:
-        res.update({"k": k, "sample_correct": sampled, "pass_k_correct": passed, "pass@1": sampled / max(k * n, 1),
-                    f"pass@{k}": passed / max(n, 1)})
-    return res
+def pass_at_k(model, tok, task, problems, max_new_tokens, k, temperature, seed, chunk=512, compiled=False):
+    """k samples a problem at `temperature` (a generator seeded by `seed`) -> pass@1 (the mean over the k
+    samples) and pass@k (any of k correct), with their counts; under torchrun every rank's counts, summed.
+    05's evaluate_pass_k runs it on its merged sampling weights, after the greedy evaluation."""
+    prompts, texts, step = [tok.encode(task.prompt(p)) for p in problems], [], max(1, chunk // k)
+    generator = torch.Generator(device=devices.model_device(model)).manual_seed(seed)
+    for i in range(0, len(prompts), step):  # `chunk` rows a generate() call
+        texts += rollout.generate(model, prompts[i:i + step], num_samples=k, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, eos_token_ids=tok.eos_token_ids, generator=generator,
+                                  tokenizer=tok, compiled=compiled).texts
+    hits = [[task.correct(p, texts[i * k + j]) for j in range(k)] for i, p in enumerate(problems)]
+    n, sampled, passed = map(int, distributed.global_sum([len(problems), sum(map(sum, hits)), sum(map(any, hits))]))
+    return {"k": k, "sample_correct": sampled, "pass_k_correct": passed, "pass@1": sampled / max(k * n, 1),
+            f"pass@{k}": passed / max(n, 1)}
 
 
 def fast_paths(model, device, compiled, merged):
@@ -152,3 +141,15 @@ def fast_paths(model, device, compiled, merged):
             "decode-attention-cpu": on_cpu and getattr(rollout, "DECODE_ATTENTION_CPU", True),
             "chunked-logprobs": getattr(rollout, "CHUNKED_LOGPROBS", True)}
     return [name for name, on in used.items() if on]
+
+
+def use_gpu_path(device):
+    """--gpu-path: run CUDA's code path (NVFP4Linear through the Triton kernel) on any device."""
+    if torch.device(device).type == "cpu":
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--gpu-path on the CPU runs the Triton kernel under the interpreter, which must be "
+                             "on before triton is imported: set TRITON_INTERPRET=1 in the environment")
+        os.environ["TRITON_INTERPRET"] = "1"
+    if quantize.nvfp4_kernel() is None:
+        raise ValueError("--gpu-path needs triton (pip install triton; Linux only)")
+    quantize.NVFP4Linear.kernel_on_cpu = True

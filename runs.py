@@ -343,18 +343,24 @@ class Milestones:
     def save(self, step):
         self.last_ckpt = self._save(step, self.first_eval) or self.last_ckpt
 
-    def after_step(self, done):
-        """After step `done`'s log line: an evaluation and a checkpoint when due; True: stop here."""
-        args, self.done = self.args, done
-        if args.eval_every and done % args.eval_every == 0 and done < args.steps:
+    def evaluate_if_due(self, done):
+        """Every --eval-every steps (but the last: finish evaluates it in full), a greedy evaluation."""
+        if self.args.eval_every and done % self.args.eval_every == 0 and done < self.args.steps:
             self.last_eval = self.evaluate(done, 0) or self.last_eval
-        self.signum = self.stop.requested()  # asked on every rank: they stop together
-        halt = "stop-at" if args.stop_at and done >= args.stop_at else halt_reason(self.signum)
-        if self.rank == 0 and ((args.save_every and done % args.save_every == 0) or halt):
-            self.save(done)
+
+    def halt(self, done):
+        """Why the run stops after step `done` ("stop-at", or the signal's halt_reason), or None to go on; asked on
+        every rank (a signal reaches them apart): they stop together."""
+        self.done, self.signum = done, self.stop.requested()
+        halt = "stop-at" if self.args.stop_at and done >= self.args.stop_at else halt_reason(self.signum)
         if halt:
             self.stopped = halt
-        return bool(halt)
+        return halt
+
+    def save_if_due(self, done, halt):
+        """Rank 0 writes a checkpoint every --save-every steps and on a halt."""
+        if self.rank == 0 and ((self.args.save_every and done % self.args.save_every == 0) or halt):
+            self.save(done)
 
     def finish(self):
         """The end: a last checkpoint and the full evaluation (unless a stop came), then the summary; a signal

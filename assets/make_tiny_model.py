@@ -217,11 +217,11 @@ def main(args):
         print(f"note | greedy never reached {args.target} in {args.max_steps} steps; keeping the last model")
         chosen = step
     model.eval()
-    res = grpo.evaluate(model, tok, TASK, final_set, args.max_new_tokens, k=8, temperature=1.0, seed=tasks.EVAL_SEED)
+    res = grpo.evaluate_pass_k(model, tok, TASK, final_set, args.max_new_tokens, k=8, temperature=1.0, seed=tasks.EVAL_SEED)
     # what `python 05_grpo.py` starts from: the same weights with every decoder linear in NVFP4
     q = copy.deepcopy(model)
     importlib.import_module("01_quantize").quantize_model(q, fmt="nvfp4")
-    res_q = grpo.evaluate(q, tok, TASK, final_set, args.max_new_tokens, k=8, temperature=1.0, seed=tasks.EVAL_SEED)
+    res_q = grpo.evaluate_pass_k(q, tok, TASK, final_set, args.max_new_tokens, k=8, temperature=1.0, seed=tasks.EVAL_SEED)
     info = {"train_steps": chosen, "train_seconds": round(time.time() - t0, 1), "params": n_params,
             "eval_n": res["n"], "fp32": res, "nvfp4": res_q, "seed": args.seed, "threads": torch.get_num_threads()}
     write_folder(args.out, tok_raw, cfg, model.state_dict())

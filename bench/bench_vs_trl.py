@@ -394,7 +394,7 @@ def main(argv=None):
             with torch.no_grad():
                 ours_logits = model(torch.tensor([job["probe_ids"]]))[0, -1]
             probe_diff = float((ours_logits - torch.tensor(probe)).abs().max())
-        accuracy[key] = grpo.evaluate(model, tok, task, task.held, args.max_new_tokens, k=0)["greedy"]
+        accuracy[key] = grpo.evaluate(model, tok, task, task.held, args.max_new_tokens)["greedy"]
     print(f"eval | held-out {len(task.held)} | greedy before {accuracy['before']:.3f} | ours {accuracy['ours']:.3f} | "
           f"trl {accuracy['trl']:.3f} | TRL adapter through 02's loader: max |logit diff| vs peft {probe_diff:.1e} | "
           f"{time.perf_counter() - t0:.0f}s", flush=True)

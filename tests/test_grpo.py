@@ -197,7 +197,7 @@ def test_evaluate_counts(monkeypatch):
                                torch.zeros(n, 1), torch.zeros(n, 1), texts)
 
     monkeypatch.setattr(grpo.rollout, "generate", fake_generate)
-    res = grpo.evaluate(torch.nn.Linear(1, 1), Tok(), tasks.ArithmeticTask(eval_size=0), problems, 8, k=4)
+    res = grpo.evaluate_pass_k(torch.nn.Linear(1, 1), Tok(), tasks.ArithmeticTask(eval_size=0), problems, 8, k=4)
     assert res["n"] == 3 and res["greedy_correct"] == 2 and res["greedy"] == pytest.approx(2 / 3)
     assert res["greedy_reward"] == pytest.approx(2 / 3)  # AnswerTask's: 1 if right; no <think>, no format bonus
     assert res["sample_correct"] == 5 and res["pass@1"] == pytest.approx(5 / 12)

@@ -32,9 +32,11 @@ def part2_functions_named_in_part1(name):
     part1, part2 = split(name)
     defined = {n.name for n in ast.parse("\n".join(part2)).body
                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-    used = {n.id for n in ast.walk(ast.parse("\n".join(part1))) if isinstance(n, ast.Name)}
-    used |= {n.attr for n in ast.walk(ast.parse("\n".join(part1))) if isinstance(n, ast.Attribute)}
-    return sorted(defined & used)
+    tree = ast.parse("\n".join(part1))
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    parameters = {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}  # a parameter's name is its own
+    return sorted(defined & used - parameters)
 
 
 def test_there_are_five_stages():
