@@ -372,7 +372,7 @@ def _check_method(method):
 # -----------------------------------------------------------------------------------------------------
 # Checkpoint writer: HF folder -> compressed-tensors nvfp4-pack-quantized folder, one output shard at a time
 # (HF shards are <= ~5 GB): memory holds that shard's tensors plus the fused group being quantized. Its config,
-# checks and reads are quant_checkpoint.py's (re-exported here).
+# checks and reads are quant_checkpoint.py's (its four constants are re-exported here).
 
 NVFP4_QUANT_CONFIG, LINEAR_NAMES = quant_checkpoint.NVFP4_QUANT_CONFIG, quant_checkpoint.LINEAR_NAMES
 TOKENIZER_FILES, QUANTIZE_COMMAND = quant_checkpoint.TOKENIZER_FILES, quant_checkpoint.QUANTIZE_COMMAND

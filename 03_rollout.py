@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import devices
-import engine  # the fast paths (False below: Part 1's plain computation; tests/test_rollout.py)
+import engine  # generate's plumbing, the fast paths (False below: the plain computation)
 import hf_files  # a model folder's files: config.json's checks, safetensors, the tokenizer, ChatML
 
 DECODE_ATTENTION_CPU = True  # a CPU decode step attends by the plain product: 2x faster than SDPA
@@ -381,8 +381,9 @@ def completion_logits(model, prompt_ids, completion_ids):
 def load_model(path, quant="none", dtype=None, device=None, method="rtn"):
     """Load a Hugging Face folder -> (CausalLM in eval mode, Tokenizer). quant="nvfp4"/"nf4" quantizes the
     decoder Linears with stage 01, layer by layer as they arrive (method: NVFP4's rounding, "rtn" or
-    "4over6"); a folder written by `01_quantize.py --out` loads as NVFP4 whatever `quant` says. dtype: bf16
-    on CUDA, fp32 on CPU; device: devices.autodetect_device."""
+    "4over6"); a folder written by `01_quantize.py --out` loads as NVFP4 with quant "none" or "nvfp4"
+    (its weights are already NVFP4; "nf4" is an error). dtype: bf16 on CUDA, fp32 on CPU; device:
+    devices.autodetect_device."""
     path = Path(path)
     raw, weight_map, _ = hf_files.find_weight_files(str(path))  # checks the folder: config.json, shards
     files = {name: path / f for name, f in weight_map.items()}  # tensor name -> safetensors file

@@ -341,7 +341,7 @@ def demo_models(model_dir, dtype, seed, num_prompts, method="rtn"):
     base, tok = rollout.load_model(model_dir, quant="none", dtype=dtype, device="cpu")  # a missing folder: an error
     nf4 = rollout.load_model(model_dir, quant="nf4", dtype=dtype, device="cpu")[0]
     nvfp4 = rollout.load_model(model_dir, quant="nvfp4", dtype=dtype, device="cpu", method=method)[0]
-    gen, prompts = torch.Generator().manual_seed(seed + 1), []  # `a op b op c`; 05 owns the task
+    gen, prompts = torch.Generator().manual_seed(seed + 1), []  # `a op b op c`; tasks.py owns 05's tasks
     for _ in range(num_prompts):
         a, b, c = (int(torch.randint(0, 1000, (1,), generator=gen)) for _ in range(3))
         o1, o2 = ("+-"[int(torch.randint(0, 2, (1,), generator=gen))] for _ in range(2))

@@ -1,7 +1,8 @@
 """Stage 05: GRPO with LoRA on a 4-bit base, with Adaptive Quantization Noise (the QeRL loop).
 
 A step: B prompts x G samples of the NVFP4 base + LoRA under AQN's noise -> rewards -> group
-advantages -> the clipped surrogate on the clean policy -> AdamW on the adapters. Part 2: variants.
+advantages -> the clipped surrogate on the clean policy -> AdamW on the adapters. Part 2: the other
+pi_old readings, aggregations and loss terms, the run's checks and its command line.
     python 05_grpo.py [--show-step]  # the tiny model learns arithmetic; or one group by hand
 """
 import collections
@@ -17,7 +18,7 @@ import torch
 import checkpoints
 import devices
 import distributed
-import grpo_variants  # what the loop calls besides the method: evaluation, kl_after, fast paths
+import grpo_variants  # what the loop calls besides the method: fast paths, checks, sampler options
 import memory
 import runs
 
@@ -130,7 +131,7 @@ def grpo_loss(logp, old_logp, adv, mask, options=LossOptions(), *, weight=None, 
 
 # ---- pi_old (--pi-old): read(current, sampler, before, options) -> (pi_old, weight or None) (N, T)
 PiOld = collections.namedtuple("PiOld", "help read needs_before", defaults=(False,))  # --mu > 1
-PI_OLD = {"trainer": PiOld(  # the clean policy before the batch's update; Part 2 adds the sampler's
+PI_OLD = {"trainer": PiOld(  # the clean policy before the update; Part 2: sampler, tis, tis-mask
     "the clean policy being trained (the official code's): at --mu 1 the ratio is 1",
     lambda current, sampler, before, o: (current if before is None else before, None), True)}
 
@@ -458,12 +459,12 @@ def dynamic_sampling(args, *batch):
 REFILLS.append(dynamic_sampling)
 
 # -----------------------------------------------------------------------------
-# The run between its steps: held-out evaluations and checkpoints (runs.Milestones)
+# The loss's aggregation by name; the run between its steps: evaluations, checkpoints (runs.Milestones)
 
 
 def aggregate(values, mask, mode, max_new_tokens=None, denom=None):
-    """Reduce per-token values (N, T) under mask (N, T) to a scalar as LOSS_AGGS[mode] does; an unknown mode is
-    an error. denom, when given, replaces the divisor (policy_update passes counts summed over all ranks)."""
+    """Reduce per-token values (N, T) under mask (N, T) to a scalar as LOSS_AGGS[mode] does, naming the modes
+    when mode is unknown (grpo_loss indexes LOSS_AGGS itself). denom, when given, replaces the divisor."""
     if mode not in LOSS_AGGS:
         raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(LOSS_AGGS)}")
     return LOSS_AGGS[mode][0](values, mask.to(values.dtype), max_new_tokens, denom)

@@ -1,5 +1,5 @@
-"""Beside stage 05: its command line (build_parser). It imports stages 01-04 and the modules beneath, never
-05: 05 passes itself in (`stage`), whose registries (PI_OLD, LOSS_AGGS) give the choices of their flags.
+"""Beside stage 05: its command line (build_parser). It imports stages 01 and 04 and the modules beneath,
+never 05: 05 passes itself in (`stage`), whose registries (PI_OLD, LOSS_AGGS) give the choices of their flags.
 """
 import argparse
 import importlib

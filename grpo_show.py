@@ -1,5 +1,5 @@
 """Beside stage 05: `python 05_grpo.py --show-step`, one sampled group of the fresh policy worked by hand.
-It imports stages 01-04 and the modules beneath, never 05: 05 passes itself in (`stage`).
+It imports stages 03 and 04 and the modules beneath, never 05: 05 passes itself in (`stage`).
 """
 import importlib
 import os

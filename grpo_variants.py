@@ -1,7 +1,7 @@
 """Beside stage 05: what its loop calls that is not the paper's method. The policy's log-probs before an update
 (--mu > 1), the step's check after it (kl_after, divergence), DAPO's dynamic sampling (--dynamic-sampling:
 refill_flat_groups, take_groups), pass@k in the held-out evaluation, --gpu-path, and the fast paths a run takes
-(its first log line names them). It imports stages 01-04 and the modules beneath, never 05: what it needs of 05
+(its first log line names them). It imports stages 01 and 03 and the modules beneath, never 05: what it needs of 05
 comes in as arguments.
 """
 import importlib

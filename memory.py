@@ -81,7 +81,7 @@ def run_memory(args, cfg, P, world, b, device="cpu"):
     its rows for backward; the adapters are fp32 with their gradients and AdamW's two moments."""
     C, I, L, N = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, args.max_new_tokens
     rows = -(-args.batch // world) * args.group  # this rank's rows of a step
-    k = args.eval_k  # evaluate()'s rows per generate() call: greedy, then k samples of fewer prompts
+    k = args.eval_k  # rows per generate() call: evaluate's greedy, then pass@k's k samples of fewer prompts
     eval_rows = max(min(args.eval_size, args.eval_chunk), min(args.eval_size, max(1, args.eval_chunk // max(k, 1))) * k)
     T = P + N
     per_row = update_bytes_per_row(cfg, T, b, args.grad_checkpoint)

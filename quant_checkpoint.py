@@ -3,7 +3,7 @@
 01 quantizes a Hugging Face folder into a compressed-tensors `nvfp4-pack-quantized` folder. What it needs
 beyond the quantization lives here: the quantization_config the output declares, the checks that run before
 any tensor is read (the arguments, the tokenizer files copied beside the weights, each tensor's shape
-against config.json) and reading one input shard's tensors. 01 re-exports the public names.
+against config.json) and reading one input shard's tensors. 01 re-exports its four constants.
 """
 import os
 

@@ -5,15 +5,18 @@ A refactor (stage files restructured, common.py split) must change no number. Th
 lives in, so a worktree of an old commit measures its own code, and records sha256 of the final checkpoint's
 adapter_model.safetensors and adapter_config.json (less its base model's path), and of metrics.jsonl and
 summary.json with what depends on the clock, the machine or the paths removed (normalize). The normalized
-metrics are kept beside the hashes so that --check can name the first differing key.
+metrics are kept beside the hashes so that --check can name the first differing key. Floats can round
+differently on another CPU, so a baseline records its machine and is checked on the same one (--check says so).
 
-    python bench/same_results.py --write bench/results/same_results/baseline-<sha>.json
-    python bench/same_results.py --check bench/results/same_results/baseline-<sha>.json [--only NAME ...]
+    python bench/same_results.py --write bench/results/same_results/baseline-<sha>-<machine>.json
+    python bench/same_results.py --check bench/results/same_results/baseline-<sha>-<machine>.json [--only NAME ...]
 """
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -149,6 +152,31 @@ def measure(name, tmp):
     return record(out)
 
 
+def machine():
+    """What the floats depend on beyond the code: the CPU (its model and instruction sets pick oneDNN's
+    kernels, so a sum can round differently in its last bit) and torch's version."""
+    cpu, flags = platform.processor() or platform.machine(), ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            first = [line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line]
+        info = {k.strip(): v.strip() for k, v in first}  # the first CPU's fields
+        cpu = info.get("model name", cpu)
+        flags = " ".join(sorted(f for f in info.get("flags", "").split() if f.startswith(("avx", "amx"))))
+    return {"cpu": cpu, "cpu_flags": flags, "torch": importlib.metadata.version("torch")}
+
+
+def machine_warning(baseline, here):
+    """One line when the baseline was written on another machine (or does not say), else None."""
+    there = baseline.get("machine")
+    if there == here:
+        return None
+    was = f"on {there['cpu']} ({there['cpu_flags'] or 'no avx'}), torch {there['torch']}" if there \
+        else "on a machine it does not record"
+    return (f"note: the baseline was written {was}; this is {here['cpu']} ({here['cpu_flags'] or 'no avx'}), "
+            f"torch {here['torch']}. Floats can differ in their last bits between machines: to compare "
+            "two commits, --write the old one's baseline here, from a worktree of it")
+
+
 def differences(want, got):
     """One line per differing file: its name, and for metrics/summary where they first differ."""
     lines = []
@@ -191,7 +219,10 @@ def main(argv=None):
         with open(args.check) as f:
             baseline = json.load(f)
         names = [n for n in names if n in baseline["configs"]]
-    results, failed, start = {}, [], time.time()
+    results, failed, start, here = {}, [], time.time(), machine()
+    warning = baseline and machine_warning(baseline, here)
+    if warning:
+        print(warning, flush=True)
     with tempfile.TemporaryDirectory(prefix="same_results_") as tmp:
         write_gsm8k(GSM8K.format(tmp=tmp))
         for name in names:
@@ -218,11 +249,13 @@ def main(argv=None):
     if args.write:
         os.makedirs(os.path.dirname(os.path.abspath(args.write)), exist_ok=True)
         with open(args.write, "w") as f:
-            json.dump({"commit": commit, "base_args": BASE, "flags": {n: CONFIGS[n] for n in results},
+            json.dump({"commit": commit, "machine": here, "base_args": BASE, "flags": {n: CONFIGS[n] for n in results},
                        "configs": results}, f, indent=1, sort_keys=True)
             f.write("\n")
     if failed:
         print(f"{len(failed)} differ or failed: {' '.join(failed)}")
+        if warning:
+            print(warning)
     return 1 if failed else 0
 
 

@@ -49,3 +49,14 @@ def test_the_checkout_path_is_not_recorded(tmp_path):
     b = fake_run(tmp_path / "b", "/another/assets/tiny-qwen")
     c = fake_run(tmp_path / "c", "/one/checkout/assets/tiny-qwen", r=8)
     assert a == b and a["adapter_config.json"] != c["adapter_config.json"]
+
+
+def test_a_baseline_from_another_machine_is_named():
+    """Floats can round differently on another CPU, so --check says where its baseline was written."""
+    here = same_results.machine()
+    assert here["cpu"] and here["torch"].split(".")[0].isdigit()
+    assert same_results.machine_warning({"machine": dict(here)}, here) is None
+    other = dict(here, cpu="Some Other CPU", cpu_flags="amx_bf16 avx512_bf16")
+    line = same_results.machine_warning({"machine": other}, here)
+    assert "Some Other CPU" in line and here["cpu"] in line and "--write" in line
+    assert "does not record" in same_results.machine_warning({}, here)
