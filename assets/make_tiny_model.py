@@ -1,5 +1,5 @@
 """
-Make assets/tiny-qwen: the small Qwen2-architecture model that `python 05_grpo.py` trains with RL.
+Make assets/tiny-qwen: the small Qwen2-architecture model that `python qerl/train.py` trains with RL.
 
 QeRL's experiments start from an instruction-tuned model that already solves some problems: RL can only
 sharpen what the policy sometimes gets right. On a 2-core CPU we cannot run Qwen2.5, so this script makes
@@ -18,7 +18,7 @@ model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json
   4. Training is stopped early on purpose: every 25 steps the greedy accuracy on 200 held-out
      problems is measured, and training stops at the first checkpoint at or above --target (0.25).
      RL needs room: greedy ~25% while pass@8 at temperature 1 is far higher (the policy *can* solve
-     about half the problems, just not reliably). `python 05_grpo.py` took this one from 23.0% to
+     about half the problems, just not reliably). `python qerl/train.py` took this one from 23.0% to
      49.2% greedy (NVFP4, 500 held-out problems) in 750 steps and 464 s; a 33% checkpoint gained
      only 15 points in the same time, because the RL runs end near the same accuracy.
 
@@ -44,10 +44,10 @@ from safetensors.torch import save_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-rollout = importlib.import_module("03_rollout")
-grpo = importlib.import_module("05_grpo")  # the evaluation
-tasks = importlib.import_module("tasks")  # the task: problems, prompts, reward
-hf_files = importlib.import_module("hf_files")  # the tokenizer wrapper
+rollout = importlib.import_module("qerl.rollout")
+grpo = importlib.import_module("qerl.train")  # the evaluation
+tasks = importlib.import_module("qerl.tasks")  # the task: problems, prompts, reward
+hf_files = importlib.import_module("qerl.hf_files")  # the tokenizer wrapper
 TASK = tasks.ArithmeticTask(eval_size=0)  # its prompt (bare, no system message) and its `correct`
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -218,9 +218,9 @@ def main(args):
         chosen = step
     model.eval()
     res = grpo.evaluate_pass_k(model, tok, TASK, final_set, args.max_new_tokens, k=8, temperature=1.0, seed=tasks.EVAL_SEED)
-    # what `python 05_grpo.py` starts from: the same weights with every decoder linear in NVFP4
+    # what `python qerl/train.py` starts from: the same weights with every decoder linear in NVFP4
     q = copy.deepcopy(model)
-    importlib.import_module("01_quantize").quantize_model(q, fmt="nvfp4")
+    importlib.import_module("qerl.quantize").quantize_model(q, fmt="nvfp4")
     res_q = grpo.evaluate_pass_k(q, tok, TASK, final_set, args.max_new_tokens, k=8, temperature=1.0, seed=tasks.EVAL_SEED)
     info = {"train_steps": chosen, "train_seconds": round(time.time() - t0, 1), "params": n_params,
             "eval_n": res["n"], "fp32": res, "nvfp4": res_q, "seed": args.seed, "threads": torch.get_num_threads()}

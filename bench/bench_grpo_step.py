@@ -20,7 +20,7 @@ expected to be *slower* here; the rollout gain is a GPU effect (bench/bench_roll
 
     python bench/bench_grpo_step.py                          # none, nf4, nvfp4; 1 thread; < 1 min
     python bench/bench_grpo_step.py --quants none nvfp4 --steps 10 --warmup 3 --threads 2
-    python bench/bench_grpo_step.py -- --no-aqn --max-new-tokens 64   # after --: 05_grpo.py flags
+    python bench/bench_grpo_step.py -- --no-aqn --max-new-tokens 64   # after --: qerl/train.py flags
 """
 import contextlib
 import importlib
@@ -37,10 +37,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-cli = importlib.import_module("cli")
-devices = importlib.import_module("devices")
-grpo = importlib.import_module("05_grpo")
-quantize = importlib.import_module("01_quantize")
+cli = importlib.import_module("qerl.cli")
+devices = importlib.import_module("qerl.devices")
+grpo = importlib.import_module("qerl.train")
+quantize = importlib.import_module("qerl.quantize")
 
 # ---------------------------------------------------------------------------------------------------
 # One quantization: 05's train() for --warmup + --steps steps, its step records split into phases
@@ -99,7 +99,7 @@ def print_table(results, base):
 
 def build_parser():
     p = cli.ArgumentParser(description="Split one GRPO step (05_grpo's loop) into rollout / reward / update "
-                           "per quantization (arguments after -- go to 05_grpo.py's parser)")
+                           "per quantization (arguments after -- go to qerl/train.py's parser)")
     p.add_argument("--quants", nargs="+", default=["none", "nf4", "nvfp4"], choices=quantize.QUANT_CHOICES)
     p.add_argument("--steps", type=cli.number(int, 1), default=5, help="measured steps per quantization")
     p.add_argument("--warmup", type=cli.number(int, 0), default=2, help="unmeasured steps first")

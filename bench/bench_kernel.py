@@ -23,8 +23,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-cli = importlib.import_module("cli")
-quant_engine = importlib.import_module("quant_engine")  # loads kernels/ by path (HF's `kernels` shares its name)
+cli = importlib.import_module("qerl.cli")
+quant_engine = importlib.import_module("qerl.quant_engine")  # loads kernels/ by path (HF's `kernels` shares its name)
 
 # -----------------------------------------------------------------------------
 # Shapes: (name, N = out_features, K = in_features)
@@ -48,7 +48,7 @@ E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 
 def _stage01():
     try:
-        return importlib.import_module("01_quantize")
+        return importlib.import_module("qerl.quantize")
     except ImportError:
         return None
 

@@ -43,9 +43,9 @@ ROOT = os.path.dirname(BENCH)
 for p in (ROOT, BENCH):
     if p not in sys.path:
         sys.path.insert(0, p)
-cli = importlib.import_module("cli")
-ro = importlib.import_module("03_rollout")
-lora = importlib.import_module("02_lora")
+cli = importlib.import_module("qerl.cli")
+ro = importlib.import_module("qerl.rollout")
+lora = importlib.import_module("qerl.lora")
 from bench_rollout import (DTYPES, QUANTS, SHAPES, build_random_model, model_config, pick_device,  # noqa: E402
                            weight_bytes)
 

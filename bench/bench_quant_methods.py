@@ -31,11 +31,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-cli = importlib.import_module("cli")
-files = importlib.import_module("files")
-quantize = importlib.import_module("01_quantize")
-rollout = importlib.import_module("03_rollout")
-grpo = importlib.import_module("05_grpo")
+cli = importlib.import_module("qerl.cli")
+files = importlib.import_module("qerl.files")
+quantize = importlib.import_module("qerl.quantize")
+rollout = importlib.import_module("qerl.rollout")
+grpo = importlib.import_module("qerl.train")
 
 # name -> (weight format, NVFP4 method); "fp32" is the unquantized model
 VARIANTS = {"nvfp4-rtn": ("nvfp4", "rtn"), "nvfp4-4over6": ("nvfp4", "4over6"), "nf4": ("nf4", "rtn")}
@@ -209,7 +209,7 @@ def main(argv=None):
         models = {"fp32": base}
         for v, (fmt, method) in VARIANTS.items():
             models[v] = quantize.quantize_model(copy.deepcopy(base), fmt=fmt, method=method)
-        task = grpo.make_task(grpo.build_parser().parse_args(  # 05's task, as `05_grpo.py --task` builds it
+        task = grpo.make_task(grpo.build_parser().parse_args(  # 05's task, as `qerl/train.py --task` builds it
             ["--model", args.model, "--task", args.task, "--eval-size", str(args.eval_size)]))
         if "distribution" in parts:
             out["distribution"] = table_distribution(models, tok, task, args.kl_prompts, args.max_new_tokens,

@@ -15,9 +15,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-cli = importlib.import_module("cli")
-devices = importlib.import_module("devices")
-q = importlib.import_module("01_quantize")
+cli = importlib.import_module("qerl.cli")
+devices = importlib.import_module("qerl.devices")
+q = importlib.import_module("qerl.quantize")
 
 
 def timed(fn, repeats, device):

@@ -32,9 +32,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-cli = importlib.import_module("cli")
-devices = importlib.import_module("devices")
-ro = importlib.import_module("03_rollout")
+cli = importlib.import_module("qerl.cli")
+devices = importlib.import_module("qerl.devices")
+ro = importlib.import_module("qerl.rollout")
 
 # ---------------------------------------------------------------------------------------------------
 # Model shapes (Qwen2 family: SwiGLU, GQA, bias on q/k/v). bench_memory.py imports these too.
@@ -55,7 +55,7 @@ SHAPES = {
 }
 CUDA_ONLY = ("qwen2.5-7b",)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-QUANTS = importlib.import_module("01_quantize").QUANT_CHOICES  # stage 01's registry
+QUANTS = importlib.import_module("qerl.quantize").QUANT_CHOICES  # stage 01's registry
 
 
 def model_config(shape, **overrides):
@@ -99,7 +99,7 @@ def build_random_model(cfg, quant="none", dtype=torch.float32, device="cpu", see
     if quant not in QUANTS:
         raise ValueError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANTS)}")
     device = torch.device(device)
-    q = importlib.import_module("01_quantize") if quant != "none" else None
+    q = importlib.import_module("qerl.quantize") if quant != "none" else None
     with torch.device("meta"):
         model = ro.CausalLM(cfg).to(dtype)  # on meta, .to only records the dtype
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -37,9 +37,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-cli = importlib.import_module("cli")
-devices = importlib.import_module("devices")
-hf_files = importlib.import_module("hf_files")
+cli = importlib.import_module("qerl.cli")
+devices = importlib.import_module("qerl.devices")
+hf_files = importlib.import_module("qerl.hf_files")
 
 # The shape of the README's comparison; --shape may also name any shape of bench_rollout.py.
 SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -155,7 +155,7 @@ def compare(args, ro, br, device, sync):
         else:
             model = br.build_random_model(cfg, quant=quant, dtype=dtype, device=device)
         if args.lora:  # adapters on every projection, B != 0 (as after training), unmerged: GRPO's sampler on a GPU
-            lora = importlib.import_module("02_lora")
+            lora = importlib.import_module("qerl.lora")
             lora.add_lora(model, r=args.lora, alpha=2 * args.lora, generator=torch.Generator().manual_seed(0))
             with torch.no_grad():
                 for p in lora.lora_parameters(model):
@@ -300,7 +300,7 @@ def kv_vs_recompute(args, ro, device, sync):
 
 
 def main(argv=None):
-    ro = importlib.import_module("03_rollout")
+    ro = importlib.import_module("qerl.rollout")
     br = importlib.import_module("bench_rollout")  # its random-model builder, shapes and --batches type
     N = cli.number
     ap = cli.ArgumentParser(description=__doc__.split("\n")[0])

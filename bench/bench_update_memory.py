@@ -17,7 +17,7 @@ peak then measures the allocator's leftovers as much as the tensors (`--default-
     python bench/bench_update_memory.py --default-malloc   # glibc's default (dynamic) mmap threshold
     python bench/bench_update_memory.py --per-token        # activations per token per layer, Qwen2.5-7B widths
     python bench/bench_update_memory.py --write-model DIR --layers 2   # random folder with Qwen2.5-7B widths
-    python bench/bench_update_memory.py --smoke DIR -- <05_grpo.py flags>   # 05 on CUDA, rewards 0, 1, 0, ...
+    python bench/bench_update_memory.py --smoke DIR -- <qerl/train.py flags>   # 05 on CUDA, rewards 0, 1, 0, ...
 
 `--per-token` counts the bytes autograd saves for backward (saved_tensors_hooks) in one decoder layer
 with rank-32 LoRA at Qwen2.5-7B's widths (bf16), at two sequence lengths, and reports the slope: the
@@ -39,13 +39,13 @@ import torch.utils.checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-cli = importlib.import_module("cli")
-engine = importlib.import_module("engine")
-tasks = importlib.import_module("tasks")
-quantize = importlib.import_module("01_quantize")
-lora = importlib.import_module("02_lora")
-rollout = importlib.import_module("03_rollout")
-grpo = importlib.import_module("05_grpo")
+cli = importlib.import_module("qerl.cli")
+engine = importlib.import_module("qerl.engine")
+tasks = importlib.import_module("qerl.tasks")
+quantize = importlib.import_module("qerl.quantize")
+lora = importlib.import_module("qerl.lora")
+rollout = importlib.import_module("qerl.rollout")
+grpo = importlib.import_module("qerl.train")
 
 QWEN_VOCAB = 151936
 QWEN7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,

@@ -13,7 +13,7 @@ TRL's adapter read by 02's PEFT-layout loader), accuracy before -> after.
 
 TRL is not a project dependency: its side runs in the interpreter `--trl-python` names. Make that venv with
     python -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install torch==2.13.0 trl peft transformers accelerate
-(pin torch: an unpinned one pulls a multi-GB CUDA build). The TRL worker imports this repository's 05_grpo.py
+(pin torch: an unpinned one pulls a multi-GB CUDA build). The TRL worker imports this repository's qerl/train.py
 for the task's reward (it needs only torch, safetensors and tokenizers, which that venv has).
 
     python bench/bench_vs_trl.py --trl-python /tmp/trlvenv/bin/python           # tiny model, 150 steps, ~5 min
@@ -41,10 +41,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-cli = importlib.import_module("cli")
-devices = importlib.import_module("devices")
-hf_files = importlib.import_module("hf_files")
-tasks = importlib.import_module("tasks")
+cli = importlib.import_module("qerl.cli")
+devices = importlib.import_module("qerl.devices")
+hf_files = importlib.import_module("qerl.hf_files")
+tasks = importlib.import_module("qerl.tasks")
 
 TRL_VENV_HINT = ("python -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install torch==2.13.0 trl peft transformers "
                  "accelerate")
@@ -55,7 +55,7 @@ def peak_rss_mb():
 
 
 def grpo_flags(job):
-    """05_grpo.py's command line for this comparison (both workers parse it with 05's own parser)."""
+    """qerl/train.py's command line for this comparison (both workers parse it with 05's own parser)."""
     return ["--model", job["model"], "--task", job["task"], "--quant", "none", "--no-aqn",
             "--steps", str(job["steps"]), "--batch", str(job["batch"]), "--group", str(job["group"]),
             "--max-new-tokens", str(job["max_new_tokens"]), "--temperature", str(job["temperature"]),
@@ -65,7 +65,7 @@ def grpo_flags(job):
 
 
 def load_grpo():
-    return importlib.import_module("05_grpo")
+    return importlib.import_module("qerl.train")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -406,7 +406,7 @@ def main(argv=None):
           f"{v['accelerate']} | torch {v['torch']} (ours: torch {sides['ours']['versions']['torch']})")
     print("\n| side | s/step | sampling s/step | update s/step | peak RSS MB | greedy before -> after | steps |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    labels = {"ours": f"05_grpo.py ({sides['ours']['dtype']})",
+    labels = {"ours": f"qerl/train.py ({sides['ours']['dtype']})",
               "trl": f"TRL {v['trl']} GRPOTrainer + peft {v['peft']} ({sides['trl']['dtype']})"}
     for name, s in sides.items():
         print(f"| {labels[name]} | {s['s_step']:.2f} | {s['sample_s_step']:.2f} | {s['update_s_step']:.2f} | "

@@ -8,7 +8,7 @@ the control that separates the two causes -- noise on an *unquantized* base -- s
 This script trains every method with stage 05 on the bundled tiny model and the synthetic arithmetic
 task, with identical budgets: the same number of GRPO steps (not wall time: quantized layers are
 slower on a CPU, and a time budget would hand the unquantized runs more training), the same seeds,
-the same held-out set. Each run is a separate `python 05_grpo.py` process with one thread, several
+the same held-out set. Each run is a separate `python qerl/train.py` process with one thread, several
 at a time, writing to bench/results/runs/<method>-s<seed>/. Then it reads every run's summary.json
 and metrics.jsonl and writes:
   results.json  one record per run, one line each (final greedy accuracy, pass@k, steps to reach
@@ -54,7 +54,7 @@ Run it (from the repository root; 15 runs of 300 steps took 45 min on 2 cores wi
     python bench/compare_methods.py --methods lora qerl --steps 4 --seeds 0 --eval-size 20 --out /tmp/cmp
     python bench/compare_methods.py --from-results                   # only re-render table and plot (seconds)
     python bench/compare_methods.py --from-results --pack            # ... then repack runs/ (after deleting a run)
-    python bench/compare_methods.py -- --lr 5e-4                     # arguments after -- go to 05_grpo.py
+    python bench/compare_methods.py -- --lr 5e-4                     # arguments after -- go to qerl/train.py
 A second copy started later with the same arguments (e.g. once the machine has a free core) trains
 the runs the first has not taken yet, from the first's snapshot (when the stage files are still the
 ones it copied); rerun with --from-results at the end to report all of them.
@@ -137,9 +137,9 @@ from study_files import read_pack as read_pack
 from study_runner import CODE_FILES as CODE_FILES, SNAPSHOT_RECORD as SNAPSHOT_RECORD, live_claims as live_claims, \
     process_identity as process_identity, tree_hash as tree_hash
 
-cli = importlib.import_module("cli")
-quantize = importlib.import_module("01_quantize")  # the command-line pieces
-GRPO = os.path.join(ROOT, "05_grpo.py")
+cli = importlib.import_module("qerl.cli")
+quantize = importlib.import_module("qerl.quantize")  # the command-line pieces
+GRPO = os.path.join(ROOT, "qerl/train.py")
 DEFAULT_OUT = os.path.join(ROOT, "bench", "results")
 
 # ---------------------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ DEFAULT_OUT = os.path.join(ROOT, "bench", "results")
 def build_parser():
     N = cli.number
     p = cli.ArgumentParser(description="Train LoRA / QLoRA / NVFP4-LoRA / QeRL / LoRA+AQN with identical "
-                           "budgets and compare them (arguments after -- go to 05_grpo.py)")
+                           "budgets and compare them (arguments after -- go to qerl/train.py)")
     p.add_argument("--study", choices=list(STUDIES), help="one of the ablation studies instead of the paper's "
                    "comparison: its own methods, 1000 held-out problems, results under bench/results/<study>/")
     p.add_argument("--methods", nargs="+", help="a subset of the methods (default: all of the comparison's, or "
@@ -182,7 +182,7 @@ def build_parser():
 
 def parse_args(argv):
     train_args = []
-    if "--" in argv:  # everything after -- is passed to 05_grpo.py unchanged
+    if "--" in argv:  # everything after -- is passed to qerl/train.py unchanged
         i = argv.index("--")
         argv, train_args = argv[:i], argv[i + 1:]
     args = build_parser().parse_args(argv)

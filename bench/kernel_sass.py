@@ -33,13 +33,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real, whatever the caller's environment says
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-cli = importlib.import_module("cli")
+cli = importlib.import_module("qerl.cli")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-quant_engine = importlib.import_module("quant_engine")  # loads kernels/ by path (HF's `kernels` shares its name)
+quant_engine = importlib.import_module("qerl.quant_engine")  # loads kernels/ by path (HF's `kernels` shares its name)
 general = quant_engine.kernel_module("nvfp4_matmul")  # part one: the general kernel
 decode = quant_engine.kernel_module("nvfp4_decode")  # part two: the decode kernel
 

@@ -16,15 +16,15 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-cli = importlib.import_module("cli")
-files = importlib.import_module("files")
+cli = importlib.import_module("qerl.cli")
+files = importlib.import_module("qerl.files")
 
 
 def read_run(folder):
     """(step records, evaluation records) of a run folder's metrics.jsonl."""
     path = os.path.join(folder, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{folder}: no metrics.jsonl (is it a 05_grpo.py run folder?)")
+        raise FileNotFoundError(f"{folder}: no metrics.jsonl (is it a qerl/train.py run folder?)")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     steps = [r for r in rows if "eval" not in r and "step" in r]
@@ -69,7 +69,7 @@ def plot(steps, evals, png):
 
 def main(argv=None):
     p = cli.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("run", help="a 05_grpo.py run folder (with metrics.jsonl)")
+    p.add_argument("run", help="a qerl/train.py run folder (with metrics.jsonl)")
     p.add_argument("--every", type=cli.number(int, 1), default=10, help="steps per table row")
     p.add_argument("--png", default=None, help="also draw the curves into this PNG file")
     a = p.parse_args(argv)

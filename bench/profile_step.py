@@ -16,7 +16,7 @@ Each phase's wall time is the median of --repeats runs outside the profiler (the
     python bench/profile_step.py                                   # SmolLM2 in --dtype auto, ~2 min
     python bench/profile_step.py --dtype float32                   # the same in fp32
     python bench/profile_step.py --model assets/tiny-qwen -- --task arithmetic --max-new-tokens 42
-    python bench/profile_step.py -- --micro-batch 8                # after --: any 05_grpo.py flag
+    python bench/profile_step.py -- --micro-batch 8                # after --: any qerl/train.py flag
 
 Needs `make smollm2` for the default model (assets/smollm2-135m-instruct).
 """
@@ -33,11 +33,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-cli = importlib.import_module("cli")
-devices = importlib.import_module("devices")
-tasks = importlib.import_module("tasks")
-memory = importlib.import_module("memory")
-grpo = importlib.import_module("05_grpo")
+cli = importlib.import_module("qerl.cli")
+devices = importlib.import_module("qerl.devices")
+tasks = importlib.import_module("qerl.tasks")
+memory = importlib.import_module("qerl.memory")
+grpo = importlib.import_module("qerl.train")
 
 SMOLLM2 = os.path.join(ROOT, "assets", "smollm2-135m-instruct")
 SMOLLM2_FLAGS = ["--task", "chat-arithmetic", "--quant", "nvfp4", "--batch", "4", "--group", "8",

@@ -1,4 +1,4 @@
-"""Same results: every variant of 05_grpo.py, seeded and tiny, gives the same adapters and metrics as a baseline.
+"""Same results: every variant of qerl/train.py, seeded and tiny, gives the same adapters and metrics as a baseline.
 
 A refactor (stage files restructured, common.py split) must change no number. This runs each CONFIGS entry
 (3 steps of the bundled tiny model on the CPU, a few seconds) in a fresh process of the checkout this file
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout whose 05_grpo.py is measured
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout whose qerl/train.py is measured
 
 # 32 new tokens, not 12: at 12 the tiny model never finishes an answer, every reward is 0, no group has a
 # spread, and the adapters never move, so their hash would prove nothing. Seed 2 gives groups with a spread.
@@ -85,6 +85,9 @@ ENV = {"gpu-path": {"TRITON_INTERPRET": "1"}}  # the Triton kernel interpreted o
 # What a run records that depends on the clock, the machine or where it ran, not on the computation
 TIME_KEYS = {"time", "seconds", "tok/s", "s/step", "peak_rss_mb"}
 PATH_KEYS = {"checkpoint", "model", "out", "data", "eval_data", "resume"}
+# Flags added after a baseline was written, at the value that leaves the run as it was: dropped from the
+# recorded args, so an older baseline still compares (--plain: the fast paths off; off by default)
+NEW_FLAGS = {"plain": False}
 
 
 def is_volatile(key):
@@ -114,7 +117,7 @@ def write_gsm8k(path):
 
 def run_05(args, env_extra, tmp):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0", **env_extra)
-    cmd = [sys.executable, os.path.join(ROOT, "05_grpo.py"), *[a.format(tmp=tmp) for a in args]]
+    cmd = [sys.executable, os.path.join(ROOT, "qerl/train.py"), *[a.format(tmp=tmp) for a in args]]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-2000:]}")
@@ -132,6 +135,9 @@ def record(out):
         metrics = [normalize(json.loads(line)) for line in f if line.strip()]
     with open(os.path.join(out, "summary.json")) as f:
         summary = normalize(json.load(f))
+    for k, v in NEW_FLAGS.items():
+        if summary.get("args", {}).get(k, v) == v:
+            summary.get("args", {}).pop(k, None)
     with open(os.path.join(ckpt, "adapter_model.safetensors"), "rb") as f:
         files = {"adapter_model.safetensors": sha256(f.read())}
     with open(os.path.join(ckpt, "adapter_config.json")) as f:  # its base model's path is the checkout's

@@ -8,12 +8,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the stages: the study modules import this one first
     sys.path.insert(0, ROOT)
-aqn = importlib.import_module("04_aqn")  # its schedule kinds are the scheduler study's methods
+aqn = importlib.import_module("qerl.aqn")  # its schedule kinds are the scheduler study's methods
 
 # ---------------------------------------------------------------------------------------------------
 # The methods: each is stage 05 with a quantization and AQN on or off; everything else is shared.
 
-METHODS = {  # key -> (label, 05_grpo.py flags, plot colour)
+METHODS = {  # key -> (label, qerl/train.py flags, plot colour)
     "lora": ("LoRA (fp32 base)", ["--quant", "none", "--no-aqn"], "tab:blue"),
     "qlora": ("QLoRA (NF4 base)", ["--quant", "nf4", "--no-aqn"], "tab:orange"),
     "nvfp4-lora": ("NVFP4 + LoRA", ["--quant", "nvfp4", "--no-aqn"], "tab:green"),

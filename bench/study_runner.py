@@ -1,5 +1,5 @@
 """The runner of a study (bench/compare_methods.py): the code snapshot every run executes, the claims that
-let copies of the script share a study, one 05_grpo.py process per (method, seed), and a study's phases."""
+let copies of the script share a study, one qerl/train.py process per (method, seed), and a study's phases."""
 import contextlib
 import hashlib
 import importlib
@@ -22,17 +22,17 @@ from study_files import (finished_steps, flag_values, load_json, load_run, owned
                          write_text)
 from study_report import fmt, study_best
 
-cli = importlib.import_module("cli")
+cli = importlib.import_module("qerl.cli")
 
-files = importlib.import_module("files")
-checkpoints = importlib.import_module("checkpoints")  # which files a 05 run writes in its folder
+files = importlib.import_module("qerl.files")
+checkpoints = importlib.import_module("qerl.checkpoints")  # which files a 05 run writes in its folder
 
 # ---------------------------------------------------------------------------------------------------
 # Running: one subprocess per (method, seed), at most --parallel at a time
 
 
 # what a run imports: the stages and the engine modules beneath them (every .py at the top), and the kernels
-CODE_FILES = (*sorted(f for f in os.listdir(ROOT) if f.endswith(".py")), "kernels")
+CODE_FILES = (*sorted(f for f in os.listdir(ROOT) if f.endswith(".py")), "kernels", "qerl")
 SNAPSHOT = ".code"              # <runs>/.code: the copy of the stage files every run of the study executes
 SNAPSHOT_RECORD = ".made.json"  # in it: {"md5": tree_hash, "owner": [pid, start]} of the copy that made it
 
@@ -143,7 +143,7 @@ def copy_code(dest):
 def prepare_code(runs_root):
     """The code snapshot every run of this invocation executes: (folder, its tree_hash, made here).
     Copying the stage files into <runs>/.code means every run executes the same code even if someone edits
-    05_grpo.py while the study trains (15 runs take most of an hour). A snapshot runs only if this
+    qerl/train.py while the study trains (15 runs take most of an hour). A snapshot runs only if this
     invocation made it, or if its files are this checkout's stage files byte for byte (a second copy of
     this script, started while the first runs, reuses the first's: the same tree_hash as its own copy).
     Which process a record names proves nothing (any process can put compare_methods.py on its command
@@ -250,9 +250,9 @@ def model_dir(args):
 
 
 def run_command(args, method, seed, run_dir, code_dir=ROOT):
-    """The exact 05_grpo.py command line of one run."""
+    """The exact qerl/train.py command line of one run."""
     model = [] if any(a.split("=")[0] == "--model" for a in args.train_args) else ["--model", model_dir(args)]
-    return ([sys.executable, os.path.join(code_dir, "05_grpo.py"), "--out", run_dir, "--seed", str(seed), "--steps", str(args.steps),
+    return ([sys.executable, os.path.join(code_dir, "qerl/train.py"), "--out", run_dir, "--seed", str(seed), "--steps", str(args.steps),
              "--time-budget", "0",  # a fixed number of steps, never cut short by the clock
              "--eval-size", str(args.eval_size), "--eval-every", str(args.eval_every), "--eval-k", str(args.eval_k),
              "--save-every", "0", "--quiet"] + model + args.table[method][1] + args.train_args)

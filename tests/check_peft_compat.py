@@ -20,7 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-lora = importlib.import_module("02_lora")
+lora = importlib.import_module("qerl.lora")
 
 torch.manual_seed(0)
 cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -111,7 +111,7 @@ torch.testing.assert_close(y_mine, y_pm, rtol=1e-5, atol=1e-5)
 # 4) stage 03's own model (HF module names) -> PEFT on the HF model of the same checkpoint
 tiny = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "qwen2")
 if os.path.isdir(tiny):
-    rollout = importlib.import_module("03_rollout")
+    rollout = importlib.import_module("qerl.rollout")
     ours, _ = rollout.load_model(tiny, quant="none", dtype=torch.float32, device="cpu")
     hf = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(4))  # (B, T)

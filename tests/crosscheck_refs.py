@@ -1,4 +1,4 @@
-"""Cross-check 01_quantize.py against the reference libraries, by hand (not part of `make test`).
+"""Cross-check qerl/quantize.py against the reference libraries, by hand (not part of `make test`).
 
 Needs an environment with compressed-tensors, bitsandbytes and transformers (this project does not
 depend on them); without them it prints "skipped" and exits 0:
@@ -11,7 +11,7 @@ depend on them); without them it prints "skipped" and exits 0:
    zeros and -0.0, and shared (fused-group) global scales.
 2. NF4 bytes and absmax vs bitsandbytes quantize_4bit(nf4) on random tensors (partial last block,
    odd sizes, zeros, ties at code midpoints).
-3. A tiny random Qwen2 model saved by transformers -> `01_quantize.py --out` -> loaded back by
+3. A tiny random Qwen2 model saved by transformers -> `qerl/quantize.py --out` -> loaded back by
    transformers + compressed-tensors (decompressed): every weight equals our dequantized weight.
 4. `4over6`: the same with `--quant-method 4over6`. compressed-tensors cannot write these bytes (it
    rounds to nearest), so only the decoding is compared: its decompressed weights equal ours.
@@ -35,7 +35,7 @@ try:
 except ImportError as e:
     print(f"skipped: reference libraries not importable ({e})")
     sys.exit(0)
-q = importlib.import_module("01_quantize")
+q = importlib.import_module("qerl.quantize")
 
 ARGS = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True,
                         dynamic=False, scale_dtype=torch.float8_e4m3fn)

@@ -24,7 +24,7 @@ leftovers_seen = 0
 work = tempfile.mkdtemp(prefix="kill9-")
 for i in range(20):
     out = os.path.join(work, f"run{i}")
-    p = subprocess.Popen([PY, f"{ROOT}/05_grpo.py", *flags, "--out", out], env=env, stdout=subprocess.DEVNULL,
+    p = subprocess.Popen([PY, f"{ROOT}/qerl/train.py", *flags, "--out", out], env=env, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     time.sleep(rng.uniform(2.0, 7.0))  # start-up ~2-3 s, then ~50 ms steps with a checkpoint each
     p.send_signal(signal.SIGKILL)
@@ -33,12 +33,12 @@ for i in range(20):
     leftovers_seen += bool(left)
     ckpts = sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) if os.path.isdir(out) else []
     if not ckpts:  # killed before the first checkpoint: nothing to resume, and --resume says so
-        r = subprocess.run([PY, f"{ROOT}/05_grpo.py", "--resume", out], env=env, capture_output=True, text=True)
+        r = subprocess.run([PY, f"{ROOT}/qerl/train.py", "--resume", out], env=env, capture_output=True, text=True)
         good = r.returncode == 1 and "no checkpoint there" in r.stderr
         ok += good
         print(f"kill {i} | before the first checkpoint | resume refused: {good}", flush=True)
         continue
-    r = subprocess.run([PY, f"{ROOT}/05_grpo.py", "--resume", out, "--quiet"], env=env, capture_output=True, text=True)
+    r = subprocess.run([PY, f"{ROOT}/qerl/train.py", "--resume", out, "--quiet"], env=env, capture_output=True, text=True)
     done = json.load(open(f"{out}/summary.json"))["steps_done"] if r.returncode == 0 else None
     after = [n for n in os.listdir(out) if ".tmp" in n]
     good = r.returncode == 0 and done == 80 and not after

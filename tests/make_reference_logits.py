@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-hf_files = importlib.import_module("hf_files")  # byte_tokenizer and chat_prompt
+hf_files = importlib.import_module("qerl.hf_files")  # byte_tokenizer and chat_prompt
 
 V = 272  # >= the 259 ids of the byte tokenizer, like real models whose embedding is padded past the tokenizer
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-aqn = importlib.import_module("04_aqn")
-rollout = importlib.import_module("03_rollout")
-quantize = importlib.import_module("01_quantize")
+aqn = importlib.import_module("qerl.aqn")
+rollout = importlib.import_module("qerl.rollout")
+quantize = importlib.import_module("qerl.quantize")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 landing = importlib.import_module("bench_aqn_landing")  # landed_noise: the measurement behind a docs/aqn.md table
 

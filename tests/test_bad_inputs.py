@@ -28,17 +28,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "assets", "tiny-qwen")
 if ROOT not in sys.path:  # run as a script: `python tests/test_bad_inputs.py` prints the table
     sys.path.insert(0, ROOT)
-cli = importlib.import_module("cli")  # the project's plumbing, beneath the stages: the command-line kit,
-devices = importlib.import_module("devices")  # devices, dtypes and memory,
-files = importlib.import_module("files")  # atomic writes, output folders and careful readers
-hf_files = importlib.import_module("hf_files")
-engine = importlib.import_module("engine")
-memory = importlib.import_module("memory")
-tasks = importlib.import_module("tasks")
-runs = importlib.import_module("runs")
-checkpoints = importlib.import_module("checkpoints")
-quantize = importlib.import_module("01_quantize")
-STAGES = {n: importlib.import_module(n) for n in ("01_quantize", "02_lora", "03_rollout", "04_aqn", "05_grpo")}
+cli = importlib.import_module("qerl.cli")  # the project's plumbing, beneath the stages: the command-line kit,
+devices = importlib.import_module("qerl.devices")  # devices, dtypes and memory,
+files = importlib.import_module("qerl.files")  # atomic writes, output folders and careful readers
+hf_files = importlib.import_module("qerl.hf_files")
+engine = importlib.import_module("qerl.engine")
+memory = importlib.import_module("qerl.memory")
+tasks = importlib.import_module("qerl.tasks")
+runs = importlib.import_module("qerl.runs")
+checkpoints = importlib.import_module("qerl.checkpoints")
+quantize = importlib.import_module("qerl.quantize")
+STAGES = {n: importlib.import_module(n.replace("/", ".")) for n in ("qerl/quantize", "qerl/lora", "qerl/rollout", "qerl/aqn", "qerl/train")}
 
 
 @dataclasses.dataclass
@@ -150,42 +150,42 @@ def _int_weight(tmp):
 
 
 CASES_01 = [
-    Case("01-int-weight", "01_quantize", ["--model", "{model}", "--out", "{tmp}/q"], "q_proj.weight has dtype I32, but a weight must be one of F32",
+    Case("01-int-weight", "qerl/quantize", ["--model", "{model}", "--out", "{tmp}/q"], "q_proj.weight has dtype I32, but a weight must be one of F32",
          setup=_int_weight),
-    Case("01-out-is-model", "01_quantize", ["--model", "{model}", "--out", "{model}", "--force"], "is the input"),
-    Case("01-out-above-model", "01_quantize", ["--model", "{model}", "--out", "{tmp}", "--force"], "contains the input"),
-    Case("01-out-exists", "01_quantize", ["--model", "{model}", "--out", "{tmp}/other"], "pass --force",
+    Case("01-out-is-model", "qerl/quantize", ["--model", "{model}", "--out", "{model}", "--force"], "is the input"),
+    Case("01-out-above-model", "qerl/quantize", ["--model", "{model}", "--out", "{tmp}", "--force"], "contains the input"),
+    Case("01-out-exists", "qerl/quantize", ["--model", "{model}", "--out", "{tmp}/other"], "pass --force",
          setup=lambda t: write(f"{t}/other/notes.txt", "mine")),
-    Case("01-force-not-ours", "01_quantize", ["--model", "{model}", "--out", "{tmp}/other", "--force"],
-         "replaces only an earlier output of 01_quantize.py", setup=lambda t: write(f"{t}/other/notes.txt", "mine")),
-    Case("01-out-is-file", "01_quantize", ["--model", "{model}", "--out", "{tmp}/f.txt"], "is a file",
+    Case("01-force-not-ours", "qerl/quantize", ["--model", "{model}", "--out", "{tmp}/other", "--force"],
+         "replaces only an earlier output of qerl/quantize.py", setup=lambda t: write(f"{t}/other/notes.txt", "mine")),
+    Case("01-out-is-file", "qerl/quantize", ["--model", "{model}", "--out", "{tmp}/f.txt"], "is a file",
          setup=lambda t: write(f"{t}/f.txt", "x")),
-    Case("01-missing-model", "01_quantize", ["--model", "{tmp}/nope", "--out", "{tmp}/q"], "model folder not found"),
-    Case("01-already-quantized", "01_quantize", ["--model", "{tmp}/q", "--out", "{tmp}/q2"], "already quantized",
+    Case("01-missing-model", "qerl/quantize", ["--model", "{tmp}/nope", "--out", "{tmp}/q"], "model folder not found"),
+    Case("01-already-quantized", "qerl/quantize", ["--model", "{tmp}/q", "--out", "{tmp}/q2"], "already quantized",
          setup=_own_output),
-    Case("01-nan-weight", "01_quantize", ["--model", "{model}", "--out", "{tmp}/q"], "NaN or Inf", setup=_nan_weight),
-    Case("01-random-bytes", "01_quantize", ["--model", "{model}", "--out", "{tmp}/q"], "not a readable safetensors",
+    Case("01-nan-weight", "qerl/quantize", ["--model", "{model}", "--out", "{tmp}/q"], "NaN or Inf", setup=_nan_weight),
+    Case("01-random-bytes", "qerl/quantize", ["--model", "{model}", "--out", "{tmp}/q"], "not a readable safetensors",
          setup=lambda t: write(f"{t}/model/model.safetensors", os.urandom(64), "wb")),
-    Case("01-config-list", "01_quantize", ["--model", "{model}", "--out", "{tmp}/q"], "config.json",
+    Case("01-config-list", "qerl/quantize", ["--model", "{model}", "--out", "{tmp}/q"], "config.json",
          setup=lambda t: write(f"{t}/model/config.json", "[1, 2]")),
-    Case("01-no-gpu", "01_quantize", ["--model", "{model}", "--out", "{tmp}/q", "--device", "cuda"], "no GPU"),
-    Case("01-bad-device", "01_quantize", ["--model", "{model}", "--out", "{tmp}/q", "--device", "tpu"], "device"),
-    Case("01-model-without-out", "01_quantize", ["--model", "{model}"], "go together", code=2),
-    Case("01-negative-seed", "01_quantize", ["--seed", "-1"], "out of range", code=2),
+    Case("01-no-gpu", "qerl/quantize", ["--model", "{model}", "--out", "{tmp}/q", "--device", "cuda"], "no GPU"),
+    Case("01-bad-device", "qerl/quantize", ["--model", "{model}", "--out", "{tmp}/q", "--device", "tpu"], "device"),
+    Case("01-model-without-out", "qerl/quantize", ["--model", "{model}"], "go together", code=2),
+    Case("01-negative-seed", "qerl/quantize", ["--seed", "-1"], "out of range", code=2),
 ]
 
 # -----------------------------------------------------------------------------
 # 02: the LoRA demo and adapter folders
 
 CASES_02 = [
-    Case("02-zero-steps", "02_lora", ["--steps", "0"], "argument --steps: 0 is out of range: need >= 1", code=2),
-    Case("02-zero-rank", "02_lora", ["--rank", "0"], "argument --rank: 0 is out of range: need >= 1", code=2),
-    Case("02-zero-lr", "02_lora", ["--lr", "0"], "argument --lr: 0 is out of range: need > 0", code=2),
-    Case("02-nan-lr", "02_lora", ["--lr", "nan"], "argument --lr: nan is out of range", code=2),
-    Case("02-text-rank", "02_lora", ["--rank", "eight"], "argument --rank: 'eight' is not an integer", code=2),
-    Case("02-negative-seed", "02_lora", ["--seed", "-1"], "argument --seed: -1 is out of range: need >= 0", code=2),
-    Case("02-no-gpu", "02_lora", ["--device", "cuda"], "no GPU is available"),
-    Case("02-bad-device", "02_lora", ["--device", "tpu"], "unknown device 'tpu'"),
+    Case("02-zero-steps", "qerl/lora", ["--steps", "0"], "argument --steps: 0 is out of range: need >= 1", code=2),
+    Case("02-zero-rank", "qerl/lora", ["--rank", "0"], "argument --rank: 0 is out of range: need >= 1", code=2),
+    Case("02-zero-lr", "qerl/lora", ["--lr", "0"], "argument --lr: 0 is out of range: need > 0", code=2),
+    Case("02-nan-lr", "qerl/lora", ["--lr", "nan"], "argument --lr: nan is out of range", code=2),
+    Case("02-text-rank", "qerl/lora", ["--rank", "eight"], "argument --rank: 'eight' is not an integer", code=2),
+    Case("02-negative-seed", "qerl/lora", ["--seed", "-1"], "argument --seed: -1 is out of range: need >= 0", code=2),
+    Case("02-no-gpu", "qerl/lora", ["--device", "cuda"], "no GPU is available"),
+    Case("02-bad-device", "qerl/lora", ["--device", "tpu"], "unknown device 'tpu'"),
 ]
 
 # -----------------------------------------------------------------------------
@@ -197,81 +197,81 @@ def _config(**change):  # setup: config.json with fields changed
 
 M = ["--model", "{model}"]
 CASES_03 = [
-    Case("03-missing-model", "03_rollout", ["--model", "{tmp}/nope"], "model folder not found: "),
-    Case("03-size-as-string", "03_rollout", M, "config.json: hidden_size must be a positive integer, got '128'",
+    Case("03-missing-model", "qerl/rollout", ["--model", "{tmp}/nope"], "model folder not found: "),
+    Case("03-size-as-string", "qerl/rollout", M, "config.json: hidden_size must be a positive integer, got '128'",
          setup=_config(hidden_size="128")),
-    Case("03-zero-layers", "03_rollout", M, "config.json: num_hidden_layers must be a positive integer, got 0",
+    Case("03-zero-layers", "qerl/rollout", M, "config.json: num_hidden_layers must be a positive integer, got 0",
          setup=_config(num_hidden_layers=0)),
-    Case("03-negative-vocab", "03_rollout", M, "config.json: vocab_size must be a positive integer, got -5",
+    Case("03-negative-vocab", "qerl/rollout", M, "config.json: vocab_size must be a positive integer, got -5",
          setup=_config(vocab_size=-5)),
-    Case("03-eps-as-string", "03_rollout", M, "config.json: rms_norm_eps must be a positive number, got '1e-6'",
+    Case("03-eps-as-string", "qerl/rollout", M, "config.json: rms_norm_eps must be a positive number, got '1e-6'",
          setup=_config(rms_norm_eps="1e-6")),
-    Case("03-zero-rope-theta", "03_rollout", M, "config.json: rope_theta must be a positive number, got 0",
+    Case("03-zero-rope-theta", "qerl/rollout", M, "config.json: rope_theta must be a positive number, got 0",
          setup=_config(rope_theta=0)),
-    Case("03-kv-heads-not-divisor", "03_rollout", M, "num_attention_heads 4 is not a multiple of num_key_value_heads 3",
+    Case("03-kv-heads-not-divisor", "qerl/rollout", M, "num_attention_heads 4 is not a multiple of num_key_value_heads 3",
          setup=_config(num_key_value_heads=3)),
-    Case("03-hidden-not-divisible", "03_rollout", M, "hidden_size 130 is not divisible by num_attention_heads 4",
+    Case("03-hidden-not-divisible", "qerl/rollout", M, "hidden_size 130 is not divisible by num_attention_heads 4",
          setup=_config(hidden_size=130, head_dim=None)),
-    Case("03-config-list", "03_rollout", M, "config.json should hold a JSON object",
+    Case("03-config-list", "qerl/rollout", M, "config.json should hold a JSON object",
          setup=lambda t: write(f"{t}/model/config.json", "[1, 2]")),
-    Case("03-nan-weight", "03_rollout", M, "mlp.up_proj.weight holds NaN or Inf values", setup=_nan_weight),
-    Case("03-random-bytes", "03_rollout", M, "model.safetensors is not a readable safetensors file",
+    Case("03-nan-weight", "qerl/rollout", M, "mlp.up_proj.weight holds NaN or Inf values", setup=_nan_weight),
+    Case("03-random-bytes", "qerl/rollout", M, "model.safetensors is not a readable safetensors file",
          setup=lambda t: write(f"{t}/model/model.safetensors", os.urandom(64), "wb")),
-    Case("03-truncated-weights", "03_rollout", M, "the file is truncated or corrupt",
+    Case("03-truncated-weights", "qerl/rollout", M, "the file is truncated or corrupt",
          setup=lambda t: write(f"{t}/model/model.safetensors",
                                open(f"{TINY}/model.safetensors", "rb").read()[:1_000_000], "wb")),
-    Case("03-corrupt-tokenizer", "03_rollout", M, "tokenizer.json is not a readable tokenizer",
+    Case("03-corrupt-tokenizer", "qerl/rollout", M, "tokenizer.json is not a readable tokenizer",
          setup=lambda t: write(f"{t}/model/tokenizer.json", '{"version": "1.0", "model": 7}')),
-    Case("03-generation-config-not-json", "03_rollout", M, "generation_config.json is not valid JSON",
+    Case("03-generation-config-not-json", "qerl/rollout", M, "generation_config.json is not valid JSON",
          setup=lambda t: write(f"{t}/model/generation_config.json", "{eos: 1")),
-    Case("03-eos-as-string", "03_rollout", M, "eos_token_id must be a token id",
+    Case("03-eos-as-string", "qerl/rollout", M, "eos_token_id must be a token id",
          setup=lambda t: edit_json(f"{t}/model/generation_config.json", lambda c: {**c, "eos_token_id": "<eos>"})),
-    Case("03-context-exceeded", "03_rollout", [*M, "--max-new-tokens", "500"], "exceeds the model's context of 128"),
-    Case("03-no-gpu", "03_rollout", [*M, "--device", "cuda"], "no GPU is available"),
-    Case("03-bad-device", "03_rollout", [*M, "--device", "tpu"], "unknown device 'tpu'"),
-    Case("03-zero-new-tokens", "03_rollout", [*M, "--max-new-tokens", "0"], "--max-new-tokens: 0 is out of range",
+    Case("03-context-exceeded", "qerl/rollout", [*M, "--max-new-tokens", "500"], "exceeds the model's context of 128"),
+    Case("03-no-gpu", "qerl/rollout", [*M, "--device", "cuda"], "no GPU is available"),
+    Case("03-bad-device", "qerl/rollout", [*M, "--device", "tpu"], "unknown device 'tpu'"),
+    Case("03-zero-new-tokens", "qerl/rollout", [*M, "--max-new-tokens", "0"], "--max-new-tokens: 0 is out of range",
          code=2),
-    Case("03-zero-samples", "03_rollout", [*M, "--num-samples", "0"], "--num-samples: 0 is out of range", code=2),
-    Case("03-negative-temperature", "03_rollout", [*M, "--temperature", "-1"], "need >= 0", code=2),
-    Case("03-nan-temperature", "03_rollout", [*M, "--temperature", "nan"], "--temperature: nan is out of range", code=2),
-    Case("03-negative-top-k", "03_rollout", [*M, "--top-k", "-1"], "--top-k: -1 is out of range", code=2),
-    Case("03-zero-top-p", "03_rollout", [*M, "--top-p", "0"], "need > 0 and <= 1", code=2),
-    Case("03-big-top-p", "03_rollout", [*M, "--top-p", "1.5"], "--top-p: 1.5 is out of range", code=2),
-    Case("03-negative-seed", "03_rollout", [*M, "--seed", "-3"], "--seed: -3 is out of range", code=2),
-    Case("03-method-without-nvfp4", "03_rollout", [*M, "--quant-method", "4over6"], "needs --quant nvfp4", code=2),
+    Case("03-zero-samples", "qerl/rollout", [*M, "--num-samples", "0"], "--num-samples: 0 is out of range", code=2),
+    Case("03-negative-temperature", "qerl/rollout", [*M, "--temperature", "-1"], "need >= 0", code=2),
+    Case("03-nan-temperature", "qerl/rollout", [*M, "--temperature", "nan"], "--temperature: nan is out of range", code=2),
+    Case("03-negative-top-k", "qerl/rollout", [*M, "--top-k", "-1"], "--top-k: -1 is out of range", code=2),
+    Case("03-zero-top-p", "qerl/rollout", [*M, "--top-p", "0"], "need > 0 and <= 1", code=2),
+    Case("03-big-top-p", "qerl/rollout", [*M, "--top-p", "1.5"], "--top-p: 1.5 is out of range", code=2),
+    Case("03-negative-seed", "qerl/rollout", [*M, "--seed", "-3"], "--seed: -3 is out of range", code=2),
+    Case("03-method-without-nvfp4", "qerl/rollout", [*M, "--quant-method", "4over6"], "needs --quant nvfp4", code=2),
 ]
 
 # -----------------------------------------------------------------------------
 # 04: the AQN measurements
 
 CASES_04 = [
-    Case("04-missing-model", "04_aqn", ["--model", "{tmp}/nope"], "model folder not found: "),
-    Case("04-model-without-config", "04_aqn", ["--model", "{tmp}/empty"], "has no config.json",
+    Case("04-missing-model", "qerl/aqn", ["--model", "{tmp}/nope"], "model folder not found: "),
+    Case("04-model-without-config", "qerl/aqn", ["--model", "{tmp}/empty"], "has no config.json",
          setup=lambda t: os.makedirs(f"{t}/empty")),
-    Case("04-random-bytes", "04_aqn", M, "model.safetensors is not a readable safetensors file",
+    Case("04-random-bytes", "qerl/aqn", M, "model.safetensors is not a readable safetensors file",
          setup=lambda t: write(f"{t}/model/model.safetensors", os.urandom(64), "wb")),
-    Case("04-zero-steps", "04_aqn", [*M, "--steps", "0"], "--steps: 0 is out of range: need >= 1", code=2),
-    Case("04-zero-sigma-start", "04_aqn", [*M, "--sigma-start", "0"], "--sigma-start: 0 is out of range: need > 0",
+    Case("04-zero-steps", "qerl/aqn", [*M, "--steps", "0"], "--steps: 0 is out of range: need >= 1", code=2),
+    Case("04-zero-sigma-start", "qerl/aqn", [*M, "--sigma-start", "0"], "--sigma-start: 0 is out of range: need > 0",
          code=2),
-    Case("04-nan-sigma-end", "04_aqn", [*M, "--sigma-end", "nan"], "--sigma-end: nan is out of range", code=2),
-    Case("04-rising-sigma", "04_aqn", [*M, "--sigma-start", "1e-3", "--sigma-end", "1e-2"],
+    Case("04-nan-sigma-end", "qerl/aqn", [*M, "--sigma-end", "nan"], "--sigma-end: nan is out of range", code=2),
+    Case("04-rising-sigma", "qerl/aqn", [*M, "--sigma-start", "1e-3", "--sigma-end", "1e-2"],
          "--sigma-end 0.01 must be <= --sigma-start 0.001", code=2),
-    Case("04-one-stage", "04_aqn", [*M, "--num-stages", "1"], "--num-stages: 1 is out of range: need >= 2", code=2),
-    Case("04-zero-prompts", "04_aqn", [*M, "--prompts", "0"], "--prompts: 0 is out of range", code=2),
-    Case("04-zero-samples", "04_aqn", [*M, "--samples", "0"], "--samples: 0 is out of range", code=2),
-    Case("04-zero-new-tokens", "04_aqn", [*M, "--max-new-tokens", "0"], "--max-new-tokens: 0 is out of range", code=2),
-    Case("04-zero-rounds", "04_aqn", [*M, "--rounds", "0"], "--rounds: 0 is out of range", code=2),
-    Case("04-negative-threads", "04_aqn", [*M, "--threads", "-1"], "--threads: -1 is out of range: need >= 0", code=2),
-    Case("04-negative-sigma", "04_aqn", [*M, "--sigmas", "1e-2", "-1"], "--sigmas: -1 is out of range", code=2),
-    Case("04-inf-sigma", "04_aqn", [*M, "--sigmas", "inf"], "--sigmas: inf is out of range", code=2),
+    Case("04-one-stage", "qerl/aqn", [*M, "--num-stages", "1"], "--num-stages: 1 is out of range: need >= 2", code=2),
+    Case("04-zero-prompts", "qerl/aqn", [*M, "--prompts", "0"], "--prompts: 0 is out of range", code=2),
+    Case("04-zero-samples", "qerl/aqn", [*M, "--samples", "0"], "--samples: 0 is out of range", code=2),
+    Case("04-zero-new-tokens", "qerl/aqn", [*M, "--max-new-tokens", "0"], "--max-new-tokens: 0 is out of range", code=2),
+    Case("04-zero-rounds", "qerl/aqn", [*M, "--rounds", "0"], "--rounds: 0 is out of range", code=2),
+    Case("04-negative-threads", "qerl/aqn", [*M, "--threads", "-1"], "--threads: -1 is out of range: need >= 0", code=2),
+    Case("04-negative-sigma", "qerl/aqn", [*M, "--sigmas", "1e-2", "-1"], "--sigmas: -1 is out of range", code=2),
+    Case("04-inf-sigma", "qerl/aqn", [*M, "--sigmas", "inf"], "--sigmas: inf is out of range", code=2),
 ]
 
 
 
 def test_04_huge_steps_parse_and_tabulate_instantly(capsys):
     """--steps has no upper bound: the schedule table is one row per stage however long the run."""
-    args = STAGES["04_aqn"].parse_args(["--steps", str(10 ** 18)])
-    STAGES["04_aqn"].print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
+    args = STAGES["qerl/aqn"].parse_args(["--steps", str(10 ** 18)])
+    STAGES["qerl/aqn"].print_schedule(args.steps, args.sigma_start, args.sigma_end, args.num_stages)
     assert len(capsys.readouterr().out.splitlines()) == 2 + args.num_stages
 
 
@@ -279,16 +279,16 @@ def test_ctrl_c_while_sampling_is_one_line(monkeypatch, capsys):
     """Ctrl-C in 03 (or 04, which samples through it): `interrupted`, exit 130, no traceback; neither writes files."""
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(STAGES["03_rollout"], "generate", interrupt)
-    assert cli.run_cli(STAGES["03_rollout"].main, ["--model", TINY, "--device", "cpu"]) == 130
-    assert cli.run_cli(STAGES["04_aqn"].main, ["--model", TINY, "--prompts", "1"]) == 130
+    monkeypatch.setattr(STAGES["qerl/rollout"], "generate", interrupt)
+    assert cli.run_cli(STAGES["qerl/rollout"].main, ["--model", TINY, "--device", "cpu"]) == 130
+    assert cli.run_cli(STAGES["qerl/aqn"].main, ["--model", TINY, "--prompts", "1"]) == 130
     assert capsys.readouterr().err == "interrupted\ninterrupted\n"
 
 
 # -----------------------------------------------------------------------------
 # Library entry points a forker calls: one ValueError with a sentence, never an IndexError or KeyError
 
-rollout, lora = STAGES["03_rollout"], STAGES["02_lora"]
+rollout, lora = STAGES["qerl/rollout"], STAGES["qerl/lora"]
 
 
 @pytest.fixture(scope="module")
@@ -436,59 +436,59 @@ def _damaged_checkpoint(tmp):
 def _checkpoint_of_another_run(tmp):  # a readable trainer_state.pt (resume_args reads only its args)
     ckpt = os.path.join(tmp, "old", "checkpoint-000002")
     os.makedirs(ckpt)
-    torch.save({"step": 2, "args": vars(STAGES["05_grpo"].build_parser().parse_args([]))},
+    torch.save({"step": 2, "args": vars(STAGES["qerl/train"].build_parser().parse_args([]))},
                os.path.join(ckpt, "trainer_state.pt"))
     write(f"{tmp}/run/metrics.jsonl", '{"step": 1}\n')
 
 
 CASES_05 = [
-    Case("05-grad-clip-negative", "05_grpo", ["--grad-clip", "-1", *RUN], "argument --grad-clip: -1 is out of range: "
+    Case("05-grad-clip-negative", "qerl/train", ["--grad-clip", "-1", *RUN], "argument --grad-clip: -1 is out of range: "
          "need > 0", code=2),
-    Case("05-grad-clip-zero", "05_grpo", ["--grad-clip", "0", *RUN], "need > 0", code=2),
-    Case("05-eps-negative", "05_grpo", ["--eps-low", "-1", "--eps-high", "-1", *RUN], "--eps-low", code=2),
-    Case("05-eps-low-one", "05_grpo", ["--eps-low", "1", *RUN], "need >= 0 and < 1", code=2),
-    Case("05-beta-nan", "05_grpo", ["--beta", "nan", *RUN], "argument --beta: nan is out of range", code=2),
-    Case("05-temperature-zero", "05_grpo", ["--temperature", "0", *RUN], "--temperature", code=2),
-    Case("05-lr-zero", "05_grpo", ["--lr", "0", *RUN], "--lr", code=2),
-    Case("05-steps-zero", "05_grpo", ["--steps", "0", *RUN], "--steps", code=2),
-    Case("05-group-one", "05_grpo", ["--group", "1", *RUN], "need >= 2", code=2),
-    Case("05-batch-fraction", "05_grpo", ["--batch", "1.5", *RUN], "'1.5' is not an integer", code=2),
-    Case("05-min-lr-ratio", "05_grpo", ["--min-lr-ratio", "2", *RUN], "need >= 0 and <= 1", code=2),
-    Case("05-nops-zero", "05_grpo", ["--nops", "0", *RUN], "--nops", code=2),
-    Case("05-eval-chunk-zero", "05_grpo", ["--eval-chunk", "0", *RUN], "--eval-chunk", code=2),
-    Case("05-pool-too-small", "05_grpo", ["--digits", "1", "--nops", "1", *RUN], "makes only 200 distinct problems"),
-    Case("05-existing-run", "05_grpo", RUN, "already holds a run (args.json, metrics.jsonl) that stopped before its first "
+    Case("05-grad-clip-zero", "qerl/train", ["--grad-clip", "0", *RUN], "need > 0", code=2),
+    Case("05-eps-negative", "qerl/train", ["--eps-low", "-1", "--eps-high", "-1", *RUN], "--eps-low", code=2),
+    Case("05-eps-low-one", "qerl/train", ["--eps-low", "1", *RUN], "need >= 0 and < 1", code=2),
+    Case("05-beta-nan", "qerl/train", ["--beta", "nan", *RUN], "argument --beta: nan is out of range", code=2),
+    Case("05-temperature-zero", "qerl/train", ["--temperature", "0", *RUN], "--temperature", code=2),
+    Case("05-lr-zero", "qerl/train", ["--lr", "0", *RUN], "--lr", code=2),
+    Case("05-steps-zero", "qerl/train", ["--steps", "0", *RUN], "--steps", code=2),
+    Case("05-group-one", "qerl/train", ["--group", "1", *RUN], "need >= 2", code=2),
+    Case("05-batch-fraction", "qerl/train", ["--batch", "1.5", *RUN], "'1.5' is not an integer", code=2),
+    Case("05-min-lr-ratio", "qerl/train", ["--min-lr-ratio", "2", *RUN], "need >= 0 and <= 1", code=2),
+    Case("05-nops-zero", "qerl/train", ["--nops", "0", *RUN], "--nops", code=2),
+    Case("05-eval-chunk-zero", "qerl/train", ["--eval-chunk", "0", *RUN], "--eval-chunk", code=2),
+    Case("05-pool-too-small", "qerl/train", ["--digits", "1", "--nops", "1", *RUN], "makes only 200 distinct problems"),
+    Case("05-existing-run", "qerl/train", RUN, "already holds a run (args.json, metrics.jsonl) that stopped before its first "
          "checkpoint: --resume has nothing to continue there; delete those files",
          setup=lambda t: (write(f"{t}/run/metrics.jsonl", '{"step": 1}\n'), write(f"{t}/run/args.json", "{}"))),
-    Case("05-resume-into-another-run", "05_grpo", ["--resume", "{tmp}/old", "--out", "{tmp}/run"],
+    Case("05-resume-into-another-run", "qerl/train", ["--resume", "{tmp}/old", "--out", "{tmp}/run"],
          "already holds a run (metrics.jsonl)", setup=_checkpoint_of_another_run),
-    Case("05-out-holds-a-checkpoint", "05_grpo", RUN, "already holds a run (checkpoint-000100)",
+    Case("05-out-holds-a-checkpoint", "qerl/train", RUN, "already holds a run (checkpoint-000100)",
          setup=lambda t: os.makedirs(f"{t}/run/checkpoint-000100")),
-    Case("05-out-is-file", "05_grpo", ["--out", "{tmp}/f.txt"], "is a file", setup=lambda t: write(f"{t}/f.txt", "x")),
-    Case("05-out-is-model", "05_grpo", ["--model", "{model}", "--out", "{model}"], "is the input"),
-    Case("05-out-above-model", "05_grpo", ["--model", "{model}", "--out", "{tmp}"], "contains the input"),
-    Case("05-out-is-data", "05_grpo", ["--task", "gsm8k", "--data", "{tmp}/d/train.jsonl", "--out", "{tmp}/d"],
+    Case("05-out-is-file", "qerl/train", ["--out", "{tmp}/f.txt"], "is a file", setup=lambda t: write(f"{t}/f.txt", "x")),
+    Case("05-out-is-model", "qerl/train", ["--model", "{model}", "--out", "{model}"], "is the input"),
+    Case("05-out-above-model", "qerl/train", ["--model", "{model}", "--out", "{tmp}"], "contains the input"),
+    Case("05-out-is-data", "qerl/train", ["--task", "gsm8k", "--data", "{tmp}/d/train.jsonl", "--out", "{tmp}/d"],
          "contains the input", setup=lambda t: _jsonl(f"{t}/d/train.jsonl", _gsm8k(8))),
-    Case("05-missing-model", "05_grpo", ["--model", "{tmp}/nope", *RUN], "is not a model folder"),
-    Case("05-no-gpu", "05_grpo", ["--device", "cuda", "--out", "{tmp}/run"], "no GPU is available"),
-    Case("05-quant-method-needs-nvfp4", "05_grpo", ["--quant", "nf4", "--quant-method", "4over6", *RUN],
+    Case("05-missing-model", "qerl/train", ["--model", "{tmp}/nope", *RUN], "is not a model folder"),
+    Case("05-no-gpu", "qerl/train", ["--device", "cuda", "--out", "{tmp}/run"], "no GPU is available"),
+    Case("05-quant-method-needs-nvfp4", "qerl/train", ["--quant", "nf4", "--quant-method", "4over6", *RUN],
          "needs --quant nvfp4"),
-    Case("05-data-without-gsm8k", "05_grpo", ["--data", "{tmp}/d.jsonl", *RUN], "--data is the file of --task gsm8k",
+    Case("05-data-without-gsm8k", "qerl/train", ["--data", "{tmp}/d.jsonl", *RUN], "--data is the file of --task gsm8k",
          setup=lambda t: _jsonl(f"{t}/d.jsonl", _gsm8k(8))),
-    Case("05-gsm8k-without-data", "05_grpo", ["--task", "gsm8k", *RUN], "needs --data FILE"),
-    Case("05-data-missing", "05_grpo", ["--task", "gsm8k", "--data", "{tmp}/none.jsonl", *RUN], "not found"),
-    Case("05-data-one-line", "05_grpo", ["--task", "gsm8k", "--data", "{tmp}/d.jsonl", *RUN],
+    Case("05-gsm8k-without-data", "qerl/train", ["--task", "gsm8k", *RUN], "needs --data FILE"),
+    Case("05-data-missing", "qerl/train", ["--task", "gsm8k", "--data", "{tmp}/none.jsonl", *RUN], "not found"),
+    Case("05-data-one-line", "qerl/train", ["--task", "gsm8k", "--data", "{tmp}/d.jsonl", *RUN],
          "too few to hold any out for evaluation", setup=lambda t: _jsonl(f"{t}/d.jsonl", _gsm8k(1))),
-    Case("05-data-no-usable-line", "05_grpo", ["--task", "gsm8k", "--data", "{tmp}/d.jsonl", *RUN],
+    Case("05-data-no-usable-line", "qerl/train", ["--task", "gsm8k", "--data", "{tmp}/d.jsonl", *RUN],
          "has no usable problems", setup=lambda t: write(f"{t}/d.jsonl", "not json\n")),
-    Case("05-data-prompt-too-long", "05_grpo", ["--task", "gsm8k", "--data", "{tmp}/d.jsonl", *RUN],
+    Case("05-data-prompt-too-long", "qerl/train", ["--task", "gsm8k", "--data", "{tmp}/d.jsonl", *RUN],
          "d.jsonl:4: the prompt has", setup=lambda t: _jsonl(f"{t}/d.jsonl", _gsm8k(8, long_at=3))),
-    Case("05-resume-nothing", "05_grpo", ["--resume", "{tmp}/old", *RUN], "no checkpoint there",
+    Case("05-resume-nothing", "qerl/train", ["--resume", "{tmp}/old", *RUN], "no checkpoint there",
          setup=lambda t: os.makedirs(f"{t}/old")),
-    Case("05-resume-damaged-state", "05_grpo", ["--resume", "{tmp}/old", "--quiet"], "trainer_state.pt cannot be read",
+    Case("05-resume-damaged-state", "qerl/train", ["--resume", "{tmp}/old", "--quiet"], "trainer_state.pt cannot be read",
          setup=_damaged_checkpoint),
-    Case("05-train-norms-with-beta", "05_grpo", ["--train-norms", "--beta", "0.1", *RUN], "--train-norms with --beta"),
-    Case("05-abbreviated-flag", "05_grpo", ["--loss", "token-mean", *RUN], "unrecognized arguments: --loss token-mean",
+    Case("05-train-norms-with-beta", "qerl/train", ["--train-norms", "--beta", "0.1", *RUN], "--train-norms with --beta"),
+    Case("05-abbreviated-flag", "qerl/train", ["--loss", "token-mean", *RUN], "unrecognized arguments: --loss token-mean",
          code=2),  # no abbreviations: a new flag must not change what an old command means
 ]
 
@@ -507,13 +507,13 @@ NO_STEP = ["--time-budget", "0.01", "--eval-size", "4", "--steps", "2", "--batch
            "--max-new-tokens", "8", *RUN]  # the budget is spent by the first evaluation
 
 CASES_OWNERSHIP = [
-    Case("own-01-force-name-taken", "01_quantize", ["--model", "{model}", "--out", "{tmp}/q", "--force"],
-         "q/tokenizer.json was not written by 01_quantize.py: move it away",
+    Case("own-01-force-name-taken", "qerl/quantize", ["--model", "{model}", "--out", "{tmp}/q", "--force"],
+         "q/tokenizer.json was not written by qerl/quantize.py: move it away",
          setup=_manifest("q", lambda m: dict(m, files=[n for n in m["files"] if n != "tokenizer.json"]))),
-    Case("own-01-force-other-commands-output", "01_quantize", ["--model", "{model}", "--out", "{tmp}/q", "--force"],
-         "replaces only an earlier output of 01_quantize.py", setup=_manifest("q", lambda m: dict(m, command="x.py"))),
-    Case("own-05-no-step-in-time-budget", "05_grpo", NO_STEP, "--time-budget 0.01 s ran out before the first step"),
-    Case("own-05-no-step-keeps-a-folder-it-found", "05_grpo", NO_STEP, "ran out before the first step",
+    Case("own-01-force-other-commands-output", "qerl/quantize", ["--model", "{model}", "--out", "{tmp}/q", "--force"],
+         "replaces only an earlier output of qerl/quantize.py", setup=_manifest("q", lambda m: dict(m, command="x.py"))),
+    Case("own-05-no-step-in-time-budget", "qerl/train", NO_STEP, "--time-budget 0.01 s ran out before the first step"),
+    Case("own-05-no-step-keeps-a-folder-it-found", "qerl/train", NO_STEP, "ran out before the first step",
          setup=lambda t: write(f"{t}/run/notes.txt", "mine")),
 ]
 
@@ -534,7 +534,7 @@ class Payload:
 def _state(tmp, change=None, folder="old", model=None, flags=()):
     """{tmp}/{folder}/checkpoint-000002 with a readable trainer_state.pt of a run with `flags` on `model`
     ({model}), changed by change(state) -> state."""
-    grpo = STAGES["05_grpo"]
+    grpo = STAGES["qerl/train"]
     args = grpo.build_parser().parse_args(["--model", model or os.path.join(tmp, "model"), *flags])
     state = {"step": 2, "args": vars(args), "run": checkpoints.run_record(args, grpo.lora.DEFAULT_TARGETS)}
     ckpt = os.path.join(tmp, folder, "checkpoint-000002")
@@ -556,7 +556,7 @@ def _args(**change):  # a trainer state whose args are changed
 
 def _another_runs_checkpoint(tmp):  # a --quant none --lora-r 8 checkpoint copied into an nvfp4/r16 run folder
     _state(tmp, folder="run", flags=["--quant", "none", "--lora-r", "8"])
-    write(f"{tmp}/run/args.json", json.dumps(vars(STAGES["05_grpo"].build_parser().parse_args([]))))
+    write(f"{tmp}/run/args.json", json.dumps(vars(STAGES["qerl/train"].build_parser().parse_args([]))))
 
 
 REAL_RUN = {}  # a real run on the bundled model, made once: the metrics cases need a loadable checkpoint
@@ -573,7 +573,7 @@ def _run_once(cache, prefix, argv, tmp):
         atexit.register(shutil.rmtree, folder, True)
         cache["out"] = os.path.join(folder, "run")
         with contextlib.redirect_stdout(io.StringIO()):
-            STAGES["05_grpo"].train(STAGES["05_grpo"].build_parser().parse_args(
+            STAGES["qerl/train"].train(STAGES["qerl/train"].build_parser().parse_args(
                 [*TINY_RUN, *argv, "--out", cache["out"], "--quiet"]))
     shutil.copytree(cache["out"], os.path.join(tmp, "run"))
 
@@ -587,42 +587,42 @@ def _real_run(tmp, metrics_line_1=None):
 
 RESUME = ["--resume", "{tmp}/old", "--quiet"]
 CASES_CHECKPOINTS = [
-    Case("ckpt-pickle-payload", "05_grpo", RESUME, "trainer_state.pt holds pickled Python objects, which a "
-         "checkpoint of 05_grpo.py never does: refused unread", setup=_payload_state),
-    Case("ckpt-bare-pickle-payload", "05_grpo", RESUME, "refused unread (loading it could run code)",
+    Case("ckpt-pickle-payload", "qerl/train", RESUME, "trainer_state.pt holds pickled Python objects, which a "
+         "checkpoint of qerl/train.py never does: refused unread", setup=_payload_state),
+    Case("ckpt-bare-pickle-payload", "qerl/train", RESUME, "refused unread (loading it could run code)",
          setup=lambda t: _payload_state(t, bare=True)),
-    Case("ckpt-state-list", "05_grpo", RESUME, "trainer_state.pt cannot be read (a list, not a dict): the "
+    Case("ckpt-state-list", "qerl/train", RESUME, "trainer_state.pt cannot be read (a list, not a dict): the "
          "checkpoint is damaged", setup=lambda t: _state(t, lambda s: [s])),
-    Case("ckpt-args-list", "05_grpo", RESUME, "cannot be read (its args is list, not dict)",
+    Case("ckpt-args-list", "qerl/train", RESUME, "cannot be read (its args is list, not dict)",
          setup=lambda t: _state(t, lambda s: {**s, "args": list(s["args"])})),
-    Case("ckpt-step-string", "05_grpo", RESUME, "cannot be read (its step is str, not int)",
+    Case("ckpt-step-string", "qerl/train", RESUME, "cannot be read (its step is str, not int)",
          setup=lambda t: _state(t, lambda s: {**s, "step": "2"})),
-    Case("ckpt-args-lr-string", "05_grpo", RESUME, "cannot be read (its args.lr is 'fast', not a value of --lr)",
+    Case("ckpt-args-lr-string", "qerl/train", RESUME, "cannot be read (its args.lr is 'fast', not a value of --lr)",
          setup=lambda t: _state(t, _args(lr="fast"))),
-    Case("ckpt-into-another-runs-folder", "05_grpo", ["--resume", "{tmp}/run", "--quiet"],
+    Case("ckpt-into-another-runs-folder", "qerl/train", ["--resume", "{tmp}/run", "--quiet"],
          "is of a run with quant none, quant_method rtn, lora_r 8, lora_alpha 32, but its folder's args.json is of "
          "one with quant nvfp4, quant_method rtn, lora_r 16, lora_alpha 32: it belongs to another run",
          setup=_another_runs_checkpoint),
-    Case("ckpt-model-changed", "05_grpo", RESUME, "is another model (its config.json or weights differ): pass --model",
+    Case("ckpt-model-changed", "qerl/train", RESUME, "is another model (its config.json or weights differ): pass --model",
          setup=lambda t: (_state(t), edit_json(f"{t}/model/config.json", lambda c: {**c, "rms_norm_eps": 1e-5}))),
-    Case("ckpt-model-gone", "05_grpo", RESUME, "nope is not there: pass --model with the folder of the run's model",
+    Case("ckpt-model-gone", "qerl/train", RESUME, "nope is not there: pass --model with the folder of the run's model",
          setup=lambda t: (shutil.copytree(f"{t}/model", f"{t}/nope"), _state(t, model=f"{t}/nope"),
                           shutil.rmtree(f"{t}/nope"))),
-    Case("ckpt-another-model-given", "05_grpo", [*RESUME, "--model", "{tmp}/other"], "other is another model",
+    Case("ckpt-another-model-given", "qerl/train", [*RESUME, "--model", "{tmp}/other"], "other is another model",
          setup=lambda t: (_state(t), shutil.copytree(f"{t}/model", f"{t}/other"),
                           edit_json(f"{t}/other/config.json", lambda c: {**c, "rms_norm_eps": 1e-5}))),
-    Case("ckpt-metrics-step-string", "05_grpo", ["--resume", "{tmp}/run", "--quiet"],
+    Case("ckpt-metrics-step-string", "qerl/train", ["--resume", "{tmp}/run", "--quiet"],
          "metrics.jsonl line 1 has no integer step: the run log is damaged",
          setup=lambda t: _real_run(t, '{"step": "2"}')),
-    Case("ckpt-metrics-step-null", "05_grpo", ["--resume", "{tmp}/run", "--quiet"],
+    Case("ckpt-metrics-step-null", "qerl/train", ["--resume", "{tmp}/run", "--quiet"],
          "metrics.jsonl line 1 has no integer step", setup=lambda t: _real_run(t, '{"step": null}')),
-    Case("ckpt-metrics-eval-null", "05_grpo", ["--resume", "{tmp}/run", "--quiet"],
+    Case("ckpt-metrics-eval-null", "qerl/train", ["--resume", "{tmp}/run", "--quiet"],
          "metrics.jsonl line 1 has no integer step", setup=lambda t: _real_run(t, '{"eval": null}')),
 ]
 
 
 def test_a_checkpoints_pickled_payload_never_runs(tmp_path):
-    """The payload is live (pickle.load runs it), yet `python 05_grpo.py --resume` refuses the file in one
+    """The payload is live (pickle.load runs it), yet `python qerl/train.py --resume` refuses the file in one
     line without running it."""
     model_copy(str(tmp_path))
     marker = str(tmp_path / "payload-ran")
@@ -631,7 +631,7 @@ def test_a_checkpoints_pickled_payload_never_runs(tmp_path):
         torch.load(f, weights_only=False)  # what the loader did: the payload runs
     assert os.path.isdir(marker)
     os.rmdir(marker)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--resume", str(tmp_path / "old")],
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "qerl/train.py"), "--resume", str(tmp_path / "old")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and not os.path.exists(marker), r.stderr
     assert len(r.stderr.splitlines()) == 1 and "refused unread" in r.stderr, r.stderr
@@ -639,7 +639,7 @@ def test_a_checkpoints_pickled_payload_never_runs(tmp_path):
 
 def test_old_checkpoint_without_its_run_record_still_resumes(tmp_path, capsys):
     """A checkpoint written before the run record: its args are used as they are, with a note."""
-    grpo = STAGES["05_grpo"]
+    grpo = STAGES["qerl/train"]
     model_copy(str(tmp_path))
     ckpt = _state(str(tmp_path), lambda s: {k: v for k, v in s.items() if k != "run"})
     args = grpo.build_parser().parse_args(["--resume", ckpt])
@@ -650,7 +650,7 @@ def test_old_checkpoint_without_its_run_record_still_resumes(tmp_path, capsys):
 def test_resume_takes_a_moved_model_given_again(tmp_path):
     """The run's model moved: --resume alone says it is not there; with --model at its new place (same
     fingerprint) the resume goes on there."""
-    grpo = STAGES["05_grpo"]
+    grpo = STAGES["qerl/train"]
     model_copy(str(tmp_path))
     ckpt = _state(str(tmp_path))
     os.rename(tmp_path / "model", tmp_path / "moved")
@@ -667,7 +667,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_naming_the_file(tmp_path, l
     import resource
     out = tmp_path / "run"
     # 4 x 4 samples of 42 tokens: step 1 updates, so AdamW's state makes trainer_state.pt (1.3 MB) the larger file
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), *TINY_RUN, "--batch", "4", "--group", "4",
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "qerl/train.py"), *TINY_RUN, "--batch", "4", "--group", "4",
                         "--max-new-tokens", "42", "--stop-at", "1", "--out", str(out), "--quiet"],
                        capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -687,7 +687,7 @@ def test_sigterm_saves_like_ctrl_c_and_resumes_from_another_directory(tmp_path):
     directory (where the same relative path names a different model) trains on the run's own model."""
     out = tmp_path / "my run"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "05_grpo.py", *TINY_RUN, "--steps", "30", "--model", "assets/tiny-qwen",
+    proc = subprocess.Popen([sys.executable, "qerl/train.py", *TINY_RUN, "--steps", "30", "--model", "assets/tiny-qwen",
                              "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=ROOT)
     wait_for_line(proc, "step 2/30")
@@ -698,11 +698,11 @@ def test_sigterm_saves_like_ctrl_c_and_resumes_from_another_directory(tmp_path):
     summary = json.load(open(out / "summary.json"))
     assert summary["stopped_by"] == "SIGTERM" and 2 <= summary["steps_done"] < 30
     assert err == (f"interrupted (SIGTERM) | checkpoint-{summary['steps_done']:06d} saved: continue with  python "
-                   f"05_grpo.py --resume '{out}'\n")
+                   f"qerl/train.py --resume '{out}'\n")
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(TINY, elsewhere / "assets" / "tiny-qwen")  # a decoy at the same relative path
     edit_json(str(elsewhere / "assets" / "tiny-qwen" / "config.json"), lambda c: {**c, "rms_norm_eps": 1e-5})
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--resume", str(out)], capture_output=True,
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "qerl/train.py"), "--resume", str(out)], capture_output=True,
                        text=True, timeout=300, env=env, cwd=elsewhere)
     assert r.returncode == 0, r.stderr
     assert f"run | model {TINY} |" in r.stdout
@@ -720,11 +720,11 @@ def test_a_tokenizer_of_another_model_is_refused():
 
 
 def test_a_closed_output_saves_like_a_signal_and_resumes(tmp_path):
-    """`05_grpo.py | head`: once the reader has gone, the step in flight finishes, a checkpoint is written, and
+    """`qerl/train.py | head`: once the reader has gone, the step in flight finishes, a checkpoint is written, and
     the run exits 141 (a shell's status for SIGPIPE) with the resume line on stderr; the resume trains on."""
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "05_grpo.py", *TINY_RUN, "--steps", "30", "--model", TINY, "--out",
+    proc = subprocess.Popen([sys.executable, "qerl/train.py", *TINY_RUN, "--steps", "30", "--model", TINY, "--out",
                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     wait_for_line(proc, "step 2/30")
     proc.stdout.close()  # what `head` does once it has its lines
@@ -734,7 +734,7 @@ def test_a_closed_output_saves_like_a_signal_and_resumes(tmp_path):
     summary = json.load(open(out / "summary.json"))
     assert summary["stopped_by"] == "closed output" and 2 <= summary["steps_done"] < 30
     assert err == (f"interrupted (SIGPIPE) | checkpoint-{summary['steps_done']:06d} saved: continue with  python "
-                   f"05_grpo.py --resume {shlex.quote(str(out))}\n")
+                   f"qerl/train.py --resume {shlex.quote(str(out))}\n")
     r = resume_run(out)
     assert r.returncode == 0, r.stderr
     assert json.load(open(out / "summary.json"))["steps_done"] == 30
@@ -743,7 +743,7 @@ def test_a_closed_output_saves_like_a_signal_and_resumes(tmp_path):
 def test_an_output_closed_before_the_run_is_one_line_and_no_folder(tmp_path):
     """The reader gone before the first step (`| head -1` takes a note line): one line, exit 141, no run folder."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "05_grpo.py"), *TINY_RUN, "--model", TINY, "--out",
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "qerl/train.py"), *TINY_RUN, "--model", TINY, "--out",
                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
     proc.stdout.close()  # before the interpreter has even started: its first print finds no reader
@@ -798,8 +798,8 @@ def test_a_repeated_signal_within_a_second_is_the_same_request():
 
 SLOWED = """import importlib, sys, time
 sys.path.insert(0, sys.argv[1])
-quantize = importlib.import_module("01_quantize")
-cli = importlib.import_module("cli")
+quantize = importlib.import_module("qerl.quantize")
+cli = importlib.import_module("qerl.cli")
 owner = importlib.import_module(sys.argv[2])
 real = getattr(owner, sys.argv[3])
 def slowed(*args, **kwargs):  # the real write, then a wait: the signal lands while the output is half-written
@@ -812,7 +812,7 @@ sys.exit(cli.run_cli(quantize.main, sys.argv[4:]))
 
 
 def test_01_sigterm_mid_write_leaves_nothing(tmp_path):
-    """01_quantize.py stopped by SIGTERM after its first shard is written: exit 143, one line, no output
+    """qerl/quantize.py stopped by SIGTERM after its first shard is written: exit 143, one line, no output
     folder and no temporary."""
     model_copy(str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", SLOWED, ROOT, "safetensors.torch", "save_file", "--model",
@@ -887,42 +887,42 @@ def _gsm8k_with(line_3):  # a GSM8K file whose third line's gold answer is line_
 GSM8K = ["--task", "gsm8k", "--data", "{tmp}/d.jsonl", *RUN]
 CHAT = ["--task", "chat-arithmetic", *RUN]
 CASES_LIMITS = [
-    Case("03-samples-beyond-memory", "03_rollout", [*M, "--num-samples", "1000000"],
+    Case("03-samples-beyond-memory", "qerl/rollout", [*M, "--num-samples", "1000000"],
          "--num-samples 1000000 with --max-new-tokens 64 needs about"),
-    Case("03-temperature-underflow", "03_rollout", [*M, "--temperature", "1e-40"],
+    Case("03-temperature-underflow", "qerl/rollout", [*M, "--temperature", "1e-40"],
          "--temperature: 1e-40 is too small to sample with: need 0 (greedy) or >= 0.0001", code=2),
     # a vocab_size that disagrees with the embedding is caught at the weights (the tokenizer's own check: below)
-    Case("03-config-vocab-beyond-weights", "03_rollout", M, "config.json says vocab_size 49152 and hidden_size 128, "
+    Case("03-config-vocab-beyond-weights", "qerl/rollout", M, "config.json says vocab_size 49152 and hidden_size 128, "
          "but model.embed_tokens.weight is 288 x 128", setup=_config(vocab_size=49152)),
-    Case("03-config-vocab-below-weights", "03_rollout", M, "config.json says vocab_size 200 and hidden_size 128, but "
+    Case("03-config-vocab-below-weights", "qerl/rollout", M, "config.json says vocab_size 200 and hidden_size 128, but "
          "model.embed_tokens.weight is 288 x 128", setup=_config(vocab_size=200)),
-    Case("03-header-without-offsets", "03_rollout", M, "model.safetensors is not a readable safetensors file (tensor "
+    Case("03-header-without-offsets", "qerl/rollout", M, "model.safetensors is not a readable safetensors file (tensor "
          "model.embed_tokens.weight needs a list of sizes as its shape and two byte offsets", setup=_edit_header(
              _drop("data_offsets"))),
-    Case("01-header-shape-string", "01_quantize", ["--model", "{model}", "--out", "{tmp}/q"], "got '288' and [0, 147456]",
+    Case("01-header-shape-string", "qerl/quantize", ["--model", "{model}", "--out", "{tmp}/q"], "got '288' and [0, 147456]",
          setup=_edit_header(lambda e: {**e, "shape": "288"})),
-    Case("05-batch-beyond-memory", "05_grpo", ["--batch", "100000", *RUN], "this run (mostly sampling --batch 100000 x "
+    Case("05-batch-beyond-memory", "qerl/train", ["--batch", "100000", *RUN], "this run (mostly sampling --batch 100000 x "
          "--group 8) needs about"),  # --micro-batch auto bounds the update: sampling 800,000 rows is the peak
-    Case("05-group-beyond-memory", "05_grpo", ["--group", "100000", *RUN], "needs about"),
-    Case("05-lora-rank-beyond-memory", "05_grpo", ["--lora-r", "1000000", *RUN],
+    Case("05-group-beyond-memory", "qerl/train", ["--group", "100000", *RUN], "needs about"),
+    Case("05-lora-rank-beyond-memory", "qerl/train", ["--lora-r", "1000000", *RUN],
          "this run (mostly --lora-r 1000000's adapters) needs about 14"),
-    Case("05-temperature-underflow", "05_grpo", ["--temperature", "1e-40", *RUN],
+    Case("05-temperature-underflow", "qerl/train", ["--temperature", "1e-40", *RUN],
          "--temperature 1e-40 is too small to sample with: need >= 0.0001"),
-    Case("05-eval-size-unbounded", "05_grpo", ["--eval-size", "10000000", *RUN], "need >= 0 and <= 100000", code=2),
-    Case("05-digits-unbounded", "05_grpo", ["--digits", "1000000", *RUN], "need >= 1 and <= 100", code=2),
-    Case("05-batch-beyond-task", "05_grpo", [*CHAT, "--batch", "1000", "--group", "2"],
+    Case("05-eval-size-unbounded", "qerl/train", ["--eval-size", "10000000", *RUN], "need >= 0 and <= 100000", code=2),
+    Case("05-digits-unbounded", "qerl/train", ["--digits", "1000000", *RUN], "need >= 1 and <= 100", code=2),
+    Case("05-batch-beyond-task", "qerl/train", [*CHAT, "--batch", "1000", "--group", "2"],
          "--batch 1000 is more than --task chat-arithmetic gives a step (503 problems)"),
-    Case("05-digits-ignored", "05_grpo", [*CHAT, "--digits", "4"],
+    Case("05-digits-ignored", "qerl/train", [*CHAT, "--digits", "4"],
          "--digits 4 is read only by --task arithmetic, and --task chat-arithmetic ignores it: drop --digits"),
-    Case("05-system-ignored", "05_grpo", [*CHAT, "--system", "paper"],
+    Case("05-system-ignored", "qerl/train", [*CHAT, "--system", "paper"],
          "--system paper is read only by --task arithmetic or --task gsm8k"),
-    Case("05-nops-ignored", "05_grpo", [*GSM8K, "--nops", "3"], "--task gsm8k ignores it: drop --nops",
+    Case("05-nops-ignored", "qerl/train", [*GSM8K, "--nops", "3"], "--task gsm8k ignores it: drop --nops",
          setup=lambda t: _jsonl(f"{t}/d.jsonl", _gsm8k(8))),
-    Case("05-eval-data-ignored", "05_grpo", ["--eval-data", "{tmp}/e.jsonl", *RUN],
+    Case("05-eval-data-ignored", "qerl/train", ["--eval-data", "{tmp}/e.jsonl", *RUN],
          "is read only by --task gsm8k, and --task arithmetic ignores it"),
-    Case("05-gold-not-a-number", "05_grpo", GSM8K, "d.jsonl:3: the answer after '####' is 'five', not a number",
+    Case("05-gold-not-a-number", "qerl/train", GSM8K, "d.jsonl:3: the answer after '####' is 'five', not a number",
          setup=_gsm8k_with("five")),
-    Case("05-gold-no-decimal", "05_grpo", GSM8K, "d.jsonl:3: the answer after '####' is '1/3', which no decimal "
+    Case("05-gold-no-decimal", "qerl/train", GSM8K, "d.jsonl:3: the answer after '####' is '1/3', which no decimal "
          "writes exactly", setup=_gsm8k_with("1/3")),
     Case("bench-quantize-zero-size", "bench/bench_quantize", ["--size", "0"], "--size: 0 is out of range", code=2),
     Case("bench-quantize-no-gpu", "bench/bench_quantize", ["--device", "cuda"], "no GPU is available"),
@@ -967,7 +967,7 @@ def test_memory_estimates_pass_the_documented_runs_and_refuse_the_rest(tmp_path,
     """The estimates at real widths: SmolLM2's documented run (docs/real-model.md) fits a 16 GiB laptop,
     the 7B run of docs/scaling.md an H200's 139 GiB; 8,000 new tokens x 64 samples of SmolLM2 need ~24 GiB
     of fp32 KV cache alone."""
-    grpo = STAGES["05_grpo"]
+    grpo = STAGES["qerl/train"]
     asked = []
     monkeypatch.setattr(devices, "check_memory_fits", lambda need, device, what: asked.append((need, what)))
     smol, qwen = str(tmp_path / "smol"), str(tmp_path / "qwen7b")
@@ -1103,118 +1103,118 @@ Q = ["--model", "{model}", "--out", "{tmp}/q"]
 RESUME_RUN = ["--resume", "{tmp}/run", "--quiet"]
 PIPE = "is a named pipe (FIFO), not a regular file: put the file itself there"
 CASES_CONTAINMENT = [
-    Case("contain-03-index-absolute", "03_rollout", M, ENTRY + "'", setup=_index_to(
+    Case("contain-03-index-absolute", "qerl/rollout", M, ENTRY + "'", setup=_index_to(
         "elsewhere/model.safetensors", "{tmp}/elsewhere/model.safetensors")),
-    Case("contain-03-index-dotdot", "03_rollout", M, ENTRY + "'../shard.safetensors', " + NOT_BESIDE,
+    Case("contain-03-index-dotdot", "qerl/rollout", M, ENTRY + "'../shard.safetensors', " + NOT_BESIDE,
          setup=_index_to("shard.safetensors", "../shard.safetensors")),
-    Case("contain-03-index-linked-subfolder", "03_rollout", M, ENTRY + "'sub/model.safetensors', " + NOT_BESIDE,
+    Case("contain-03-index-linked-subfolder", "qerl/rollout", M, ENTRY + "'sub/model.safetensors', " + NOT_BESIDE,
          setup=_linked_subfolder),
-    Case("contain-03-index-entry-number", "03_rollout", M, ENTRY + "7, " + NOT_BESIDE,
+    Case("contain-03-index-entry-number", "qerl/rollout", M, ENTRY + "7, " + NOT_BESIDE,
          setup=_index_to("shard.safetensors", 7)),
     # The issue's case: 01 wrote its quantized shard over {tmp}/shard.safetensors, the model's own weights
-    Case("contain-01-index-dotdot-out-beside", "01_quantize", Q, ENTRY + "'../shard.safetensors'",
+    Case("contain-01-index-dotdot-out-beside", "qerl/quantize", Q, ENTRY + "'../shard.safetensors'",
          setup=_index_to("shard.safetensors", "../shard.safetensors")),
-    Case("contain-01-index-absolute", "01_quantize", Q, ENTRY + "'", setup=_index_to(
+    Case("contain-01-index-absolute", "qerl/quantize", Q, ENTRY + "'", setup=_index_to(
         "victim/model.safetensors", "{tmp}/victim/model.safetensors")),
-    Case("contain-05-index-dotdot", "05_grpo", ["--model", "{model}", *NO_STEP], ENTRY + "'../shard.safetensors'",
+    Case("contain-05-index-dotdot", "qerl/train", ["--model", "{model}", *NO_STEP], ENTRY + "'../shard.safetensors'",
          setup=_index_to("shard.safetensors", "../shard.safetensors")),
-    Case("link-05-resume-metrics-dangling", "05_grpo", RESUME_RUN, "run/metrics.jsonl is a symbolic link (to ",
+    Case("link-05-resume-metrics-dangling", "qerl/train", RESUME_RUN, "run/metrics.jsonl is a symbolic link (to ",
          setup=_planted("metrics.jsonl", "made.jsonl")),
-    Case("link-05-resume-args-json", "05_grpo", RESUME_RUN, "run/args.json is a symbolic link",
+    Case("link-05-resume-args-json", "qerl/train", RESUME_RUN, "run/args.json is a symbolic link",
          setup=_planted("args.json", "elsewhere/args.json", move=True)),
-    Case("link-05-resume-summary", "05_grpo", RESUME_RUN, "run/summary.json is a symbolic link",
+    Case("link-05-resume-summary", "qerl/train", RESUME_RUN, "run/summary.json is a symbolic link",
          setup=_planted("summary.json", "notes.txt")),
-    Case("link-05-resume-lock", "05_grpo", RESUME_RUN, "run/.qerl.lock is a symbolic link",
+    Case("link-05-resume-lock", "qerl/train", RESUME_RUN, "run/.qerl.lock is a symbolic link",
          setup=_planted(files.LOCK_FILE, "notes.txt")),
-    Case("link-05-lock-dangling", "05_grpo", NO_STEP, "run/.qerl.lock is a symbolic link", setup=_lock_only("run")),
-    Case("link-05-resume-checkpoint", "05_grpo", RESUME_RUN, "run/checkpoint-000002 is a symbolic link",
+    Case("link-05-lock-dangling", "qerl/train", NO_STEP, "run/.qerl.lock is a symbolic link", setup=_lock_only("run")),
+    Case("link-05-resume-checkpoint", "qerl/train", RESUME_RUN, "run/checkpoint-000002 is a symbolic link",
          setup=_planted("checkpoint-000002", "elsewhere/checkpoint-000002", move=True)),
-    Case("link-05-resume-trainer-state", "05_grpo", ["--resume", "{tmp}/run/checkpoint-000002", "--quiet"],
+    Case("link-05-resume-trainer-state", "qerl/train", ["--resume", "{tmp}/run/checkpoint-000002", "--quiet"],
          "checkpoint-000002/trainer_state.pt is a symbolic link",
          setup=_planted("checkpoint-000002/trainer_state.pt", "elsewhere/trainer_state.pt", move=True)),
-    Case("link-05-resume-adapter", "05_grpo", RESUME_RUN, "checkpoint-000002/adapter_model.safetensors is a symbolic "
+    Case("link-05-resume-adapter", "qerl/train", RESUME_RUN, "checkpoint-000002/adapter_model.safetensors is a symbolic "
          "link", setup=_planted("checkpoint-000002/adapter_model.safetensors", "elsewhere/a.safetensors", move=True)),
-    Case("link-01-force-lock", "01_quantize", [*Q, "--force"], "q/.qerl.lock is a symbolic link",
+    Case("link-01-force-lock", "qerl/quantize", [*Q, "--force"], "q/.qerl.lock is a symbolic link",
          setup=_output_with_link(files.LOCK_FILE, "notes.txt")),
-    Case("link-01-lock-dangling", "01_quantize", Q, "q/.qerl.lock is a symbolic link", setup=_lock_only("q")),
-    Case("link-01-force-manifest", "01_quantize", [*Q, "--force"], "q/qerl_manifest.json is a symbolic link",
+    Case("link-01-lock-dangling", "qerl/quantize", Q, "q/.qerl.lock is a symbolic link", setup=_lock_only("q")),
+    Case("link-01-force-manifest", "qerl/quantize", [*Q, "--force"], "q/qerl_manifest.json is a symbolic link",
          setup=_manifest_link),
-    Case("link-01-force-lock-hard-link", "01_quantize", [*Q, "--force"], "q/.qerl.lock has other names (hard links)",
+    Case("link-01-force-lock-hard-link", "qerl/quantize", [*Q, "--force"], "q/.qerl.lock has other names (hard links)",
          setup=lambda t: (_own_output(t), write(f"{t}/notes.txt", "my notes"),
                           os.link(f"{t}/notes.txt", f"{t}/q/{files.LOCK_FILE}"))),
-    Case("link-01-force-lock-users-file", "01_quantize", [*Q, "--force"], "q/.qerl.lock holds something other than "
+    Case("link-01-force-lock-users-file", "qerl/quantize", [*Q, "--force"], "q/.qerl.lock holds something other than "
          "a process id", setup=lambda t: (_own_output(t), write(f"{t}/q/{files.LOCK_FILE}", "my notes"))),
-    Case("fifo-03-config", "03_rollout", M, "model/config.json " + PIPE, setup=_fifo("config.json"), process=True),
-    Case("fifo-03-tokenizer", "03_rollout", M, "model/tokenizer.json " + PIPE, setup=_fifo("tokenizer.json"),
+    Case("fifo-03-config", "qerl/rollout", M, "model/config.json " + PIPE, setup=_fifo("config.json"), process=True),
+    Case("fifo-03-tokenizer", "qerl/rollout", M, "model/tokenizer.json " + PIPE, setup=_fifo("tokenizer.json"),
          process=True),
-    Case("fifo-03-tokenizer-config", "03_rollout", M, "model/tokenizer_config.json " + PIPE,
+    Case("fifo-03-tokenizer-config", "qerl/rollout", M, "model/tokenizer_config.json " + PIPE,
          setup=_fifo("tokenizer_config.json"), process=True),
-    Case("fifo-03-generation-config", "03_rollout", M, "model/generation_config.json " + PIPE,
+    Case("fifo-03-generation-config", "qerl/rollout", M, "model/generation_config.json " + PIPE,
          setup=_fifo("generation_config.json"), process=True),
-    Case("fifo-03-index", "03_rollout", M, "model/model.safetensors.index.json " + PIPE,
+    Case("fifo-03-index", "qerl/rollout", M, "model/model.safetensors.index.json " + PIPE,
          setup=_fifo("model.safetensors.index.json"), process=True),
-    Case("fifo-01-weights", "01_quantize", Q, "model/model.safetensors " + PIPE, setup=_fifo("model.safetensors"),
+    Case("fifo-01-weights", "qerl/quantize", Q, "model/model.safetensors " + PIPE, setup=_fifo("model.safetensors"),
          process=True),
-    Case("fifo-05-generation-config", "05_grpo", ["--model", "{model}", *RUN], "model/generation_config.json " + PIPE,
+    Case("fifo-05-generation-config", "qerl/train", ["--model", "{model}", *RUN], "model/generation_config.json " + PIPE,
          setup=_fifo("generation_config.json"), process=True),
-    Case("device-03-generation-config", "03_rollout", M, "model/generation_config.json is a character device, not a "
+    Case("device-03-generation-config", "qerl/rollout", M, "model/generation_config.json is a character device, not a "
          "regular file", setup=_device("generation_config.json"), process=True),
-    Case("fifo-05-data", "05_grpo", ["--model", "{model}", "--task", "gsm8k", "--data", "{tmp}/data.jsonl", *RUN],
+    Case("fifo-05-data", "qerl/train", ["--model", "{model}", "--task", "gsm8k", "--data", "{tmp}/data.jsonl", *RUN],
          "data.jsonl " + PIPE, setup=lambda t: os.mkfifo(f"{t}/data.jsonl"), process=True),
 ]
 
 DEEP = "[" * 100_000 + "]" * 100_000  # json.load recurses once a level
 TOO_DEEP = "nests its JSON too deeply to be a model file"
 CASES_SMALLER = [
-    Case("deep-03-config", "03_rollout", M, "model/config.json " + TOO_DEEP,
+    Case("deep-03-config", "qerl/rollout", M, "model/config.json " + TOO_DEEP,
          setup=lambda t: write(f"{t}/model/config.json", DEEP)),
-    Case("deep-03-generation-config", "03_rollout", M, "model/generation_config.json " + TOO_DEEP,
+    Case("deep-03-generation-config", "qerl/rollout", M, "model/generation_config.json " + TOO_DEEP,
          setup=lambda t: write(f"{t}/model/generation_config.json", DEEP)),
-    Case("deep-03-tokenizer-config", "03_rollout", M, "model/tokenizer_config.json " + TOO_DEEP,
+    Case("deep-03-tokenizer-config", "qerl/rollout", M, "model/tokenizer_config.json " + TOO_DEEP,
          setup=lambda t: write(f"{t}/model/tokenizer_config.json", DEEP)),
-    Case("deep-01-config", "01_quantize", Q, "model/config.json " + TOO_DEEP,
+    Case("deep-01-config", "qerl/quantize", Q, "model/config.json " + TOO_DEEP,
          setup=lambda t: write(f"{t}/model/config.json", DEEP)),
-    Case("deep-05-generation-config", "05_grpo", ["--model", "{model}", *RUN], "generation_config.json " + TOO_DEEP,
+    Case("deep-05-generation-config", "qerl/train", ["--model", "{model}", *RUN], "generation_config.json " + TOO_DEEP,
          setup=lambda t: write(f"{t}/model/generation_config.json", DEEP)),
     # "false" is a non-empty string: read as a truth value it would say the opposite
-    Case("03-tie-as-string", "03_rollout", M, "config.json: tie_word_embeddings must be true or false, got 'false'",
+    Case("03-tie-as-string", "qerl/rollout", M, "config.json: tie_word_embeddings must be true or false, got 'false'",
          setup=_config(tie_word_embeddings="false")),
-    Case("03-bias-as-string", "03_rollout", M, "config.json: attention_bias must be true or false, got 'yes'",
+    Case("03-bias-as-string", "qerl/rollout", M, "config.json: attention_bias must be true or false, got 'yes'",
          setup=_config(attention_bias="yes")),
-    Case("03-eos-past-vocab", "03_rollout", M, "eos_token_id/pad_token_id 100000 is past config.json's vocab_size",
+    Case("03-eos-past-vocab", "qerl/rollout", M, "eos_token_id/pad_token_id 100000 is past config.json's vocab_size",
          setup=lambda t: edit_json(f"{t}/model/generation_config.json", lambda c: {**c, "eos_token_id": 100000})),
-    Case("05-pad-past-vocab", "05_grpo", ["--model", "{model}", *RUN], "eos_token_id/pad_token_id 512 is past",
+    Case("05-pad-past-vocab", "qerl/train", ["--model", "{model}", *RUN], "eos_token_id/pad_token_id 512 is past",
          setup=lambda t: edit_json(f"{t}/model/generation_config.json", lambda c: {**c, "pad_token_id": 512})),
     # 01 copies config.json into its output: a config that does not describe the weights is refused, not copied
-    Case("01-config-claims-more-layers", "01_quantize", Q, "config.json says num_hidden_layers 100000, but the "
+    Case("01-config-claims-more-layers", "qerl/quantize", Q, "config.json says num_hidden_layers 100000, but the "
          "weights hold layers 0..3 (4 of them)", setup=_config(num_hidden_layers=100000)),
-    Case("01-untied-without-lm-head", "01_quantize", Q, "config.json says tie_word_embeddings false, but the weights "
+    Case("01-untied-without-lm-head", "qerl/quantize", Q, "config.json says tie_word_embeddings false, but the weights "
          "have no lm_head.weight", setup=_config(tie_word_embeddings=False)),
-    Case("05-config-claims-fewer-layers", "05_grpo", ["--model", "{model}", *RUN], "says num_hidden_layers 2, but the "
+    Case("05-config-claims-fewer-layers", "qerl/train", ["--model", "{model}", *RUN], "says num_hidden_layers 2, but the "
          "weights hold layers 0..3", setup=_config(num_hidden_layers=2)),
     # a second audit's values: each used to pass silently, crash or print a traceback
-    Case("03-config-claims-fewer-layers", "03_rollout", M, "says num_hidden_layers 2, but the weights hold layers "
+    Case("03-config-claims-fewer-layers", "qerl/rollout", M, "says num_hidden_layers 2, but the weights hold layers "
          "0..3", setup=_config(num_hidden_layers=2)),
-    Case("04-config-claims-fewer-layers", "04_aqn", M, "says num_hidden_layers 2, but the weights hold layers 0..3",
+    Case("04-config-claims-fewer-layers", "qerl/aqn", M, "says num_hidden_layers 2, but the weights hold layers 0..3",
          setup=_config(num_hidden_layers=2)),
-    Case("01-tie-as-string", "01_quantize", Q, "config.json: tie_word_embeddings must be true or false, got 'false'",
+    Case("01-tie-as-string", "qerl/quantize", Q, "config.json: tie_word_embeddings must be true or false, got 'false'",
          setup=_config(tie_word_embeddings="false")),
-    Case("03-eos-true", "03_rollout", M, "eos_token_id must be a token id or a list of them",
+    Case("03-eos-true", "qerl/rollout", M, "eos_token_id must be a token id or a list of them",
          setup=lambda t: edit_json(f"{t}/model/generation_config.json", lambda c: {**c, "eos_token_id": True})),
-    Case("03-eos-empty-list", "03_rollout", M, "eos_token_id must be a token id or a list of them",
+    Case("03-eos-empty-list", "qerl/rollout", M, "eos_token_id must be a token id or a list of them",
          setup=lambda t: edit_json(f"{t}/model/generation_config.json", lambda c: {**c, "eos_token_id": []})),
-    Case("fifo-01-special-tokens-map", "01_quantize", Q, "model/special_tokens_map.json " + PIPE,
+    Case("fifo-01-special-tokens-map", "qerl/quantize", Q, "model/special_tokens_map.json " + PIPE,
          setup=_fifo("special_tokens_map.json"), process=True),
-    Case("02-rank-beyond-the-mlp", "02_lora", ["--rank", "1000000000"], "--rank: 1000000000 is out of range: need "
+    Case("02-rank-beyond-the-mlp", "qerl/lora", ["--rank", "1000000000"], "--rank: 1000000000 is out of range: need "
          ">= 1 and <= 128", code=2),
-    Case("02-lr-diverges", "02_lora", ["--lr", "1e308", "--steps", "3"], "the loss is nan: training diverged; lower "
+    Case("02-lr-diverges", "qerl/lora", ["--lr", "1e308", "--steps", "3"], "the loss is nan: training diverged; lower "
          "--lr"),
-    Case("04-threads-huge", "04_aqn", [*M, "--threads", "1000000"], "--threads: 1000000 is out of range", code=2),
-    Case("03-seed-huge", "03_rollout", [*M, "--seed", "100000000000000000000000000"], "--seed: "
+    Case("04-threads-huge", "qerl/aqn", [*M, "--threads", "1000000"], "--threads: 1000000 is out of range", code=2),
+    Case("03-seed-huge", "qerl/rollout", [*M, "--seed", "100000000000000000000000000"], "--seed: "
          "100000000000000000000000000 is out of range: need >= 0 and <= 2147483647", code=2),
-    Case("ckpt-step-beyond-the-run", "05_grpo", RESUME, "says step 1000000000000000000, outside 0..",
+    Case("ckpt-step-beyond-the-run", "qerl/train", RESUME, "says step 1000000000000000000, outside 0..",
          setup=lambda t: _state(t, lambda s: {**s, "step": 10**18})),
-    Case("fifo-05-resume-metrics", "05_grpo", ["--resume", "{tmp}/run", "--quiet"], "run/metrics.jsonl " + PIPE,
+    Case("fifo-05-resume-metrics", "qerl/train", ["--resume", "{tmp}/run", "--quiet"], "run/metrics.jsonl " + PIPE,
          setup=lambda t: (_real_run(t), os.remove(f"{t}/run/metrics.jsonl"), os.mkfifo(f"{t}/run/metrics.jsonl")),
          process=True),
 ]
@@ -1320,7 +1320,7 @@ def test_force_replaces_own_output_only(tmp_path):
     model_copy(str(tmp_path))
     assert cli.run_cli(quantize.main, ["--model", src, "--out", out]) == 0
     assert cli.run_cli(quantize.main, ["--model", src, "--out", out, "--force"]) == 0
-    assert files.output_files(out, "01_quantize.py") and files.output_files(src, "01_quantize.py") is None
+    assert files.output_files(out, "qerl/quantize.py") and files.output_files(src, "qerl/quantize.py") is None
 
 
 def test_stale_temporaries_are_cleared(tmp_path):
@@ -1356,7 +1356,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys)
 def test_resume_keeps_the_runs_own_runtime_flags(tmp_path):
     """--resume keeps the run's --save-every, --time-budget and --eval-every unless given again, and its
     hyper-parameters always."""
-    grpo = STAGES["05_grpo"]
+    grpo = STAGES["qerl/train"]
     ckpt = tmp_path / "run" / "checkpoint-000002"
     os.makedirs(ckpt)
     saved = vars(grpo.build_parser().parse_args(["--save-every", "7", "--time-budget", "0", "--eval-every", "3",
@@ -1398,7 +1398,7 @@ TINY_RUN = ["--steps", "6", "--batch", "2", "--group", "2", "--max-new-tokens", 
 
 def start_run(out, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "05_grpo.py"), *TINY_RUN, "--out", str(out), *extra],
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "qerl/train.py"), *TINY_RUN, "--out", str(out), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -1410,7 +1410,7 @@ def wait_for_line(proc, prefix):
 
 
 def resume_run(out):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--resume", str(out), "--quiet"],
+    return subprocess.run([sys.executable, os.path.join(ROOT, "qerl/train.py"), "--resume", str(out), "--quiet"],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
@@ -1434,7 +1434,7 @@ def test_ctrl_c_checkpoints_and_resume_finishes_the_same_run(tmp_path):
     assert "interrupt | stopping after this step" in out
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("interrupted | checkpoint-0000"), err
-    assert f"continue with  python 05_grpo.py --resume {tmp_path / 'split'}" in lines[0]
+    assert f"continue with  python qerl/train.py --resume {tmp_path / 'split'}" in lines[0]
     stopped = json.load(open(tmp_path / "split" / "summary.json"))
     assert stopped["stopped_by"] == "interrupt" and 2 <= stopped["steps_done"] < 30
     r = resume_run(tmp_path / "split")
@@ -1468,11 +1468,11 @@ def test_kill_9_during_checkpoints_then_resume(tmp_path):
 
 def test_cli_wiring_is_one_line():
     """The real command lines end in the handler: one line, exit 1, for every stage."""
-    for stage, argv in [("01_quantize.py", ["--model", "/nonexistent", "--out", "/tmp/x"]),
-                        ("02_lora.py", ["--device", "nonexistent-device"]),
-                        ("03_rollout.py", ["--model", "/nonexistent"]),
-                        ("04_aqn.py", ["--model", "/nonexistent"]),
-                        ("05_grpo.py", ["--model", "/nonexistent", "--out", "/tmp/x"])]:
+    for stage, argv in [("qerl/quantize.py", ["--model", "/nonexistent", "--out", "/tmp/x"]),
+                        ("qerl/lora.py", ["--device", "nonexistent-device"]),
+                        ("qerl/rollout.py", ["--model", "/nonexistent"]),
+                        ("qerl/aqn.py", ["--model", "/nonexistent"]),
+                        ("qerl/train.py", ["--model", "/nonexistent", "--out", "/tmp/x"])]:
         r = subprocess.run([sys.executable, os.path.join(ROOT, stage), *argv], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, (stage, r.stderr)
@@ -1505,7 +1505,7 @@ def test_sweep_removes_only_the_commands_own_temporaries(tmp_path, capsys):
     before = {k: v for k, v in snapshot(str(tmp_path)).items() if not any(k.startswith(o) for o in own)}
     assert cli.run_cli(quantize.main, ["--model", str(tmp_path / "model"), "--out", str(tmp_path / "q")]) == 0
     grpo_argv = ["--task", "gsm8k", "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "run")]
-    assert cli.run_cli(STAGES["05_grpo"].main, grpo_argv) == 1  # fails at the data, after the sweep
+    assert cli.run_cli(STAGES["qerl/train"].main, grpo_argv) == 1  # fails at the data, after the sweep
     assert "none.jsonl" in capsys.readouterr().err
     after = snapshot(str(tmp_path))
     assert not [o for o in own if os.path.lexists(tmp_path / o)]
@@ -1519,7 +1519,7 @@ def test_force_replaces_only_the_files_its_manifest_lists(tmp_path):
     src, out = str(tmp_path / "model"), tmp_path / "q"
     model_copy(str(tmp_path))
     assert cli.run_cli(quantize.main, ["--model", src, "--out", str(out)]) == 0
-    first = files.output_files(str(out), "01_quantize.py")
+    first = files.output_files(str(out), "qerl/quantize.py")
     assert "model.safetensors" in first and "config.json" in first
     write(str(out / "adapter_model.safetensors"), b"user adapter", "wb")
     write(str(out / "my_finetuned_lm_head.safetensors"), b"user head", "wb")
@@ -1536,7 +1536,7 @@ def test_force_replaces_only_the_files_its_manifest_lists(tmp_path):
     assert {k: after.get(k) for k in users} == users
     assert not (out / "model-00002-of-00002.safetensors").exists()
     assert files.read_json(str(out / "config.json"))["quantization_config"] == quantize.NVFP4_QUANT_CONFIG
-    assert files.output_files(str(out), "01_quantize.py") == first
+    assert files.output_files(str(out), "qerl/quantize.py") == first
     assert sorted(os.listdir(tmp_path)) == ["model", "q", "victim.txt"]  # no temporary left
 
 
@@ -1588,7 +1588,7 @@ def test_two_01_runs_on_one_out(tmp_path):
     """A second 01 on the --out a first one is writing fails with one line naming it; the first ends as
     if alone."""
     out = tmp_path / "q"
-    argv = [sys.executable, os.path.join(ROOT, "01_quantize.py"), "--model", TINY, "--out", str(out)]
+    argv = [sys.executable, os.path.join(ROOT, "qerl/quantize.py"), "--model", TINY, "--out", str(out)]
     first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
     wait_for_line(first, "nvfp4  [")  # inside the write: it holds the lock
@@ -1602,7 +1602,7 @@ def test_two_01_runs_on_one_out(tmp_path):
         f"for it to end, or choose another --out\n")
     rest, err = first.communicate(timeout=120)
     assert first.returncode == 0 and "done |" in rest, err
-    assert sorted(os.listdir(out)) == sorted(files.output_files(str(out), "01_quantize.py") + [files.MANIFEST])
+    assert sorted(os.listdir(out)) == sorted(files.output_files(str(out), "qerl/quantize.py") + [files.MANIFEST])
     assert os.listdir(tmp_path) == ["q"]
 
 if __name__ == "__main__":  # the table in docs/reliability.md: every case, run, with the line it printed
@@ -1676,7 +1676,7 @@ def _and(*setups):
 
 
 def _planted_snapshot(record=False):
-    """runs/.code/05_grpo.py that would leave a file if it ran, a claim naming PID 1 (always alive), and
+    """runs/.code/qerl/train.py that would leave a file if it ran, a claim naming PID 1 (always alive), and
     with record=True a record in the snapshot with its true hash, naming PID 1 as its maker."""
     def setup(tmp):
         code = os.path.join(tmp, "cmp", "runs", ".code")
@@ -1684,12 +1684,12 @@ def _planted_snapshot(record=False):
         for name in STUDY.CODE_FILES:  # a whole snapshot, as the script makes one, but for its 05
             copy = shutil.copytree if os.path.isdir(os.path.join(ROOT, name)) else shutil.copy
             copy(os.path.join(ROOT, name), os.path.join(code, name))
-        write(os.path.join(code, "05_grpo.py"), "open(__file__ + '.ran', 'w')\n")
+        write(os.path.join(code, "qerl/train.py"), "open(__file__ + '.ran', 'w')\n")
         write(os.path.join(tmp, "cmp", "runs", ".lora-s0.claim"), "1")
         if record:
             write(os.path.join(code, STUDY.SNAPSHOT_RECORD), json.dumps(
                 {"md5": STUDY.tree_hash(code), "owner": STUDY.process_identity(1)}))
-            write(os.path.join(code, "05_grpo.py"), "open(__file__ + '.ran', 'w')  # edited after\n")
+            write(os.path.join(code, "qerl/train.py"), "open(__file__ + '.ran', 'w')  # edited after\n")
     return setup
 
 

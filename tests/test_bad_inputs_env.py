@@ -21,15 +21,15 @@ import test_bad_inputs as bad
 from test_bad_inputs import Case
 
 ROOT, cli, devices, engine, memory = bad.ROOT, bad.cli, bad.devices, bad.engine, bad.memory
-distributed = importlib.import_module("distributed")
-rollout = importlib.import_module("03_rollout")
+distributed = importlib.import_module("qerl.distributed")
+rollout = importlib.import_module("qerl.rollout")
 
 CASES = [
-    Case("05-dist-timeout-huge", "05_grpo", ["--dist-timeout", "1e300"], "need >= 0.1 and <= 1440", code=2),
-    Case("05-dist-timeout-tiny", "05_grpo", ["--dist-timeout", "1e-6"], "need >= 0.1 and <= 1440", code=2),
-    Case("05-mu-past-16", "05_grpo", ["--mu", "100"], "--mu: 100 is out of range: need >= 1 and <= 16", code=2),
+    Case("05-dist-timeout-huge", "qerl/train", ["--dist-timeout", "1e300"], "need >= 0.1 and <= 1440", code=2),
+    Case("05-dist-timeout-tiny", "qerl/train", ["--dist-timeout", "1e-6"], "need >= 0.1 and <= 1440", code=2),
+    Case("05-mu-past-16", "qerl/train", ["--mu", "100"], "--mu: 100 is out of range: need >= 1 and <= 16", code=2),
     # three models and a KL over 6.4 million rows: refused before any loading, by 04's estimate
-    Case("04-exploration-past-ram", "04_aqn", ["--model", "{model}", "--prompts", "100000", "--samples", "64"],
+    Case("04-exploration-past-ram", "qerl/aqn", ["--model", "{model}", "--prompts", "100000", "--samples", "64"],
          "--prompts 100000 x --samples 64 with --max-new-tokens 48 needs about"),
 ]
 
@@ -49,7 +49,7 @@ def test_torchrun_variables_left_in_a_shell_are_one_line_at_once(tmp_path):
                MASTER_PORT="29531")
     env.pop("TORCHELASTIC_RUN_ID", None)
     t0 = time.time()
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), *bad.TINY_RUN, "--out", str(tmp_path / "run")],
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "qerl/train.py"), *bad.TINY_RUN, "--out", str(tmp_path / "run")],
                        capture_output=True, text=True, timeout=120, env=env)
     assert time.time() - t0 < 60  # a start: torch's import; not a rendezvous's wait
     assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
@@ -70,7 +70,7 @@ def test_an_inconsistent_launch_environment_is_refused(monkeypatch, tmp_path, ca
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    case = Case("launch", "05_grpo", [*bad.TINY_RUN, "--model", "{model}", "--out", "{tmp}/run"], message)
+    case = Case("launch", "qerl/train", [*bad.TINY_RUN, "--model", "{model}", "--out", "{tmp}/run"], message)
     bad.run_case(case, str(tmp_path), capsys)
 
 
@@ -132,7 +132,7 @@ def test_the_estimate_reads_the_address_space_limit(monkeypatch):
 
 ULIMIT_SCRIPT = """import resource, sys
 sys.path.insert(0, sys.argv[1])
-import cli, devices, torch
+from qerl import cli, devices, torch
 with open("/proc/self/status") as f:  # `ulimit -v` of what torch maps already + 2 GiB
     mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (mapped + 2 ** 31, resource.RLIM_INFINITY))
@@ -169,7 +169,7 @@ def test_a_real_address_space_limit(estimate, allocate, message):
 def test_an_allocation_that_fails_is_one_line_naming_what_to_lower(capsys, error, said):
     def main(argv):
         raise error
-    main.__code__ = main.__code__.replace(co_filename=os.path.join(ROOT, "05_grpo.py"))  # as 05's own main
+    main.__code__ = main.__code__.replace(co_filename=os.path.join(ROOT, "qerl/train.py"))  # as 05's own main
     assert cli.run_cli(main, []) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: out of memory") and said in err, err
@@ -229,7 +229,7 @@ def test_a_full_standard_output_names_it(tmp_path):
     """`> out.log` on a full disk (/dev/full): one line naming standard output, exit 1; not `[Errno 28]` alone,
     and no 'Exception ignored' at the interpreter's exit."""
     with open("/dev/full", "w") as full:
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "04_aqn.py"), "--schedule-only"], stdout=full,
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "qerl/aqn.py"), "--schedule-only"], stdout=full,
                            stderr=subprocess.PIPE, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("error: standard output: No space left on device (is it redirected to a full disk?)")

@@ -12,7 +12,7 @@ import torch
 import test_bad_inputs as bad
 from test_bad_inputs import Case
 
-lora, checkpoints = bad.STAGES["02_lora"], bad.checkpoints
+lora, checkpoints = bad.STAGES["qerl/lora"], bad.checkpoints
 Q = ["--model", "{model}", "--out", "{tmp}/q"]
 M = ["--model", "{model}"]
 STUDY = ["--methods", "lora", "--seeds", "0", "--out", "{tmp}/cmp", "--dry-run"]
@@ -46,23 +46,23 @@ def _shard_is_a_folder(tmp):  # the index puts the final norm in b.safetensors, 
 
 CASES = [
     # holes: found by the re-run, fixed
-    Case("reprobe-01-norm-0d", "01_quantize", Q, "tensor model.norm.weight has shape (), config.json implies (128,)",
+    Case("reprobe-01-norm-0d", "qerl/quantize", Q, "tensor model.norm.weight has shape (), config.json implies (128,)",
          setup=_norm_0d),
     Case("reprobe-study-lr-with-equals", bad.CMP, [*STUDY, "--", "--lr=2e-3"], "runs/lora-s0 was trained with --lr "
          "0.001, this command runs with --lr 2e-3", setup=bad._study_runs("cmp", ["lora-s0"])),
     # held: other dtypes, shapes and folders than the suite's
-    Case("reprobe-01-u16", "01_quantize", Q, "v_proj.weight has dtype U16, which this reader does not know",
+    Case("reprobe-01-u16", "qerl/quantize", Q, "v_proj.weight has dtype U16, which this reader does not know",
          setup=_retyped(torch.uint16)),
-    Case("reprobe-03-f8-e5m2", "03_rollout", M, "v_proj.weight has dtype F8_E5M2, but a weight must be one of F32",
+    Case("reprobe-03-f8-e5m2", "qerl/rollout", M, "v_proj.weight has dtype F8_E5M2, but a weight must be one of F32",
          setup=_retyped(torch.float8_e5m2)),
-    Case("reprobe-04-bool", "04_aqn", M, "v_proj.weight has dtype BOOL", setup=_retyped(torch.bool)),
-    Case("reprobe-03-shard-is-a-folder", "03_rollout", M, "b.safetensors is a folder, not a regular file",
+    Case("reprobe-04-bool", "qerl/aqn", M, "v_proj.weight has dtype BOOL", setup=_retyped(torch.bool)),
+    Case("reprobe-03-shard-is-a-folder", "qerl/rollout", M, "b.safetensors is a folder, not a regular file",
          setup=_shard_is_a_folder),
     Case("reprobe-study-eval-k", bad.CMP, [*STUDY, "--eval-k", "2"], "was trained with --eval-k 8, this command runs "
          "with --eval-k 2", setup=bad._study_runs("cmp", ["lora-s0"])),
-    Case("reprobe-05-gold-hex", "05_grpo", bad.GSM8K, "d.jsonl:3: the answer after '####' is '0x10', not a number",
+    Case("reprobe-05-gold-hex", "qerl/train", bad.GSM8K, "d.jsonl:3: the answer after '####' is '0x10', not a number",
          setup=bad._gsm8k_with("0x10")),
-    Case("reprobe-05-gold-tiny", "05_grpo", bad.GSM8K, "the answer after '####' is '1e-101', over 100 characters",
+    Case("reprobe-05-gold-tiny", "qerl/train", bad.GSM8K, "the answer after '####' is '1e-101', over 100 characters",
          setup=bad._gsm8k_with("1e-101")),
 ]
 
@@ -96,7 +96,7 @@ def test_adam_state_covers_every_parameter_at_one_step_count():
 
 
 def test_a_run_started_with_stdout_closed_writes_nothing_there():
-    """`05_grpo.py >&-`: sys.stdout is None; the run's guard (ClosedPipeGuard) writes nothing instead of
+    """`qerl/train.py >&-`: sys.stdout is None; the run's guard (ClosedPipeGuard) writes nothing instead of
     raising AttributeError at its first line, and does not take it for a closed pipe (the run goes on)."""
     guard = bad.cli.ClosedPipeGuard(None)
     assert guard.write("step 1\n") == 7

@@ -1,6 +1,6 @@
 """--resume against edited checkpoints (issue 48, item 2): a checkpoint is checked against the run that wrote it.
 Each case plants one edit in a copy of a real 2-step run (made once per session, AdamW state in both of its
-checkpoints) and runs `05_grpo.py --resume` through test_bad_inputs' harness: one line, exit 1, no file changed.
+checkpoints) and runs `qerl/train.py --resume` through test_bad_inputs' harness: one line, exit 1, no file changed.
 """
 import itertools
 import os
@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import test_bad_inputs as bad
 
-grpo, checkpoints, runs = bad.STAGES["05_grpo"], bad.checkpoints, bad.runs
+grpo, checkpoints, runs = bad.STAGES["qerl/train"], bad.checkpoints, bad.runs
 EVAL_RUN = {}  # the same with a held-out evaluation at the start and the end
 RUN = {}  # the cached run: --steps 2, a checkpoint at each step, every group with signal
 
@@ -60,42 +60,42 @@ RESUME = ["--resume", "{tmp}/" + CKPT, "--quiet"]
 Case = bad.Case
 CASES = [
     # the adapter's config against the run's arguments (02's check_config_fits), and fields 02 does not implement
-    Case("adapter-alpha-320", "05_grpo", RESUME, "adapter_config.json: lora_alpha is 320, but the model it loads "
+    Case("adapter-alpha-320", "qerl/train", RESUME, "adapter_config.json: lora_alpha is 320, but the model it loads "
          "into has LoRA layers of 32: the adapter was made with other settings, or edited (resume from another "
          "checkpoint)", setup=_config(lora_alpha=320)),
-    Case("adapter-alpha-negative", "05_grpo", RESUME, "lora_alpha is -32, but", setup=_config(lora_alpha=-32)),
-    Case("adapter-rslora", "05_grpo", RESUME, "use_rslora is True, but the model it loads into has LoRA layers of "
+    Case("adapter-alpha-negative", "qerl/train", RESUME, "lora_alpha is -32, but", setup=_config(lora_alpha=-32)),
+    Case("adapter-rslora", "qerl/train", RESUME, "use_rslora is True, but the model it loads into has LoRA layers of "
          "False", setup=_config(use_rslora=True)),
-    Case("adapter-targets", "05_grpo", RESUME, "targets ['q_proj'] but the model's LoRA layers wrap",
+    Case("adapter-targets", "qerl/train", RESUME, "targets ['q_proj'] but the model's LoRA layers wrap",
          setup=_config(target_modules=["q_proj"])),
-    Case("adapter-layers-to-transform", "05_grpo", RESUME, "layers_to_transform is [0], which load_adapter does not "
+    Case("adapter-layers-to-transform", "qerl/train", RESUME, "layers_to_transform is [0], which load_adapter does not "
          "implement", setup=_config(layers_to_transform=[0])),
-    Case("adapter-embed-tokens-to-save", "05_grpo", RESUME, "modules_to_save is ['embed_tokens'], but the model it "
+    Case("adapter-embed-tokens-to-save", "qerl/train", RESUME, "modules_to_save is ['embed_tokens'], but the model it "
          "loads into trains in full beside its LoRA layers []", setup=_config(modules_to_save=["embed_tokens"])),
-    Case("adapter-base-to-save", "05_grpo", RESUME, "modules_to_save is ['base'], but",
+    Case("adapter-base-to-save", "qerl/train", RESUME, "modules_to_save is ['base'], but",
          setup=_config(modules_to_save=["base"])),
     # AdamW: only the per-parameter state is read, and checked
-    Case("adam-step-negative", "05_grpo", RESUME, "AdamW's step count of parameter 0 is not a whole number in 0..1 "
+    Case("adam-step-negative", "qerl/train", RESUME, "AdamW's step count of parameter 0 is not a whole number in 0..1 "
          "([-1.0]): the checkpoint is damaged", setup=_moment("step", torch.tensor(-1.0))),
-    Case("adam-moment-shape", "05_grpo", RESUME, "AdamW's exp_avg (parameter 0) is torch.float32 [3], not of its "
+    Case("adam-moment-shape", "qerl/train", RESUME, "AdamW's exp_avg (parameter 0) is torch.float32 [3], not of its "
          "parameter's [16, 128]", setup=_moment("exp_avg", torch.zeros(3))),
-    Case("adam-moment-nan", "05_grpo", RESUME, "AdamW's exp_avg holds a non-finite value (parameter 0)",
+    Case("adam-moment-nan", "qerl/train", RESUME, "AdamW's exp_avg holds a non-finite value (parameter 0)",
          setup=_moment("exp_avg", torch.full((16, 128), float("nan")))),
     # the hyper-parameters a resume takes against the run's args.json
-    Case("args-lr-1e6", "05_grpo", RESUME, "trainer_state.pt says --lr 1000000.0, but its run's args.json says "
+    Case("args-lr-1e6", "qerl/train", RESUME, "trainer_state.pt says --lr 1000000.0, but its run's args.json says "
          "0.005: one of them was edited", setup=_state(lambda s: s["args"].update(lr=1e6))),
     # a checkpoint is found by its step's number, and its name must say its step
-    Case("ckpt-renamed", "05_grpo", ["--resume", "{tmp}/run", "--quiet"], "checkpoint-000009/trainer_state.pt says "
+    Case("ckpt-renamed", "qerl/train", ["--resume", "{tmp}/run", "--quiet"], "checkpoint-000009/trainer_state.pt says "
          "step 1, but its folder's name says 9: the checkpoint was renamed or edited",
          setup=lambda t: (_run(t), os.rename(f"{t}/{CKPT}", f"{t}/run/checkpoint-000009"))),
     # empty folders names, and a run that died before its first checkpoint
-    Case("resume-empty", "05_grpo", ["--resume", "", "--quiet"], "--resume '' names no folder: give the run"),
-    Case("out-empty", "05_grpo", ["--out", "", "--quiet"], "--out '' names no folder: give a folder, or drop --out"),
-    Case("dead-run-out", "05_grpo", ["--out", "{tmp}/run", "--device", "cpu", "--quiet"], "already holds a run "
+    Case("resume-empty", "qerl/train", ["--resume", "", "--quiet"], "--resume '' names no folder: give the run"),
+    Case("out-empty", "qerl/train", ["--out", "", "--quiet"], "--out '' names no folder: give a folder, or drop --out"),
+    Case("dead-run-out", "qerl/train", ["--out", "{tmp}/run", "--device", "cpu", "--quiet"], "already holds a run "
          "(args.json, metrics.jsonl) that stopped before its first checkpoint: --resume has nothing to continue "
          "there; delete those files", setup=lambda t: (_run(t), [shutil.rmtree(f"{t}/run/checkpoint-00000{i}")
                                                             for i in (1, 2)], os.remove(f"{t}/run/summary.json"))),
-    Case("dead-run-resume", "05_grpo", ["--resume", "{tmp}/run", "--quiet"], "no checkpoint there: its run (args.json, "
+    Case("dead-run-resume", "qerl/train", ["--resume", "{tmp}/run", "--quiet"], "no checkpoint there: its run (args.json, "
          "metrics.jsonl) stopped before its first checkpoint, so nothing can be continued; start a new run",
          setup=lambda t: bad.write(f"{t}/run/args.json", "{}") or bad.write(f"{t}/run/metrics.jsonl", "")),
 ]
@@ -202,8 +202,8 @@ def test_a_divergence_names_the_flags_that_can_cause_it(argv, resumed, want):
 def test_load_adapter_refuses_what_it_does_not_implement(tmp_path):
     """02 on its own: the fields of UNSUPPORTED_FIELDS (fan_in_fan_out here) are refused, and modules_to_save
     never reaches into a LoRA layer's frozen base."""
-    model = bad.STAGES["02_lora"].add_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), r=2, alpha=4, targets=("0",))
-    lora = bad.STAGES["02_lora"]
+    model = bad.STAGES["qerl/lora"].add_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), r=2, alpha=4, targets=("0",))
+    lora = bad.STAGES["qerl/lora"]
     lora.save_adapter(model, str(tmp_path / "a"))
     bad.edit_json(str(tmp_path / "a" / "adapter_config.json"), lambda c: {**c, "fan_in_fan_out": True})
     with pytest.raises(ValueError, match="fan_in_fan_out is True, which load_adapter does not implement"):

@@ -20,7 +20,7 @@ NESTED = "[" * 200 + "]" * 200  # parses, but deeper than anything the study wri
 
 
 def planted_snapshot(owner):
-    """setup: runs/.code with this checkout's files but a 05_grpo.py that leaves <05>.ran if it runs, and a
+    """setup: runs/.code with this checkout's files but a qerl/train.py that leaves <05>.ran if it runs, and a
     record with the snapshot's true hash naming owner(): [pid, start] of a process."""
     def setup(tmp):
         code = os.path.join(tmp, "cmp", "runs", ".code")
@@ -28,7 +28,7 @@ def planted_snapshot(owner):
         for name in runner.CODE_FILES:
             copy = shutil.copytree if os.path.isdir(os.path.join(ROOT, name)) else shutil.copy
             copy(os.path.join(ROOT, name), os.path.join(code, name))
-        bad.write(os.path.join(code, "05_grpo.py"), "open(__file__ + '.ran', 'w')\n")
+        bad.write(os.path.join(code, "qerl/train.py"), "open(__file__ + '.ran', 'w')\n")
         bad.write(os.path.join(code, runner.SNAPSHOT_RECORD), json.dumps({"md5": runner.tree_hash(code),
                                                                           "owner": owner()}))
     return setup
@@ -49,7 +49,7 @@ def test_a_planted_snapshot_naming_a_live_process_is_not_run(decoy, tmp_path, ca
         proc.kill()
         proc.wait()
     code = tmp_path / "work" / "cmp" / "runs" / ".code"
-    assert (code / "05_grpo.py").exists() and not (code / "05_grpo.py.ran").exists()
+    assert (code / "qerl/train.py").exists() and not (code / "qerl/train.py.ran").exists()
 
 
 def test_a_snapshot_of_this_checkout_named_by_a_live_copy_is_reused(tmp_path):

@@ -52,24 +52,24 @@ def _jinja_template(text):  # newer transformers save the template as chat_templ
 LLAMA3_TEMPLATE = ("{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + "
                    "m['content'] + '<|eot_id|>' }}{% endfor %}")
 CASES = [
-    Case("03-tokenizer-duplicate-ids", "03_rollout", M, "tokenizer.json gives id 64 to two tokens, 'a' and 'b'",
+    Case("03-tokenizer-duplicate-ids", "qerl/rollout", M, "tokenizer.json gives id 64 to two tokens, 'a' and 'b'",
          setup=_tokenizer(lambda d: d["model"]["vocab"].update(b=d["model"]["vocab"]["a"]))),
-    Case("03-tokenizer-added-id-taken", "03_rollout", M, "tokenizer.json lists '<|im_start|>' as id 7",
+    Case("03-tokenizer-added-id-taken", "qerl/rollout", M, "tokenizer.json lists '<|im_start|>' as id 7",
          setup=_tokenizer(lambda d: d["added_tokens"][1].update(id=7))),
-    Case("03-tokenizer-word-level-without-unk", "03_rollout", M, "tokenizer.json cannot encode a prompt (WordLevel "
+    Case("03-tokenizer-word-level-without-unk", "qerl/rollout", M, "tokenizer.json cannot encode a prompt (WordLevel "
          "error: Missing [UNK] token", setup=_tokenizer(_word_level)),
-    Case("03-tokenizer-appends-eos", "03_rollout", M, "tokenizer.json: its post-processor adds ['<|endoftext|>'] to "
+    Case("03-tokenizer-appends-eos", "qerl/rollout", M, "tokenizer.json: its post-processor adds ['<|endoftext|>'] to "
          "every prompt", setup=_tokenizer(_adds("<|endoftext|>", 281))),
-    Case("03-tokenizer-without-chatml", "03_rollout", M, "tokenizer.json has no <|im_start|> token",
+    Case("03-tokenizer-without-chatml", "qerl/rollout", M, "tokenizer.json has no <|im_start|> token",
          setup=_tokenizer(_rename_added("<|im_start|>", "<|startoftext|>"))),
-    Case("03-template-not-chatml", "03_rollout", M, "tokenizer_config.json: the chat template is not ChatML",
+    Case("03-template-not-chatml", "qerl/rollout", M, "tokenizer_config.json: the chat template is not ChatML",
          setup=lambda t: bad.edit_json(f"{t}/model/tokenizer_config.json",
                                        lambda d: dict(d, chat_template=LLAMA3_TEMPLATE))),
-    Case("03-template-jinja-not-chatml", "03_rollout", M, "chat_template.jinja: the chat template is not ChatML",
+    Case("03-template-jinja-not-chatml", "qerl/rollout", M, "chat_template.jinja: the chat template is not ChatML",
          setup=_jinja_template(LLAMA3_TEMPLATE)),
-    Case("05-gold-huge-exponent", "05_grpo", bad.GSM8K, "d.jsonl:3: the answer after '####' is '1e100000000', over "
+    Case("05-gold-huge-exponent", "qerl/train", bad.GSM8K, "d.jsonl:3: the answer after '####' is '1e100000000', over "
          "100 characters written out", setup=bad._gsm8k_with("1e100000000")),
-    Case("05-gold-5000-digits", "05_grpo", bad.GSM8K, "d.jsonl:3: the answer after '####' is '11111111111111111111'"
+    Case("05-gold-5000-digits", "qerl/train", bad.GSM8K, "d.jsonl:3: the answer after '####' is '11111111111111111111'"
          "..., over 100 characters", setup=bad._gsm8k_with("1" * 5000)),
 ]
 

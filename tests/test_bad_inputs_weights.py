@@ -13,7 +13,7 @@ import torch
 import test_bad_inputs as bad
 from test_bad_inputs import Case
 
-hf_files, rollout, quantize = bad.hf_files, bad.STAGES["03_rollout"], bad.quantize
+hf_files, rollout, quantize = bad.hf_files, bad.STAGES["qerl/rollout"], bad.quantize
 M = ["--model", "{model}"]
 Q = ["--model", "{model}", "--out", "{tmp}/q"]
 RUN = [*M, "--steps", "2", "--batch", "2", "--group", "2", "--eval-size", "4", "--max-new-tokens", "8", *bad.RUN]
@@ -104,64 +104,64 @@ def _index_moving(name):
 SAYS_F32 = "but a weight must be one of F32, BF16, F16"
 CASES = [
     # dtypes: a weight or bias F32/BF16/F16, NVFP4's own tensors their fixed dtypes; refused from the header
-    Case("dtype-01-int-norm", "01_quantize", Q, "model.safetensors: tensor model.layers.0.input_layernorm.weight "
+    Case("dtype-01-int-norm", "qerl/quantize", Q, "model.safetensors: tensor model.layers.0.input_layernorm.weight "
          f"has dtype I32, {SAYS_F32}", setup=_retype("input_layernorm.weight", torch.int32)),
-    Case("dtype-01-f64-projection", "01_quantize", Q, f"self_attn.q_proj.weight has dtype F64, {SAYS_F32}",
+    Case("dtype-01-f64-projection", "qerl/quantize", Q, f"self_attn.q_proj.weight has dtype F64, {SAYS_F32}",
          setup=_retype("self_attn.q_proj.weight", torch.float64)),
-    Case("dtype-01-int-bias", "01_quantize", Q, "k_proj.bias has dtype I64, but a bias must be one of F32",
+    Case("dtype-01-int-bias", "qerl/quantize", Q, "k_proj.bias has dtype I64, but a bias must be one of F32",
          setup=_retype("k_proj.bias", torch.int64)),
-    Case("dtype-03-int-norm", "03_rollout", M, f"input_layernorm.weight has dtype I32, {SAYS_F32}",
+    Case("dtype-03-int-norm", "qerl/rollout", M, f"input_layernorm.weight has dtype I32, {SAYS_F32}",
          setup=_retype("input_layernorm.weight", torch.int32)),
-    Case("dtype-03-f64-projection", "03_rollout", M, f"mlp.up_proj.weight has dtype F64, {SAYS_F32}",
+    Case("dtype-03-f64-projection", "qerl/rollout", M, f"mlp.up_proj.weight has dtype F64, {SAYS_F32}",
          setup=_retype("mlp.up_proj.weight", torch.float64)),
-    Case("dtype-03-f8-projection", "03_rollout", [*M, "--quant", "nvfp4"],
+    Case("dtype-03-f8-projection", "qerl/rollout", [*M, "--quant", "nvfp4"],
          f"mlp.down_proj.weight has dtype F8_E4M3, {SAYS_F32}", setup=_retype("mlp.down_proj.weight",
                                                                               torch.float8_e4m3fn)),
-    Case("dtype-03-nvfp4-scale-f32", "03_rollout", ["--model", "{tmp}/q"], "q/model.safetensors: tensor model.layers"
+    Case("dtype-03-nvfp4-scale-f32", "qerl/rollout", ["--model", "{tmp}/q"], "q/model.safetensors: tensor model.layers"
          ".0.mlp.down_proj.weight_scale has dtype F32, but an NVFP4 weight_scale must be F8_E4M3",
          setup=_quantized_then(_retype("down_proj.weight_scale", torch.float32, "q"))),
-    Case("dtype-03-nvfp4-packed-i8", "03_rollout", ["--model", "{tmp}/q"], "weight_packed has dtype I8, but an "
+    Case("dtype-03-nvfp4-packed-i8", "qerl/rollout", ["--model", "{tmp}/q"], "weight_packed has dtype I8, but an "
          "NVFP4 weight_packed must be U8", setup=_quantized_then(_retype("q_proj.weight_packed", torch.int8, "q"))),
-    Case("dtype-04-f64-embedding", "04_aqn", M, f"embed_tokens.weight has dtype F64, {SAYS_F32}",
+    Case("dtype-04-f64-embedding", "qerl/aqn", M, f"embed_tokens.weight has dtype F64, {SAYS_F32}",
          setup=_retype("embed_tokens.weight", torch.float64)),
-    Case("dtype-05-int-norm", "05_grpo", RUN, f"model.norm.weight has dtype I32, {SAYS_F32}",
+    Case("dtype-05-int-norm", "qerl/train", RUN, f"model.norm.weight has dtype I32, {SAYS_F32}",
          setup=_retype("model.norm.weight", torch.int32)),
     # headers that do not describe their file: the INPUT is named (01 named its output folder)
-    Case("header-01-overlap", "01_quantize", Q, "model/model.safetensors: tensor model.layers.0.input_layernorm"
+    Case("header-01-overlap", "qerl/quantize", Q, "model/model.safetensors: tensor model.layers.0.input_layernorm"
          ".weight's data_offsets [147452, 147964] overlaps the tensor before it (which ends at 147456)",
          setup=_header_pairs(_second_shifted(-4))),
-    Case("header-01-gap", "01_quantize", Q, "leaves a gap after the tensor before it",
+    Case("header-01-gap", "qerl/quantize", Q, "leaves a gap after the tensor before it",
          setup=_header_pairs(_second_shifted(4))),
-    Case("header-01-negative", "01_quantize", Q, "model/model.safetensors: tensor model.embed_tokens.weight's "
+    Case("header-01-negative", "qerl/quantize", Q, "model/model.safetensors: tensor model.embed_tokens.weight's "
          "data_offsets [-4, 147452] is negative", setup=_header_pairs(_first_negative)),
-    Case("header-01-duplicate-name", "01_quantize", Q, "model/model.safetensors is not a readable safetensors file "
+    Case("header-01-duplicate-name", "qerl/quantize", Q, "model/model.safetensors is not a readable safetensors file "
          "(the name 'model.embed_tokens.weight' appears twice in its header)", setup=_header_pairs(_duplicate_first)),
-    Case("header-01-metadata-not-text", "01_quantize", Q, "model.safetensors is not a readable safetensors file "
+    Case("header-01-metadata-not-text", "qerl/quantize", Q, "model.safetensors is not a readable safetensors file "
          "(its __metadata__ must map names to strings)", setup=_header_pairs(_metadata({"format": 1}))),
-    Case("header-01-dtype-lies", "01_quantize", Q, "tensor model.embed_tokens.weight's data_offsets [0, 147456] spans "
+    Case("header-01-dtype-lies", "qerl/quantize", Q, "tensor model.embed_tokens.weight's data_offsets [0, 147456] spans "
          "147456 bytes, while shape [288, 128] of F16 is 73728", setup=_header_pairs(_dtype_said("F16"))),
-    Case("header-01-bytes-after", "01_quantize", Q, "model/model.safetensors holds 16 bytes after its last tensor",
+    Case("header-01-bytes-after", "qerl/quantize", Q, "model/model.safetensors holds 16 bytes after its last tensor",
          setup=_appended),
-    Case("header-03-duplicate-name", "03_rollout", M, "appears twice in its header",
+    Case("header-03-duplicate-name", "qerl/rollout", M, "appears twice in its header",
          setup=_header_pairs(_duplicate_first)),
-    Case("header-03-overlap", "03_rollout", M, "overlaps the tensor before it",
+    Case("header-03-overlap", "qerl/rollout", M, "overlaps the tensor before it",
          setup=_header_pairs(_second_shifted(-4))),
     # an index that puts a tensor in a shard without it (the embedding: a KeyError in config checks)
-    Case("index-01-embedding-elsewhere", "01_quantize", Q, "model.safetensors.index.json puts "
+    Case("index-01-embedding-elsewhere", "qerl/quantize", Q, "model.safetensors.index.json puts "
          "model.embed_tokens.weight in b.safetensors, which does not hold it", setup=_index_moving(
              "model.embed_tokens.weight")),
-    Case("index-03-norm-elsewhere", "03_rollout", M, "puts model.norm.weight in b.safetensors, which does not hold it",
+    Case("index-03-norm-elsewhere", "qerl/rollout", M, "puts model.norm.weight in b.safetensors, which does not hold it",
          setup=_index_moving("model.norm.weight")),
     # --model that is a file
-    Case("model-01-is-a-file", "01_quantize", ["--model", "{model}/model.safetensors", "--out", "{tmp}/q"],
+    Case("model-01-is-a-file", "qerl/quantize", ["--model", "{model}/model.safetensors", "--out", "{tmp}/q"],
          "model/model.safetensors is a file, not a folder: a model is a Hugging Face folder"),
-    Case("model-03-is-a-file", "03_rollout", ["--model", "{model}/config.json"], "config.json is a file, not a folder"),
-    Case("model-05-is-a-file", "05_grpo", ["--model", "{model}/config.json", *bad.RUN], "is a file, not a folder"),
+    Case("model-03-is-a-file", "qerl/rollout", ["--model", "{model}/config.json"], "config.json is a file, not a folder"),
+    Case("model-05-is-a-file", "qerl/train", ["--model", "{model}/config.json", *bad.RUN], "is a file, not a folder"),
     # a file 01 copies as it is, linked out of the model folder
-    Case("link-01-tokenizer-config-outside", "01_quantize", Q, "model/tokenizer_config.json is a link to "
+    Case("link-01-tokenizer-config-outside", "qerl/quantize", Q, "model/tokenizer_config.json is a link to "
          "{tmp}/secret.txt, outside the model folder; 01 copies it into its output",
          setup=_linked_out("tokenizer_config.json")),
-    Case("link-01-merges-outside", "01_quantize", Q, "model/merges.txt is a link to", setup=_linked_out("merges.txt")),
+    Case("link-01-merges-outside", "qerl/quantize", Q, "model/merges.txt is a link to", setup=_linked_out("merges.txt")),
 ]
 
 
@@ -175,7 +175,7 @@ def test_header_over_the_limit_names_the_input(tmp_path, capsys, monkeypatch):
     """A header longer than safetensors reads (100 MB; lowered here, so that the file stays small) is refused
     from its length, naming the input file, before 01 writes anything."""
     monkeypatch.setattr(hf_files, "MAX_HEADER_BYTES", 1000)
-    line = bad.run_case(Case("header-01-too-long", "01_quantize", Q, "model/model.safetensors is not a readable "
+    line = bad.run_case(Case("header-01-too-long", "qerl/quantize", Q, "model/model.safetensors is not a readable "
                              "safetensors file (its header is "), str(tmp_path), capsys)
     assert "over the 1000 safetensors reads" in line
 

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 cmp = importlib.import_module("compare_methods")  # the command line; beside it the modules it is made of
 studies, runner = importlib.import_module("studies"), importlib.import_module("study_runner")
 files, stats, report = (importlib.import_module(m) for m in ("study_files", "study_stats", "study_report"))
-grpo = importlib.import_module("05_grpo")
+grpo = importlib.import_module("qerl.train")
 
 
 def test_two_runs_train_report_and_rebuild_from_the_pack(tmp_path, capsys):
@@ -67,7 +67,7 @@ def test_every_method_of_every_study_is_a_command_05_accepts(study, tmp_path):
     parser = grpo.build_parser()
     for method in args.methods:
         command = runner.run_command(args, method, 0, str(tmp_path / method))
-        assert command[1].endswith("05_grpo.py")
+        assert command[1].endswith("qerl/train.py")
         parsed = parser.parse_args(command[2:])  # an unknown flag or value exits here
         assert parsed.steps == args.steps and parsed.eval_size == args.eval_size and parsed.eval_k == args.eval_k
         for key, value in files.flag_values(args.table[method][1]).items():

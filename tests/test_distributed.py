@@ -19,14 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # when torchrun runs this file as the worker
     sys.path.insert(0, ROOT)
 
-grpo = importlib.import_module("05_grpo")
-import distributed  # noqa: E402  (the engine module beneath 05)
-import hf_files  # noqa: E402
-rollout = importlib.import_module("03_rollout")
-lora = importlib.import_module("02_lora")
+grpo = importlib.import_module("qerl.train")
+from qerl import distributed  # noqa: E402  (the engine module beneath 05)
+from qerl import hf_files  # noqa: E402
+rollout = importlib.import_module("qerl.rollout")
+lora = importlib.import_module("qerl.lora")
 
 G = 4  # samples per group
-# (name, 05_grpo.py flags, optimizer, number of groups, index of a group whose rewards are all equal)
+# (name, qerl/train.py flags, optimizer, number of groups, index of a group whose rewards are all equal)
 CASES = [
     ("token-mean", ["--loss-agg", "token-mean"], "sgd", 2, None),
     ("seq-mean-token-mean", ["--loss-agg", "seq-mean-token-mean"], "sgd", 2, None),
@@ -134,7 +134,7 @@ def test_torchrun_run_prints_once_checkpoints_and_resumes_on_one_process(tmp_pat
     out = tmp_path / "dp"
     common = ["--batch", "3", "--group", "4", "--max-new-tokens", "40", "--eval-size", "4", "--eval-k", "0",
               "--save-every", "0", "--time-budget", "0", "--device", "cpu", "--warmup", "1", "--lr", "5e-3"]
-    stdout = torchrun("05_grpo.py", "--steps", "3", "--stop-at", "2", "--out", out, *common)
+    stdout = torchrun("qerl/train.py", "--steps", "3", "--stop-at", "2", "--out", out, *common)
     assert sum(line.startswith("run |") for line in stdout.splitlines()) == 1  # rank 0 alone prints
     assert "ranks 2" in stdout and sum(line.startswith("step ") for line in stdout.splitlines()) == 2
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -162,7 +162,7 @@ def test_a_signal_under_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(
     line. torchrun then exits non-zero with its own SignalException report, which is the launcher's."""
     import signal
     out = tmp_path / "dp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "05_grpo.py",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "qerl/train.py",
            "--steps", "60", "--batch", "4", "--group", "2", "--max-new-tokens", "12", "--eval-size", "0",
            "--save-every", "0", "--time-budget", "0", "--device", "cpu", "--warmup", "1", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -179,7 +179,7 @@ def test_a_signal_under_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == \
         [f"checkpoint-{summary['steps_done']:06d}"]
     said = sorted(line for line in err.splitlines() if line.startswith("interrupted"))  # rank 1: the bare words
-    resume = (f"{said_as} | checkpoint-{summary['steps_done']:06d} saved: continue with  python 05_grpo.py "
+    resume = (f"{said_as} | checkpoint-{summary['steps_done']:06d} saved: continue with  python qerl/train.py "
               f"--resume {out}")
     assert said == [said_as, resume], err[-2000:]
 
@@ -204,7 +204,7 @@ def faulty_rank(how, at_step, argv):
     """05's command line, with rank 1 failing at its update of step `at_step`: it hangs ("freeze") or dies
     without a word ("die", as kill -9 would)."""
     import time
-    cli = importlib.import_module("cli")
+    cli = importlib.import_module("qerl.cli")
     real, calls = grpo.policy_update, []
 
     def update(*a, **kw):

@@ -9,13 +9,13 @@ import random
 import pytest
 import torch
 
-import tasks
+from qerl import tasks
 import test_bad_inputs as bad
 from test_grpo import step_rows
 
-grpo = importlib.import_module("05_grpo")
-rollout = importlib.import_module("03_rollout")
-aqn = importlib.import_module("04_aqn")
+grpo = importlib.import_module("qerl.train")
+rollout = importlib.import_module("qerl.rollout")
+aqn = importlib.import_module("qerl.aqn")
 
 
 @pytest.fixture(scope="module")
@@ -144,11 +144,11 @@ def test_dynamic_sampling_resumes_exactly_and_records_its_rounds(tmp_path):
 
 
 CASES = [
-    bad.Case("05-dynamic-sampling-beyond-task", "05_grpo",
+    bad.Case("05-dynamic-sampling-beyond-task", "qerl/train",
              ["--task", "chat-arithmetic", "--batch", "300", "--group", "2", "--dynamic-sampling", "2", *bad.RUN],
              "--dynamic-sampling 2 draws up to 900 problems a step (--batch 300 a round), more than --task "
              "chat-arithmetic gives (503): lower --dynamic-sampling to 0 or less"),
-    bad.Case("05-dynamic-sampling-unbounded", "05_grpo", ["--dynamic-sampling", "17", *bad.RUN],
+    bad.Case("05-dynamic-sampling-unbounded", "qerl/train", ["--dynamic-sampling", "17", *bad.RUN],
              "need >= 0 and <= 16", code=2),
 ]
 

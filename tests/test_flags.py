@@ -1,4 +1,4 @@
-"""05_grpo.py's flags (issue 47, item 4): a flag declared with `add_flag(..., read_when=...)` is refused in a
+"""qerl/train.py's flags (issue 47, item 4): a flag declared with `add_flag(..., read_when=...)` is refused in a
 run that does not read it, and every flag is checked on --resume, with no second edit. The tests walk the
 parser, so a new flag is covered as soon as it is declared.
 """
@@ -8,7 +8,7 @@ import pytest
 
 import test_bad_inputs as bad
 
-grpo, cli = bad.STAGES["05_grpo"], bad.cli
+grpo, cli = bad.STAGES["qerl/train"], bad.cli
 # command lines under which a read_when flag may go unread; a new condition none of them breaks needs one here
 WITHOUT = (["--no-aqn"], ["--aqn-kind", "none"], ["--aqn-kind", "feedback"], [])
 READ_WHEN = {a.option_strings[0]: (a, when) for a, (_, when) in grpo.read_when_flags().items()}
@@ -42,7 +42,7 @@ def test_a_flag_given_without_its_condition_is_refused(flag, tmp_path, capsys):
     """Every read_when flag, end to end: one line naming the flag and its condition, exit 1, nothing written."""
     action, when = READ_WHEN[flag]
     argv = unread(action) + ["--out", "{tmp}/run", "--quiet"]
-    case = bad.Case(f"unread{flag}", "05_grpo", argv, f"{flag} {argv[argv.index(flag) + 1]} is read only with {when}")
+    case = bad.Case(f"unread{flag}", "qerl/train", argv, f"{flag} {argv[argv.index(flag) + 1]} is read only with {when}")
     assert f"drop {flag}" in bad.run_case(case, str(tmp_path), capsys)
 
 

@@ -13,16 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoints  # the engine modules beneath 05 (conftest puts the repository on sys.path)
-import engine
-import grpo_variants
-import hf_files
-import memory
-import runs
-import tasks
+from qerl import checkpoints  # the engine modules beneath 05 (conftest puts the repository on sys.path)
+from qerl import engine
+from qerl import grpo_variants
+from qerl import hf_files
+from qerl import memory
+from qerl import runs
+from qerl import tasks
 
-grpo = importlib.import_module("05_grpo")
-rollout = importlib.import_module("03_rollout")
+grpo = importlib.import_module("qerl.train")
+rollout = importlib.import_module("qerl.rollout")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,7 +56,7 @@ def test_task_registry_and_its_flags(tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match=r"^--task gsm8k needs --data FILE \(JSONL lines"):
         grpo.train(parse("--task", "gsm8k", "--out", tmp_path / "o2"))
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--data", data, "--out", str(tmp_path / "o3")],
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "qerl/train.py"), "--data", data, "--out", str(tmp_path / "o3")],
                        capture_output=True, text=True, timeout=120)
     lines = [line for line in r.stderr.splitlines() if line]
     assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: --data is the file of --task gsm8k")
@@ -443,7 +443,7 @@ def test_a_far_update_is_named_a_likely_divergence(tmp_path, capsys):
 def test_noise_that_overflows_the_sampler_is_one_line(tmp_path):
     """--sigma-start 1e30: the noisy logits are NaN; the sampler returns (no index out of bounds) and the
     run stops at step 1 with one line, exit 1, no traceback."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--steps", "4", "--batch", "2", "--group",
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "qerl/train.py"), "--steps", "4", "--batch", "2", "--group",
                         "2", "--max-new-tokens", "8", "--eval-size", "0", "--warmup", "0", "--num-stages", "2",
                         "--sigma-start", "1e30", "--sigma-end", "1e29", "--out", str(tmp_path / "o"), "--quiet"],
                        capture_output=True, text=True, timeout=180)
@@ -453,7 +453,7 @@ def test_noise_that_overflows_the_sampler_is_one_line(tmp_path):
 
 
 def test_unknown_quant_name_is_an_error_in_every_stage(capsys):
-    quantize = importlib.import_module("01_quantize")
+    quantize = importlib.import_module("qerl.quantize")
     for parser in (grpo.build_parser(), rollout.build_parser()):  # --quant's choices are 01's registry
         with pytest.raises(SystemExit):
             parser.parse_args(["--quant", "no-such-format"])
@@ -466,7 +466,7 @@ def test_unknown_quant_name_is_an_error_in_every_stage(capsys):
 
 
 def test_quant_method_reaches_the_loaded_weights(tmp_path):
-    quantize = importlib.import_module("01_quantize")
+    quantize = importlib.import_module("qerl.quantize")
     four = rollout.load_model(grpo.TINY_MODEL, quant="nvfp4", method="4over6")[0]
     ref = quantize.quantize_model(rollout.load_model(grpo.TINY_MODEL)[0], method="4over6")
     rtn = rollout.load_model(grpo.TINY_MODEL, quant="nvfp4")[0]
@@ -489,7 +489,7 @@ def test_bad_model_folder_is_one_clear_line(tmp_path):
     (tmp_path / "notamodel").mkdir()
     with pytest.raises(FileNotFoundError, match="not a model folder"):
         grpo.train(parse("--model", tmp_path / "notamodel", "--out", tmp_path / "o"))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--model", str(tmp_path / "nope"),
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "qerl/train.py"), "--model", str(tmp_path / "nope"),
                         "--out", str(tmp_path / "o2")], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     lines = [line for line in r.stderr.strip().splitlines() if line]
@@ -591,7 +591,7 @@ def test_micro_batch_auto_takes_as_many_rows_as_the_memory_budget_holds(lora_pol
 MATMUL_SHAPES = r"""
 import ctypes, importlib, sys
 sys.path.insert(0, sys.argv[1])
-importlib.import_module("devices")  # caps oneDNN's kernel caches, unless the environment already set them
+importlib.import_module("qerl.devices")  # caps oneDNN's kernel caches, unless the environment already set them
 import torch
 libc = ctypes.CDLL("libc.so.6")
 class Info(ctypes.Structure):
@@ -607,7 +607,7 @@ print((libc.mallinfo2().uordblks - start) / 2 ** 20)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallinfo2 is glibc's")
 def test_bf16_matmuls_of_new_shapes_keep_the_heap_bounded():
-    devices = importlib.import_module("devices")
+    devices = importlib.import_module("qerl.devices")
 
     def growth_mib(cap=None):  # cap None: the child's own import of devices sets the caps
         env = {k: v for k, v in os.environ.items() if k not in devices.ONEDNN_CACHE_VARS} | {"OMP_NUM_THREADS": "1"}
@@ -837,7 +837,7 @@ def test_truncated_safetensors_is_one_clear_line(tmp_path):
     shutil.copytree(grpo.TINY_MODEL, model_dir)
     data = (model_dir / "model.safetensors").read_bytes()
     (model_dir / "model.safetensors").write_bytes(data[:len(data) // 3])
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "05_grpo.py"), "--model", str(model_dir),
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "qerl/train.py"), "--model", str(model_dir),
                         "--out", str(tmp_path / "o"), "--device", "cpu"], capture_output=True, text=True, timeout=120)
     lines = [line for line in r.stderr.strip().splitlines() if line]
     assert r.returncode != 0 and len(lines) == 1, r.stderr

@@ -3,7 +3,7 @@ two) against a plain-torch reference.
 
 Without a GPU these run the real kernel code through Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 before triton is imported); on a CUDA machine the same tests run on the GPU.
-The packed weights are built here from random codes, independently of 01_quantize.py, so a bug in
+The packed weights are built here from random codes, independently of qerl/quantize.py, so a bug in
 one cannot hide a bug in the other. One test compiles the kernels ahead of time for Hopper and Ampere
 targets (no GPU needed), which the interpreter alone cannot check; the decode kernel's inline PTX,
 which the interpreter cannot run, is executed by a small emulator below over every code and scale byte.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-quant_engine = importlib.import_module("quant_engine")  # loads kernels/ by path (HF's `kernels` shares its name)
+quant_engine = importlib.import_module("qerl.quant_engine")  # loads kernels/ by path (HF's `kernels` shares its name)
 kmod = quant_engine.kernel_module("nvfp4_matmul")  # part one: the general kernel
 dmod = quant_engine.kernel_module("nvfp4_decode")  # part two: the decode kernel, the weight cache
 nvfp4_matmul = dmod.nvfp4_matmul  # the entry point the stages call
@@ -328,9 +328,9 @@ def test_gradients_flow_to_x_and_bias():
 def test_01_quantize_output_feeds_the_kernel():
     # Optional cross-check with the real quantizer, when stage 01 is present.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.exists(os.path.join(root, "01_quantize.py")):
-        pytest.skip("01_quantize.py not present")
-    q = importlib.import_module("01_quantize")
+    if not os.path.exists(os.path.join(root, "qerl/quantize.py")):
+        pytest.skip("qerl/quantize.py not present")
+    q = importlib.import_module("qerl.quantize")
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(48, 70, generator=gen) * 0.05  # in_features 70 -> K_pad 80
     x = torch.randn(3, 70, generator=gen)
@@ -342,7 +342,7 @@ def test_01_quantize_output_feeds_the_kernel():
 
 STAGE_ON_THE_KERNEL = """
 import importlib, torch
-q = importlib.import_module("01_quantize")
+q = importlib.import_module("qerl.quantize")
 q.NVFP4Linear.kernel_on_cpu = True  # the Triton kernel, through the interpreter
 assert q.nvfp4_kernel() is not None, "the kernel did not load"
 lin = torch.nn.Linear(40, 24)

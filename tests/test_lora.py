@@ -12,25 +12,25 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-lora = importlib.import_module("02_lora")
+lora = importlib.import_module("qerl.lora")
 
 
 def quant_module():
     """Stage 01, or a skip while it does not exist yet (any other import error fails loudly)."""
     try:
-        return importlib.import_module("01_quantize")
+        return importlib.import_module("qerl.quantize")
     except ModuleNotFoundError as e:
-        if e.name != "01_quantize":
+        if e.name != "qerl.quantize":
             raise
-        pytest.skip("01_quantize.py not present")
+        pytest.skip("qerl/quantize.py not present")
 
 
 def weight_formats():
     """01's registry of weight formats (a new one gets the quantized tests below), or none without 01."""
     try:
-        return list(importlib.import_module("01_quantize").WEIGHT_FORMATS)
+        return list(importlib.import_module("qerl.quantize").WEIGHT_FORMATS)
     except ModuleNotFoundError as e:
-        if e.name != "01_quantize":
+        if e.name != "qerl.quantize":
             raise
         return []
 

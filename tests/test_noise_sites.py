@@ -5,12 +5,12 @@ import importlib
 import pytest
 import torch
 
-import tasks
+from qerl import tasks
 import test_bad_inputs as bad
 
-aqn = importlib.import_module("04_aqn")
-grpo = importlib.import_module("05_grpo")
-rollout = importlib.import_module("03_rollout")
+aqn = importlib.import_module("qerl.aqn")
+grpo = importlib.import_module("qerl.train")
+rollout = importlib.import_module("qerl.rollout")
 
 SITES = list(aqn.SITES)  # the registry: a new site gets every test here
 STEP, SEED, SIGMA = 5, 3, 2e-2
@@ -126,9 +126,9 @@ def test_the_default_site_is_the_norms_draw_for_draw():
 
 
 CASES = [
-    bad.Case("05-aqn-site-unknown", "05_grpo", ["--aqn-site", "no-such-site", *bad.RUN],
+    bad.Case("05-aqn-site-unknown", "qerl/train", ["--aqn-site", "no-such-site", *bad.RUN],
              "invalid choice: 'no-such-site'", code=2),
-    bad.Case("05-aqn-site-without-aqn", "05_grpo", ["--aqn-site", "lora-B", "--no-aqn", *bad.RUN],
+    bad.Case("05-aqn-site-without-aqn", "qerl/train", ["--aqn-site", "lora-B", "--no-aqn", *bad.RUN],
              "--aqn-site lora-B is read only with --aqn, which this run does not have: drop --aqn-site"),
 ]
 

@@ -1,78 +1,130 @@
-"""The page's limits (issue 46): Part 1 of each stage is the paper's path, short enough to read.
+"""The five stages stand alone (issue 54): each numbered file imports only the standard library, the design
+card's packages and the earlier stages (01 also kernels/), is what `ruff format` writes, and fits its limit;
+the top level holds no other Python; the trainer (qerl/) imports the stages and never the reverse.
 
-Part 1 is every line of a stage above its Part 2 banner (a comment line naming "Part 2"). Limits: each stage
-file <= 600 lines; Part 1 <= 1,100 lines in all; 05's Part 1 <= 300; no Part 1 line over 100 characters;
-Part 1 names at most 5 of its own file's Part 2 functions.
+Limits: each stage <= 500 lines, 05 <= 450 with <= 20 flags, the five <= 2,000.
 
-    python tests/test_page.py   # prints each stage's counts
+    python tests/test_page.py   # prints each stage's lines, imports and 05's flags
 """
+
 import ast
 import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = sorted(f for f in os.listdir(ROOT) if re.fullmatch(r"0\d_\w+\.py", f))
-BANNER = re.compile(r"^# =+ Part 2\b")
-MAX_FILE, MAX_PART1_ALL, MAX_PART1_05, MAX_LINE, MAX_PART2_NAMED = 600, 1100, 300, 100, 5
+STAGES = ["01_quantize.py", "02_lora.py", "03_rollout.py", "04_aqn.py", "05_grpo.py"]
+MAX_STAGE, MAX_05, MAX_ALL, MAX_05_FLAGS, LINE_LENGTH = 500, 450, 2000, 20, 100
+PACKAGES = {"torch", "numpy", "safetensors", "tokenizers", "triton"}  # the design card's
 
 
-def split(name):
-    """-> (Part 1's lines, Part 2's lines) of a stage."""
+def source(name):
     with open(os.path.join(ROOT, name), encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    starts = [i for i, line in enumerate(lines) if BANNER.match(line)]
-    assert len(starts) == 1, f"{name}: want one Part 2 banner ('# ===... Part 2 ...'), found {len(starts)}"
-    return lines[:starts[0]], lines[starts[0]:]
+        return f.read()
 
 
-def part2_functions_named_in_part1(name):
-    """The top-level functions (and classes) defined in Part 2 that Part 1's code names."""
-    part1, part2 = split(name)
-    defined = {n.name for n in ast.parse("\n".join(part2)).body
-               if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-    tree = ast.parse("\n".join(part1))
-    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-    parameters = {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}  # a parameter's name is its own
-    return sorted(defined & used - parameters)
+def imports(name):
+    """-> (top-level names of `import`/`from` statements, modules named by importlib.import_module("...")), for
+    every import in the file, at any depth."""
+    tree = ast.parse(source(name))
+    plain, by_name = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            plain |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            plain.add("." if node.level else node.module.split(".")[0])
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            by_name.add(node.args[0].value)
+    return plain, by_name
 
 
-def test_there_are_five_stages():
-    assert STAGES == ["01_quantize.py", "02_lora.py", "03_rollout.py", "04_aqn.py", "05_grpo.py"]
+def flags(name):
+    """The option strings of every add_argument call in the file."""
+    found = []
+    for node in ast.walk(ast.parse(source(name))):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            found += [a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")]
+    return found
 
 
-@pytest.mark.parametrize("name", STAGES)
-def test_stage_file_within_600_lines(name):
-    part1, part2 = split(name)
-    assert len(part1) + len(part2) <= MAX_FILE, f"{name}: {len(part1) + len(part2)} lines"
-
-
-def test_part1_within_1100_lines_in_all_and_05_within_300():
-    sizes = {name: len(split(name)[0]) for name in STAGES}
-    assert sum(sizes.values()) <= MAX_PART1_ALL, sizes
-    assert sizes["05_grpo.py"] <= MAX_PART1_05, sizes
-
-
-@pytest.mark.parametrize("name", STAGES)
-def test_no_part1_line_over_100_characters(name):
-    long = [(i + 1, len(line)) for i, line in enumerate(split(name)[0]) if len(line) > MAX_LINE]
-    assert not long, f"{name}: Part 1 lines over {MAX_LINE} characters (line, length): {long}"
+def lines(name):
+    return len(source(name).splitlines())
 
 
 @pytest.mark.parametrize("name", STAGES)
-def test_part1_names_at_most_5_part2_functions(name):
-    named = part2_functions_named_in_part1(name)
-    assert len(named) <= MAX_PART2_NAMED, f"{name}: Part 1 names {named}"
+def test_a_stage_imports_only_the_standard_library_the_packages_and_earlier_stages(name):
+    plain, by_name = imports(name)
+    outside = {m for m in plain if m not in sys.stdlib_module_names and m not in PACKAGES}
+    if name == "01_quantize.py":
+        outside.discard("kernels")  # 01 alone may load kernels/ (by file path)
+    assert not outside, f"{name} imports {sorted(outside)}"
+    earlier = {s[:-3] for s in STAGES[: STAGES.index(name)]}
+    assert by_name <= earlier | {"triton"}, f"{name} imports by name {sorted(by_name - earlier)}"
+    assert "sys.modules[__name__]" not in source(name)
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_a_stage_fits_its_limit(name):
+    assert lines(name) <= (MAX_05 if name == "05_grpo.py" else MAX_STAGE), (name, lines(name))
+
+
+def test_the_five_fit_together_and_05_has_few_flags():
+    assert sum(map(lines, STAGES)) <= MAX_ALL, {s: lines(s) for s in STAGES}
+    assert len(flags("05_grpo.py")) <= MAX_05_FLAGS, flags("05_grpo.py")
+
+
+def test_the_stages_are_as_ruff_format_writes_them():
+    ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (it is in requirements.txt)")
+    r = subprocess.run([ruff, "format", "--check", "--no-cache", f"--line-length={LINE_LENGTH}", *STAGES],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_top_level_holds_the_stages_and_no_other_python():
+    top = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    assert top == STAGES, top
+
+
+def test_the_trainer_never_imports_itself_into_a_stage_and_builds_on_them():
+    """qerl/ imports the stages (by name); no stage names qerl (checked above, over every import)."""
+    named = set()
+    for f in os.listdir(os.path.join(ROOT, "qerl")):
+        if f.endswith(".py"):
+            named |= imports(os.path.join("qerl", f))[1]
+    assert {s[:-3] for s in STAGES} & named, "qerl/ imports no stage"
+
+
+def test_the_stages_copied_alone_import_and_run(tmp_path):
+    """The five stages with kernels/ and the bundled model in an empty folder: each imports (nothing of the
+    checkout on sys.path), and 05 trains two steps, evaluates and saves its adapter."""
+    for s in STAGES:
+        shutil.copy(os.path.join(ROOT, s), tmp_path)
+    shutil.copytree(os.path.join(ROOT, "kernels"), tmp_path / "kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.join(ROOT, "assets", "tiny-qwen"), tmp_path / "assets" / "tiny-qwen")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "import importlib; [importlib.import_module(m) for m in %r]; import sys; " \
+           "assert 'qerl' not in sys.modules" % [s[:-3] for s in STAGES]
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "05_grpo.py", "--steps", "2", "--batch", "2", "--group", "4",
+                        "--max-new-tokens", "16", "--eval-size", "4", "--out", "run"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    made = set(os.listdir(tmp_path / "run"))
+    assert {"metrics.jsonl", "summary.json", "adapter_model.safetensors", "adapter_config.json"} <= made, made
 
 
 if __name__ == "__main__":
-    total = 0
-    for name in STAGES:
-        part1, part2 = split(name)
-        total += len(part1)
-        long = sum(len(line) > MAX_LINE for line in part1)
-        print(f"{name} | lines {len(part1) + len(part2)} | part1 {len(part1)} | part1 lines > {MAX_LINE}: {long} | "
-              f"part 2 named in part 1: {', '.join(part2_functions_named_in_part1(name)) or '-'}")
-    print(f"part 1 in all: {total}")
+    for s in STAGES:
+        plain, by_name = imports(s)
+        print(f"{s:16s} {lines(s):4d} lines | imports {', '.join(sorted(plain | by_name))}")
+    print(f"{'the five':16s} {sum(map(lines, STAGES)):4d} lines | 05's flags: {len(flags('05_grpo.py'))}")
+    print("05:", " ".join(re.sub(r"^--", "", f) for f in flags("05_grpo.py")))

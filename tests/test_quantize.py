@@ -20,10 +20,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-cli = importlib.import_module("cli")
+cli = importlib.import_module("qerl.cli")
 
-devices = importlib.import_module("devices")
-q = importlib.import_module("01_quantize")
+devices = importlib.import_module("qerl.devices")
+q = importlib.import_module("qerl.quantize")
 DATA = os.path.join(os.path.dirname(__file__), "data")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ("weight_packed", "weight_scale", "weight_global_scale")
@@ -452,7 +452,7 @@ def test_checkpoint_refuses_existing_out_and_force_replaces(tmp_path):
     with pytest.raises(FileExistsError, match="--force"):
         q.quantize_checkpoint(src, out, log=lambda s: None)
     assert cli.run_cli(q.main, ["--model", src, "--out", out]) == 1
-    with pytest.raises(ValueError, match="replaces only an earlier output of 01_quantize.py"):
+    with pytest.raises(ValueError, match="replaces only an earlier output of qerl/quantize.py"):
         q.quantize_checkpoint(src, out, force=True, log=lambda s: None)  # not ours: --force refuses it
     assert os.listdir(out) == ["keep.txt"]
     os.remove(os.path.join(out, "keep.txt"))
@@ -492,7 +492,7 @@ def test_checkpoint_failure_midway_leaves_nothing(tmp_path):
 
 
 def test_cli_error_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "01_quantize.py"), "--model", str(tmp_path / "missing"),
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "qerl/quantize.py"), "--model", str(tmp_path / "missing"),
                         "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert r.stderr.startswith("error: model folder not found") and "Traceback" not in r.stderr
@@ -514,7 +514,7 @@ def test_checkpoint_truncated_or_misshaped_tensor_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=rf"{shards[-1]}: tensor \S+ needs bytes \d+\.\.{len(data)} but the file "
                                          rf"has {len(data) - 10}; the file is truncated or corrupt"):
         q.quantize_checkpoint(str(src), str(out), log=lambda s: None)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "01_quantize.py"), "--model", str(src), "--out", str(out)],
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "qerl/quantize.py"), "--model", str(src), "--out", str(out)],
                        capture_output=True, text=True, timeout=120)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1 and "is truncated or corrupt" in lines[0], r.stderr
@@ -695,7 +695,7 @@ def test_plain_forward_equals_the_fast_one(fmt, keep, dtype):
 
 
 def test_show_block_prints_the_real_numbers(capsys):
-    # `01_quantize.py --show-block --seed 3` walks one block through quantize_nvfp4; each number it prints
+    # `qerl/quantize.py --show-block --seed 3` walks one block through quantize_nvfp4; each number it prints
     # must be the quantizer's own: weights, global and block scale, codes, packed bytes, reconstruction, error.
     assert q.main(["--show-block", "--seed", "3"]) == 0
     out = capsys.readouterr().out

@@ -20,9 +20,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import engine  # the fast equivalents 03 runs beneath its plain computations
-import hf_files
-ro = importlib.import_module("03_rollout")
+from qerl import engine  # the fast equivalents 03 runs beneath its plain computations
+from qerl import hf_files
+ro = importlib.import_module("qerl.rollout")
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 FAMILIES = ["qwen2", "llama", "qwen3"]
@@ -428,10 +428,10 @@ def test_default_system_message_comes_from_the_chat_template(tmp_path, template,
 
 def test_cli_runs_on_a_model_folder(monkeypatch, capsys):
     # In-process (runpy) rather than a subprocess: saves re-importing torch.
-    monkeypatch.setattr(sys, "argv", ["03_rollout.py", "--model", str(DATA / "qwen3"), "--prompt", "hi",
+    monkeypatch.setattr(sys, "argv", ["qerl/rollout.py", "--model", str(DATA / "qwen3"), "--prompt", "hi",
                                       "--max-new-tokens", "5", "--num-samples", "2", "--device", "cpu"])
     with pytest.raises(SystemExit) as exit:
-        runpy.run_path(str(ROOT / "03_rollout.py"), run_name="__main__")
+        runpy.run_path(str(ROOT / "qerl/rollout.py"), run_name="__main__")
     assert exit.value.code == 0
     out = capsys.readouterr().out
     n_prompt = len(hf_files.byte_tokenizer().encode(hf_files.chat_prompt("hi")))  # the same byte tokenizer as the folder's
@@ -439,7 +439,7 @@ def test_cli_runs_on_a_model_folder(monkeypatch, capsys):
 
 
 def test_default_command_gets_answers_from_the_bundled_model(capsys):
-    """`python 03_rollout.py` with no flags: the bundled model answers its default prompt in the task's
+    """`python qerl/rollout.py` with no flags: the bundled model answers its default prompt in the task's
     format (a prompt outside its training prints garbage)."""
     assert ro.main(["--device", "cpu"]) == 0
     texts = [t for t in capsys.readouterr().out.splitlines() if t.startswith("<think>")]
@@ -507,10 +507,10 @@ def test_quant_on_load_equals_quantized_checkpoint(tmp_path):
     src = DATA / "qwen2"
     ref = load_file(src / "reference.safetensors")
     a, _ = ro.load_model(src, quant="nvfp4", device="cpu")
-    q = importlib.import_module("01_quantize")
+    q = importlib.import_module("qerl.quantize")
     assert isinstance(a.model.layers[0].self_attn.q_proj, q.NVFP4Linear) and isinstance(a.lm_head, torch.nn.Linear)
     out = tmp_path / "qwen2-nvfp4"
-    run = subprocess.run([sys.executable, str(ROOT / "01_quantize.py"), "--model", str(src), "--out", str(out)],
+    run = subprocess.run([sys.executable, str(ROOT / "qerl/quantize.py"), "--model", str(src), "--out", str(out)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     b, _ = ro.load_model(out, device="cpu")

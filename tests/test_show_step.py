@@ -1,4 +1,4 @@
-"""`python 05_grpo.py --show-step`: every number it prints, recomputed from 05's own functions."""
+"""`python qerl/train.py --show-step`: every number it prints, recomputed from 05's own functions."""
 import contextlib
 import importlib
 import io
@@ -8,7 +8,7 @@ import torch
 
 import test_bad_inputs as bad
 
-grpo = importlib.import_module("05_grpo")
+grpo = importlib.import_module("qerl.train")
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +56,9 @@ def test_each_token_and_the_loss_are_grpo_losss(shown):
 
 
 @pytest.mark.parametrize("case", [
-    bad.Case("show-step-other-loss", "05_grpo", ["--show-step", "--loss-agg", "seq-mean-token-mean"],
+    bad.Case("show-step-other-loss", "qerl/train", ["--show-step", "--loss-agg", "seq-mean-token-mean"],
              "--show-step works the default loss"),
-    bad.Case("show-step-no-model", "05_grpo", ["--show-step", "--model", "{tmp}/none"], "not found"),
+    bad.Case("show-step-no-model", "qerl/train", ["--show-step", "--model", "{tmp}/none"], "not found"),
 ], ids=lambda c: c.id)
 def test_show_step_bad_inputs(case, tmp_path, capsys):
     bad.run_case(case, tmp_path, capsys)

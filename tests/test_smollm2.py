@@ -19,10 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 gguf = pytest.importorskip("gguf", reason="the `gguf` package is not installed (pip install gguf)")
-cli = importlib.import_module("cli")
-files = importlib.import_module("files")
-hf_files = importlib.import_module("hf_files")
-ro = importlib.import_module("03_rollout")
+cli = importlib.import_module("qerl.cli")
+files = importlib.import_module("qerl.files")
+hf_files = importlib.import_module("qerl.hf_files")
+ro = importlib.import_module("qerl.rollout")
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = Path(__file__).resolve().parent / "data" / "smollm2" / "reference.safetensors"
 _spec = importlib.util.spec_from_file_location("smollm2", ROOT / "assets" / "smollm2.py")

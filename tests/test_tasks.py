@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import pytest
 
-import tasks
+from qerl import tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "assets", "tiny-qwen")

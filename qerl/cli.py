@@ -96,7 +96,7 @@ def silence_stdout():
 
 
 class ClosedPipeGuard:
-    """sys.stdout while a run trains: a write to a closed pipe (`05_grpo.py | head -5`) silences the output
+    """sys.stdout while a run trains: a write to a closed pipe (`qerl/train.py | head -5`) silences the output
     and sets `closed` instead of raising mid-step, so that the run stops at the step's end with a checkpoint,
     as for SIGPIPE's signal (runs.StopAtStepEnd reads `closed`)."""
 
@@ -161,9 +161,9 @@ class StdoutGuard:
 
 
 # What to lower when a stage runs out of memory, by its file (run_cli's line); others: "the sizes it was given"
-MEMORY_FLAGS = {"03_rollout.py": "--num-samples or --max-new-tokens",
-                "04_aqn.py": "--prompts, --samples or --max-new-tokens (or --dtypes bfloat16 alone)",
-                "05_grpo.py": "--batch, --group, --max-new-tokens, --eval-chunk or --micro-batch (or add "
+MEMORY_FLAGS = {"qerl/rollout.py": "--num-samples or --max-new-tokens",
+                "qerl/aqn.py": "--prompts, --samples or --max-new-tokens (or --dtypes bfloat16 alone)",
+                "qerl/train.py": "--batch, --group, --max-new-tokens, --eval-chunk or --micro-batch (or add "
                               "--grad-checkpoint)"}
 
 

@@ -94,7 +94,7 @@ def keep_dequantized(model, enabled=True):
 # Hugging Face's `kernels` package (which transformers >= 5.25 imports) has our folder's import name. So kernels/
 # has no __init__.py (a namespace portion, which yields to HF's regular package) and its modules load by file
 # path under the private name qerl_kernels: no code imports `kernels` by name.
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
 
 def kernel_module(name, root=ROOT, package="qerl_kernels"):

@@ -7,14 +7,21 @@ prefill then a `decode_step` per token over a KV cache -> a Rollout (tokens, log
 and top-p, the loader, the CLI."""
 from dataclasses import dataclass, field
 
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file (python qerl/rollout.py): the checkout heads sys.path, not qerl/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import devices
-import engine  # generate's plumbing, the fast paths (False below: the plain computation)
-import hf_files  # a model folder's files: config.json's checks, safetensors, the tokenizer, ChatML
+from qerl import devices
+from qerl import quantize
+from qerl import engine  # generate's plumbing, the fast paths (False below: the plain computation)
+from qerl import hf_files  # a model folder's files: config.json's checks, safetensors, the tokenizer, ChatML
 
 DECODE_ATTENTION_CPU = True  # a CPU decode step attends by the plain product: 2x faster than SDPA
 CHUNKED_LOGPROBS = True  # log-probs a few tokens at a time: a 7B batch's full logits are ~80 GB
@@ -288,15 +295,13 @@ def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temper
 
 # ============ Part 2: other model families, options, plumbing, the loader, the command line ============
 # Part 2's own imports (the loader's and the command line's), kept out of Part 1's page
-import importlib  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import cli  # noqa: E402
-import memory  # noqa: E402
-quantize = importlib.import_module("01_quantize")
+from qerl import cli  # noqa: E402
+from qerl import memory  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------
 # Other model families (config.json says which): Qwen3's per-head q/k norms; Llama 3's RoPE scaling below
@@ -381,7 +386,7 @@ def completion_logits(model, prompt_ids, completion_ids):
 def load_model(path, quant="none", dtype=None, device=None, method="rtn"):
     """Load a Hugging Face folder -> (CausalLM in eval mode, Tokenizer). quant="nvfp4"/"nf4" quantizes the
     decoder Linears with stage 01, layer by layer as they arrive (method: NVFP4's rounding, "rtn" or
-    "4over6"); a folder written by `01_quantize.py --out` loads as NVFP4 with quant "none" or "nvfp4"
+    "4over6"); a folder written by `qerl/quantize.py --out` loads as NVFP4 with quant "none" or "nvfp4"
     (its weights are already NVFP4; "nf4" is an error). dtype: bf16 on CUDA, fp32 on CPU; device:
     devices.autodetect_device."""
     path = Path(path)
@@ -444,7 +449,7 @@ def _fill(model, names, files, quant, device, dtype, method="rtn"):
     for j, n in enumerate(order):
         t = hf_files.read_tensor(handles, files[n], n)  # checked: readable, and finite if a float
         # Float weights take the compute dtype; packed codes and scales keep theirs (a bf16 global scale would
-        # shift every dequantized value), and so do weights about to be quantized (as `01_quantize.py --out`).
+        # shift every dequantized value), and so do weights about to be quantized (as `qerl/quantize.py --out`).
         keep = (t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or n.endswith("global_scale")
                 or (quant != "none" and n.startswith("model.layers.") and n.endswith("_proj.weight")))
         hf_files.put_tensor(model, n, t.to(device=device, dtype=None if keep else dtype), files[n])
@@ -467,17 +472,17 @@ def random_model(tok, seed=0, device="cpu"):
 
 # ---------------------------------------------------------------------------------------------------
 # The command line. Run it:
-#     python 03_rollout.py                                 # the bundled assets/tiny-qwen
-#     python 03_rollout.py --model DIR --prompt "What is 12+7?" --num-samples 4 --temperature 0.8
-#     python 03_rollout.py --model DIR --quant nvfp4       # quantize on the way in (stage 01)
-#     python 03_rollout.py --compile                       # decode steps through torch.compile
+#     python qerl/rollout.py                                 # the bundled assets/tiny-qwen
+#     python qerl/rollout.py --model DIR --prompt "What is 12+7?" --num-samples 4 --temperature 0.8
+#     python qerl/rollout.py --model DIR --quant nvfp4       # quantize on the way in (stage 01)
+#     python qerl/rollout.py --compile                       # decode steps through torch.compile
 # On a CPU each takes a few seconds (3-9 s for the bundled model, mostly starting torch); --compile adds a
 # one-time compile: 3-9 s with a warm inductor cache, tens of seconds cold.
 
 def build_parser():
     number = cli.number
     ap = cli.ArgumentParser(description="Sample completions from a Qwen2/Llama/Qwen3 folder")
-    ap.add_argument("--model", default=str(Path(__file__).parent / "assets" / "tiny-qwen"),
+    ap.add_argument("--model", default=str(Path(__file__).parent.parent / "assets" / "tiny-qwen"),
                     help="HF model folder (default: the bundled assets/tiny-qwen)")
     ap.add_argument("--prompt", default="12+7-3=?", help="user message (ChatML-wrapped; the default is the bundled "
                     "model's task; for a chat model such as SmolLM2 ask, say, \"What is 12 + 7?\")")

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-import files
+from qerl import files
 
 # ---------------------------------------------------------------------------------------------------
 # config.json: the fields 03's ModelConfig reads, checked before any tensor is allocated
@@ -239,7 +239,7 @@ def find_weight_files(model_dir):
 
 
 FLOAT_DTYPES = ("F32", "BF16", "F16")  # a weight or a bias: what torch computes with, as stored
-# A compressed-tensors NVFP4 layer's own tensors (01_quantize.py's output): 4-bit codes two to a byte, FP8 block
+# A compressed-tensors NVFP4 layer's own tensors (qerl/quantize.py's output): 4-bit codes two to a byte, FP8 block
 # scales, an FP32 tensor scale (and vLLM's activation scale, which 03 skips)
 NVFP4_DTYPES = {"weight_packed": ("U8",), "weight_scale": ("F8_E4M3",), "weight_global_scale": ("F32",),
                 "input_global_scale": ("F32",)}

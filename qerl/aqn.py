@@ -10,26 +10,30 @@ noise on the input columns of the Linear that reads the norm (paper Eq. 9-10),
 so the packed NVFP4 weights are never touched. The noise acts only in the sampler, one draw per
 step; the update runs on the clean policy (05 takes pi_old from it, as the official code does).
 
-Run `python 04_aqn.py` (the schedule, then the entropy table: ~50 s; --full, --schedule-only);
+Run `python qerl/aqn.py` (the schedule, then the entropy table: ~50 s; --full, --schedule-only);
 measured: docs/aqn.md.
 """
 import collections
 import contextlib
-import importlib
 import math
 import os
 import sys
 import time
 
+if __package__ in (None, ""):  # run as a file (python qerl/aqn.py): the checkout heads sys.path, not qerl/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import torch
 import torch.nn.functional as F
 
-import cli
-import devices
-import hf_files
-import memory
+from qerl import cli
+from qerl import quantize  # its NVFP4_METHODS: the demo's --quant-method
+from qerl import lora  # its LoRALinear: the LoRA sites
+from qerl import devices
+from qerl import hf_files
+from qerl import memory
 
-rollout = importlib.import_module("03_rollout")
+from qerl import rollout
 
 # -----------------------------------------------------------------------------
 # The schedule (the official code's): training splits into K equal stages; stage 0 carries only the
@@ -149,8 +153,6 @@ def measure_exploration(reference, variants, prompts, num_samples=8, max_new_tok
 
 
 # ============ Part 2: variants (decays, relative noise, LoRA sites, feedback), checks, demo, command line ============
-quantize = importlib.import_module("01_quantize")  # its NVFP4_METHODS: the demo's --quant-method
-lora = importlib.import_module("02_lora")  # its LoRALinear: the LoRA sites
 
 # -----------------------------------------------------------------------------
 # More decays (05 --aqn-kind): linear, cosine and log are our forms of the paper's scheduler ablation
@@ -358,7 +360,7 @@ FULL = {"prompts": 64, "samples": 8, "sigmas": [5e-4, 1e-2, 5e-2], "dtypes": ["f
 def build_parser():
     number = cli.number
     parser = cli.ArgumentParser(description="AQN schedule and exploration measurements")
-    parser.add_argument("--model", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-qwen"))
+    parser.add_argument("--model", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny-qwen"))
     parser.add_argument("--steps", type=number(int, 1), default=600, help="run length for the printed schedule")
     # The table prints every decaying kind, and exp/log need sigma_end > 0 (check_sigma_range).
     parser.add_argument("--sigma-start", type=number(float, above=0), default=1e-2)

@@ -4,18 +4,17 @@ refill_flat_groups, take_groups), pass@k in the held-out evaluation, --gpu-path,
 (its first log line names them). It imports stages 01 and 03 and the modules beneath, never 05: what it needs of 05
 comes in as arguments.
 """
-import importlib
 import os
 import sys
 
 import torch
 
-import devices
-import distributed
-import quant_engine
+from qerl import devices
+from qerl import distributed
+from qerl import quant_engine
 
-quantize = importlib.import_module("01_quantize")
-rollout = importlib.import_module("03_rollout")
+from qerl import quantize
+from qerl import rollout
 
 
 def sampling_options(args):
@@ -141,6 +140,14 @@ def fast_paths(model, device, compiled, merged):
             "decode-attention-cpu": on_cpu and getattr(rollout, "DECODE_ATTENTION_CPU", True),
             "chunked-logprobs": getattr(rollout, "CHUNKED_LOGPROBS", True)}
     return [name for name, on in used.items() if on]
+
+
+def use_plain_path():
+    """--plain: the stages' plain computations (what 05_grpo.py runs) in place of the trainer's fast forward, CPU
+    decode attention and chunked log-probs; merged sampling and the kept dequantized weight stay (05 has them)."""
+    quantize._QuantLinear.fast = False
+    rollout.DECODE_ATTENTION_CPU = False
+    rollout.CHUNKED_LOGPROBS = False
 
 
 def use_gpu_path(device):

@@ -2,17 +2,16 @@
 never 05: 05 passes itself in (`stage`), whose registries (PI_OLD, LOSS_AGGS) give the choices of their flags.
 """
 import argparse
-import importlib
 
-import cli
-import devices
-import distributed
-import memory
-import run_checks
-import tasks
+from qerl import cli
+from qerl import devices
+from qerl import distributed
+from qerl import memory
+from qerl import run_checks
+from qerl import tasks
 
-quantize = importlib.import_module("01_quantize")
-aqn = importlib.import_module("04_aqn")
+from qerl import quantize
+from qerl import aqn
 
 
 def build_parser(stage):
@@ -106,6 +105,9 @@ def build_parser(stage):
     m.add_argument("--dist-timeout", type=N(float, distributed.MIN_TIMEOUT_MIN, distributed.MAX_TIMEOUT_MIN),
                    default=10.0, help="torchrun: minutes a rank waits for the others at a collective before the job "
                    "ends with a line naming the missing rank")
+    m.add_argument("--plain", action="store_true", help="the trainer's own fast paths off (01's fast forward, "
+                   "03's CPU decode attention and chunked log-probs): the code of 05_grpo.py, which gives the same "
+                   "step records and adapter")
     m.add_argument("--gpu-path", action="store_true", help="on the CPU, run what CUDA runs: NVFP4Linear through "
                    "the Triton kernel (interpreted), no merged sampling weights, bfloat16 by default")
     o = p.add_argument_group("evaluation and the run folder")

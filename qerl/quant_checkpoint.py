@@ -7,9 +7,9 @@ against config.json) and reading one input shard's tensors. 01 re-exports its fo
 """
 import os
 
-import devices
-import files
-import hf_files
+from qerl import devices
+from qerl import files
+from qerl import hf_files
 
 NVFP4_QUANT_CONFIG = {  # weight-only NVFP4 (W4A16): no input_activations, unlike the W4A4 example
     "config_groups": {"group_0": {
@@ -20,7 +20,7 @@ NVFP4_QUANT_CONFIG = {  # weight-only NVFP4 (W4A16): no input_activations, unlik
     "format": "nvfp4-pack-quantized", "global_compression_ratio": None, "ignore": ["lm_head"],
     "kv_cache_scheme": None, "moe_sparsity_config": None, "quant_method": "compressed-tensors",
     "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {}}
-QUANTIZE_COMMAND = "01_quantize.py"  # the command its output folders' manifest names
+QUANTIZE_COMMAND = "qerl/quantize.py"  # the command its output folders' manifest names
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 

@@ -6,8 +6,8 @@ any object with a model config's fields (hidden_size, intermediate_size, num_hid
 """
 import torch
 
-import devices
-import engine
+from qerl import devices
+from qerl import engine
 
 CONFIG_WIDTHS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "vocab_size")  # what the estimates read of a config

@@ -6,9 +6,9 @@ exploration. The bytes are compressed-tensors' `nvfp4-pack-quantized`; --out wri
 that it and vLLM load. Part 2: NF4 (bitsandbytes, QLoRA's baseline), Four Over Six, the fast
 forward, the checkpoint writer and the demo.
 
-    python 01_quantize.py                                  # demo: bits, bytes, error, time
-    python 01_quantize.py --model DIR --out DIR [--force]  # HF folder -> NVFP4 checkpoint
-    python 01_quantize.py --show-block [--seed N]          # one block of 16, step by step
+    python qerl/quantize.py                                  # demo: bits, bytes, error, time
+    python qerl/quantize.py --model DIR --out DIR [--force]  # HF folder -> NVFP4 checkpoint
+    python qerl/quantize.py --show-block [--seed N]          # one block of 16, step by step
 """
 import functools
 import math
@@ -17,14 +17,17 @@ import shutil
 import sys
 import time
 
+if __package__ in (None, ""):  # run as a file (python qerl/quantize.py): the checkout heads sys.path, not qerl/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import cli
-import files
-import quant_checkpoint  # the checkpoint writer's config, checks and reads
-import quant_engine  # what the quantized Linears share that is not the method
+from qerl import cli
+from qerl import files
+from qerl import quant_checkpoint  # the checkpoint writer's config, checks and reads
+from qerl import quant_engine  # what the quantized Linears share that is not the method
 
 # --------------------------------------------------------------------------------------------------
 # NVFP4: E2M1 values, an FP8 E4M3 scale per 16 inputs, an FP32 scale per tensor (all maths in fp32)

@@ -12,14 +12,16 @@ fixed (sampling: the same function, cheaper); `merge_lora` folds B A into the ba
 `save_adapter` / `load_adapter` write and read PEFT's files (PeftModel.from_pretrained loads them).
 
 Run the demo (a frozen NVFP4 MLP learns a teacher through LoRA alone, < 30 s on 2 CPU cores):
-    python 02_lora.py
+    python qerl/lora.py
 """
-import importlib
 import math
 import os
 import sys
 import time
 from contextlib import contextmanager
+
+if __package__ in (None, ""):  # run as a file (python qerl/lora.py): the checkout heads sys.path, not qerl/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 import torch.nn as nn
@@ -27,12 +29,12 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-import cli
-import devices
-import files
-import hf_files
+from qerl import cli
+from qerl import devices
+from qerl import files
+from qerl import hf_files
 
-quantize = importlib.import_module("01_quantize")
+from qerl import quantize
 
 DEFAULT_TARGETS = quantize.LINEAR_NAMES  # every projection of a decoder layer
 

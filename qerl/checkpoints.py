@@ -16,15 +16,15 @@ import warnings
 
 import torch
 
-import files
-import hf_files
+from qerl import files
+from qerl import hf_files
 
 # how to compute or watch, not what: a resume may change them
 RUNTIME_ARGS = ("out", "resume", "time_budget", "stop_at", "eval_every", "save_every", "device", "quiet",
                 "micro_batch", "grad_checkpoint", "gpu_path", "compile", "dist_timeout", "kl_after_rows",
-                "show_step")
+                "show_step", "plain")
 INHERITED_RUNTIME_ARGS = ("time_budget", "eval_every", "save_every", "quiet", "micro_batch", "grad_checkpoint",
-                          "compile", "kl_after_rows")  # a resume keeps these unless given again
+                          "compile", "kl_after_rows", "plain")  # a resume keeps these unless given again
 
 
 # Saved arguments args.json may hold otherwise: the paths as given (the run record checks them) and the number
@@ -51,7 +51,7 @@ def check_run_links(folder):
     its target (a dangling one would make it)."""
     if os.path.isdir(folder):
         files.refuse_links(folder, sorted(n for n in os.listdir(folder) if is_run_file(n) or n == files.LOCK_FILE),
-                           "05_grpo.py")
+                           "qerl/train.py")
 
 
 def save_checkpoint(out, step, opt, params, args, write_adapter, lora_targets, feedback=None, extra=None):
@@ -109,7 +109,7 @@ def read_trainer_state(file, defaults):
             state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if "Weights only load failed" in str(e):
-            raise ValueError(f"{file} holds pickled Python objects, which a checkpoint of 05_grpo.py never does: "
+            raise ValueError(f"{file} holds pickled Python objects, which a checkpoint of qerl/train.py never does: "
                              f"refused unread (loading it could run code); resume only from checkpoints you trust") \
                 from None
         raise ValueError(damaged.format(type(e).__name__)) from None
@@ -149,7 +149,7 @@ def resume_args(args, defaults):
     # The run folder (its args.json is read below, its checkpoint was found by name) and the checkpoint's files:
     # a run made them all, so a link among them was planted, and would lead the reads outside
     check_run_links(os.path.dirname(os.path.abspath(ckpt)))
-    files.refuse_links(ckpt, CHECKPOINT_FILES, "05_grpo.py")
+    files.refuse_links(ckpt, CHECKPOINT_FILES, "qerl/train.py")
     file = os.path.join(ckpt, "trainer_state.pt")
     files.check_regular(file)  # not a pipe: torch.load would wait on it
     state = read_trainer_state(file, defaults)

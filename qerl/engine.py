@@ -1,6 +1,6 @@
 """What stage 03's sampler and log-probs run beneath the method: fast equivalents of its plain computations.
 
-Each fast path here computes what a plain computation of 03_rollout.py's Part 1 computes, only faster or in
+Each fast path here computes what a plain computation of qerl/rollout.py's Part 1 computes, only faster or in
 less memory; one line of 03's Part 1 switches it on, and tests/test_rollout.py proves the two equal:
 - `decode_attention_cpu` (03's DECODE_ATTENTION_CPU): a CPU decode step's attention as the plain product,
   where 03's `Attention` otherwise calls SDPA (2x faster than SDPA's CPU kernel at one query per row);
@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn as nn
 
-import devices
+from qerl import devices
 
 # ---------------------------------------------------------------------------------------------------
 # Attention for a CPU decode step

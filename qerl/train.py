@@ -3,29 +3,34 @@
 A step: B prompts x G samples of the NVFP4 base + LoRA under AQN's noise -> rewards -> group
 advantages -> the clipped surrogate on the clean policy -> AdamW on the adapters. Part 2: the other
 pi_old readings, aggregations and loss terms, the run's checks and its command line.
-    python 05_grpo.py [--show-step]  # the tiny model learns arithmetic; or one group by hand
+    python qerl/train.py [--show-step]  # the tiny model learns arithmetic; or one group by hand
 """
 import collections
 import contextlib
 import dataclasses
 import functools
-import importlib
 import math
 import time
 
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file (python qerl/train.py): the checkout heads sys.path, not qerl/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import torch
 
-import checkpoints
-import devices
-import distributed
-import grpo_variants  # what the loop calls besides the method: fast paths, checks, sampler options
-import memory
-import runs
+from qerl import checkpoints
+from qerl import devices
+from qerl import distributed
+from qerl import grpo_variants  # what the loop calls besides the method: fast paths, checks, sampler options
+from qerl import memory
+from qerl import runs
 
-quantize = importlib.import_module("01_quantize")
-lora = importlib.import_module("02_lora")
-rollout = importlib.import_module("03_rollout")
-aqn = importlib.import_module("04_aqn")
+from qerl import quantize
+from qerl import lora
+from qerl import rollout
+from qerl import aqn
 
 # ---- The policy: the frozen (quantized) base, fresh LoRA adapters, AdamW on the adapters alone
 MORE_PARAMS = []  # (model, args) -> more parameters to train (Part 2: --train-norms)
@@ -301,12 +306,12 @@ def train(args, task=None):
 import os  # noqa: E402  (Part 2's own imports)
 import sys  # noqa: E402
 
-import cli  # noqa: E402
-import grpo_cli  # noqa: E402
-import grpo_show  # noqa: E402
-import hf_files  # noqa: E402
-import run_checks  # noqa: E402
-import tasks  # noqa: E402
+from qerl import cli  # noqa: E402
+from qerl import grpo_cli  # noqa: E402
+from qerl import grpo_show  # noqa: E402
+from qerl import hf_files  # noqa: E402
+from qerl import run_checks  # noqa: E402
+from qerl import tasks  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # pi_old's other readings. The sampler's (q) cancels AQN's noise in expectation, up to the clip:
@@ -539,7 +544,7 @@ def check_sizes(args, task, world, device):
     return run_checks.check_sizes(args, task, world, device, rollout.ModelConfig.from_dict, policy_dtype)
 
 
-add_flag, use_gpu_path = run_checks.add_flag, grpo_variants.use_gpu_path
+add_flag, use_gpu_path, use_plain_path = run_checks.add_flag, grpo_variants.use_gpu_path, grpo_variants.use_plain_path
 
 
 def policy_dtype(args, device, cfg=None):
@@ -565,7 +570,7 @@ def build_parser():
     return grpo_cli.build_parser(sys.modules[__name__])
 
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 TINY_MODEL = os.path.join(ROOT, "assets", "tiny-qwen")
 MAX_EVAL_SIZE = 100_000  # every evaluation samples each held-out problem (greedy, then --eval-k times)
 

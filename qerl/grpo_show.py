@@ -1,16 +1,15 @@
-"""Beside stage 05: `python 05_grpo.py --show-step`, one sampled group of the fresh policy worked by hand.
+"""Beside stage 05: `python qerl/train.py --show-step`, one sampled group of the fresh policy worked by hand.
 It imports stages 03 and 04 and the modules beneath, never 05: 05 passes itself in (`stage`).
 """
-import importlib
 import os
 
 import torch
 
-import devices
-import tasks
+from qerl import devices
+from qerl import tasks
 
-aqn = importlib.import_module("04_aqn")
-rollout = importlib.import_module("03_rollout")
+from qerl import aqn
+from qerl import rollout
 
 
 @torch.no_grad()

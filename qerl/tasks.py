@@ -1,4 +1,4 @@
-"""The RL tasks that 05_grpo.py trains on, and their data files: what a problem is, the prompt it is asked
+"""The RL tasks that qerl/train.py trains on, and their data files: what a problem is, the prompt it is asked
 as, how an answer is graded and rewarded, and which problems are held out. Three ship, chosen by --task
 from TASKS: synthetic arithmetic (the bundled tiny model's task), a GSM8K-style JSONL file, and chat
 arithmetic for a real instruct model. `Task` below is the whole contract a new task meets. Imports no stage.
@@ -10,8 +10,8 @@ import re
 from fractions import Fraction
 from pathlib import Path
 
-import files
-import hf_files
+from qerl import files
+from qerl import hf_files
 
 # -----------------------------------------------------------------------------
 # The contract

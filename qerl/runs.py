@@ -13,12 +13,12 @@ import time
 
 import torch
 
-import checkpoints
-import cli
-import devices
-import files
-from checkpoints import RUN_FILES, check_run_links, is_run_file  # the run folder's own files
-from distributed import PeerError, global_sum, rank_and_world
+from qerl import checkpoints
+from qerl import cli
+from qerl import devices
+from qerl import files
+from qerl.checkpoints import RUN_FILES, check_run_links, is_run_file  # the run folder's own files
+from qerl.distributed import PeerError, global_sum, rank_and_world
 
 def read_metrics(path, upto):
     """metrics.jsonl's rows up to step `upto`. A cut-off last line (a kill mid-write) is dropped with a note;
@@ -114,7 +114,7 @@ class RunLog:
             raise PeerError(f"step {self.start + self.steps_logged + 1}: {exc}") from None
         if issubclass(kind, KeyboardInterrupt) and not str(exc) and self.rank == 0:  # rank 0 saves, and says so
             found = checkpoints.latest_checkpoint(self.args.out)
-            hint = (f"{os.path.basename(found)} saved: continue with  python 05_grpo.py --resume "
+            hint = (f"{os.path.basename(found)} saved: continue with  python qerl/train.py --resume "
                     f"{shlex.quote(self.args.out)}" if found else "no checkpoint yet: nothing to resume")
             raise cli.Interrupted(hint, getattr(exc, "signum", signal.SIGINT)) from None
         return False

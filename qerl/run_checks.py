@@ -7,13 +7,13 @@ import argparse
 import datetime
 import os
 
-import checkpoints
-import devices
-import engine
-import hf_files
-import memory
-import runs
-import tasks
+from qerl import checkpoints
+from qerl import devices
+from qerl import engine
+from qerl import hf_files
+from qerl import memory
+from qerl import runs
+from qerl import tasks
 
 # A flag the chosen options do not read is refused: args.json would record it as if it had counted. Such a
 # flag is declared with `add_flag(..., read_when=(whether this run reads it, the options that make it read))`.
@@ -56,6 +56,8 @@ def check_run(args, task, world, device, stage):
     stage.check_args(args, world, ckpt)
     if args.gpu_path:
         stage.use_gpu_path(device)
+    if getattr(args, "plain", False):
+        stage.use_plain_path()
     task = task or tasks.make_task(args, stage.parser_defaults())  # bad data fails here, before the model loads
     return ckpt, state, task, stage.check_sizes(args, task, world, device)
 

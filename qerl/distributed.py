@@ -1,4 +1,4 @@
-"""Data parallel under torchrun, and nothing else: `torchrun --nproc_per_node N 05_grpo.py ...` starts N copies
+"""Data parallel under torchrun, and nothing else: `torchrun --nproc_per_node N qerl/train.py ...` starts N copies
 of 05, each with the same adapter (built from --seed) and a contiguous share of the step's prompt groups and of
 the held-out problems. NCCL joins GPUs, gloo joins CPU processes; process 0 alone prints and writes files.
 Every function here is a no-op in a plain single-process run, so 05's loop reads the same either way.
@@ -27,7 +27,7 @@ TORCHRUN_VARS = (*LAUNCH_VARS, "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", 
 
 
 def launch():
-    """(rank, world size) as the launcher set them; (0, 1) for a plain `python 05_grpo.py`. torchrun's
+    """(rank, world size) as the launcher set them; (0, 1) for a plain `python qerl/train.py`. torchrun's
     variables in a process torchrun did not start (it also sets TORCHELASTIC_RUN_ID), say left in a shell by
     an earlier job, would have this process wait for ranks that never come (WORLD_SIZE=2), or train unheard
     (RANK=1 prints nothing); they, and a set torchrun would not write, are one line, before any wait."""
@@ -44,7 +44,7 @@ def launch():
         left = " ".join(k for k in TORCHRUN_VARS if k in os.environ)
         raise ValueError(f"{shown} is set, but torchrun did not start this process (no TORCHELASTIC_RUN_ID): "
                          f"left over from another job? For one process: unset {left}; for several: torchrun "
-                         f"--nproc_per_node N 05_grpo.py ...")
+                         f"--nproc_per_node N qerl/train.py ...")
     if len(given) < len(LAUNCH_VARS) or not 0 <= rank < world or local < 0:
         raise ValueError(f"torchrun's variables disagree ({shown or 'none of ' + ', '.join(LAUNCH_VARS)}): "
                          f"launch with torchrun alone, without setting them by hand")
