@@ -161,9 +161,9 @@ class StdoutGuard:
 
 
 # What to lower when a stage runs out of memory, by its file (run_cli's line); others: "the sizes it was given"
-MEMORY_FLAGS = {"qerl/rollout.py": "--num-samples or --max-new-tokens",
-                "qerl/aqn.py": "--prompts, --samples or --max-new-tokens (or --dtypes bfloat16 alone)",
-                "qerl/train.py": "--batch, --group, --max-new-tokens, --eval-chunk or --micro-batch (or add "
+MEMORY_FLAGS = {"rollout.py": "--num-samples or --max-new-tokens",
+                "aqn.py": "--prompts, --samples or --max-new-tokens (or --dtypes bfloat16 alone)",
+                "train.py": "--batch, --group, --max-new-tokens, --eval-chunk or --micro-batch (or add "
                               "--grad-checkpoint)"}
 
 

@@ -132,7 +132,8 @@ def test_the_estimate_reads_the_address_space_limit(monkeypatch):
 
 ULIMIT_SCRIPT = """import resource, sys
 sys.path.insert(0, sys.argv[1])
-from qerl import cli, devices, torch
+import torch
+from qerl import cli, devices
 with open("/proc/self/status") as f:  # `ulimit -v` of what torch maps already + 2 GiB
     mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (mapped + 2 ** 31, resource.RLIM_INFINITY))

@@ -263,7 +263,7 @@ def test_a_second_copy_reuses_only_a_verified_snapshot(tmp_path):
         as_made_by = lambda owner: open(record, "w").write(json.dumps({"md5": md5, "owner": owner}))  # noqa: E731
         as_made_by(runner.process_identity(other.pid))
         assert runner.prepare_code(runs_root) == (snap, md5, False)  # the first copy's, untouched: reused
-        with open(os.path.join(snap, "cli.py"), "a") as f:
+        with open(os.path.join(snap, "qerl", "cli.py"), "a") as f:
             f.write("\nimport os; os.system('echo planted')\n")
         with pytest.raises(ValueError, match=f"changed since process {other.pid} made it"):
             runner.prepare_code(runs_root)
@@ -273,9 +273,9 @@ def test_a_second_copy_reuses_only_a_verified_snapshot(tmp_path):
             as_made_by(owner)
             with pytest.raises(ValueError, match="was not made by a running copy of this script"):
                 runner.prepare_code(runs_root)
-        assert "planted" in open(os.path.join(snap, "cli.py")).read()
+        assert "planted" in open(os.path.join(snap, "qerl", "cli.py")).read()
         # an untouched snapshot of a copy that has gone is made again, from this checkout
-        shutil.copy(os.path.join(ROOT, "cli.py"), os.path.join(snap, "cli.py"))
+        shutil.copy(os.path.join(ROOT, "qerl", "cli.py"), os.path.join(snap, "qerl", "cli.py"))
         as_made_by(runner.process_identity(unrelated.pid))
         assert runner.prepare_code(runs_root) == (snap, md5, True)
         assert runner.read_record(snap)["owner"] == runner.process_identity(os.getpid())
