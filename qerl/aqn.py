@@ -13,6 +13,7 @@ step; the update runs on the clean policy (05 takes pi_old from it, as the offic
 Run `python qerl/aqn.py` (the schedule, then the entropy table: ~50 s; --full, --schedule-only);
 measured: docs/aqn.md.
 """
+import importlib
 import collections
 import contextlib
 import math
@@ -35,6 +36,10 @@ from qerl import memory
 
 from qerl import rollout
 
+stage04 = importlib.import_module("04_aqn")  # the stage this module extends: its definitions, used as they are
+AQN_NORMS = stage04.AQN_NORMS
+sigma_stage = stage04.sigma_stage
+
 # -----------------------------------------------------------------------------
 # The schedule (the official code's): training splits into K equal stages; stage 0 carries only the
 # quantization noise (sigma = 0), stages 1..K-1 decay geometrically from sigma_start to sigma_end
@@ -42,11 +47,6 @@ from qerl import rollout
 DECAYS = {  # kind -> sigma at stage k = 1 .. K-1 of K, from s0 (sigma_start) to s1 (sigma_end)
     "exp": lambda k, K, s0, s1: s0 * (s1 / s0) ** ((k - 1) / max(K - 2, 1)),
 }  # linear, cosine, log: below the banner
-
-
-def sigma_stage(step, total_steps, num_stages):
-    """Which of the `num_stages` equal intervals 0-based `step` falls in."""
-    return min(step * num_stages // total_steps, num_stages - 1)
 
 
 def sigma_schedule(step, total_steps, sigma_start=1e-2, sigma_end=5e-4, num_stages=10, kind="exp"):
@@ -60,7 +60,6 @@ def sigma_schedule(step, total_steps, sigma_start=1e-2, sigma_end=5e-4, num_stag
 
 # -----------------------------------------------------------------------------
 # The noise, in each decoder layer's two pre-norms (o_proj, down_proj, model.norm get none)
-AQN_NORMS = ("input_layernorm", "post_attention_layernorm")  # read by q/k/v, then by gate/up
 
 
 def aqn_norms(model):

@@ -14,6 +14,7 @@ fixed (sampling: the same function, cheaper); `merge_lora` folds B A into the ba
 Run the demo (a frozen NVFP4 MLP learns a teacher through LoRA alone, < 30 s on 2 CPU cores):
     python qerl/lora.py
 """
+import importlib
 import math
 import os
 import sys
@@ -35,6 +36,11 @@ from qerl import files
 from qerl import hf_files
 
 from qerl import quantize
+
+stage02 = importlib.import_module("02_lora")  # the stage this module extends: its definitions, used as they are
+CONFIG_NAME = stage02.CONFIG_NAME
+PEFT_PREFIX = stage02.PEFT_PREFIX
+WEIGHTS_NAME = stage02.WEIGHTS_NAME
 
 DEFAULT_TARGETS = quantize.LINEAR_NAMES  # every projection of a decoder layer
 
@@ -203,10 +209,7 @@ def merge_lora(model):
 
 
 # -----------------------------------------------------------------------------
-# Saving and loading in PEFT's layout
-
-PEFT_PREFIX = "base_model.model."  # PEFT's key prefix: PeftModel.base_model (LoraModel).model
-WEIGHTS_NAME, CONFIG_NAME = "adapter_model.safetensors", "adapter_config.json"
+# Saving and loading in PEFT's layout (the file names and key prefix: stage 02's)
 
 
 def lora_state_dict(model):

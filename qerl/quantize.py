@@ -11,6 +11,7 @@ forward, the checkpoint writer and the demo.
     python qerl/quantize.py --show-block [--seed N]          # one block of 16, step by step
 """
 import functools
+import importlib
 import math
 import os
 import shutil
@@ -29,17 +30,23 @@ from qerl import files
 from qerl import quant_checkpoint  # the checkpoint writer's config, checks and reads
 from qerl import quant_engine  # what the quantized Linears share that is not the method
 
+stage01 = importlib.import_module("01_quantize")  # the stage this module extends: its definitions, used as they are
+E2M1_VALUES = stage01.E2M1_VALUES
+FP4_MAX = stage01.FP4_MAX
+FP8_MAX = stage01.FP8_MAX
+FUSED_GROUPS = stage01.FUSED_GROUPS
+NVFP4_BLOCK = stage01.NVFP4_BLOCK
+_E2M1_MIDS = stage01._E2M1_MIDS
+_NVFP4_BYTE_LUT = stage01._NVFP4_BYTE_LUT
+_e2m1_codes = stage01._e2m1_codes
+dequantize_nvfp4 = stage01.dequantize_nvfp4
+fused_group = stage01.fused_group
+replace_module = stage01.replace_module
+
 # --------------------------------------------------------------------------------------------------
 # NVFP4: E2M1 values, an FP8 E4M3 scale per 16 inputs, an FP32 scale per tensor (all maths in fp32)
 
-FP4_MAX, FP8_MAX, NVFP4_BLOCK = 6.0, 448.0, 16
-# Code c (bit 3 = sign, bits 0..2 = index into the 8 magnitudes) decodes to E2M1_VALUES[c].
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-# Round to nearest, ties to even: the index is how many midpoints |y| passes. Ties stay down where
-# the lower neighbour's mantissa is even (0.25, 1.25, 2.5, 5), go up where the upper one's is.
-_E2M1_MIDS = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
-              (3.5, True), (5.0, False)]
+# The constants, E2M1 codes (_e2m1_codes), the byte table and dequantize_nvfp4 are stage 01's (above).
 # The roundings: name -> (the FP8 scale the largest block gets, a per-block re-pick of codes and
 # scales, or None). QeRL's is round to nearest; Part 2 registers Four Over Six ("4over6").
 NVFP4_METHODS = {"rtn": (FP8_MAX, None)}
@@ -62,18 +69,6 @@ def _block_scales(amax_b, gs, block_max):
     # A block far below the tensor's amax (or all zero) underflows FP8 to 0; compressed-tensors
     # then stores 0.125, which avoids a 0/0 below and still decodes the block to ~all zeros.
     return torch.where(s == 0, 0.125, s)                                 # (out, nb)
-
-
-def _e2m1_codes(blocks, s, gs):
-    """blocks / (s / gs) rounded to the nearest E2M1 value (ties to even) -> 4-bit codes."""
-    y = blocks / (s / gs).unsqueeze(-1)                                  # (out, nb, 16)
-    y = y.clamp(-FP4_MAX, FP4_MAX)
-    mag = y.abs()
-    idx = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)      # (out, nb, 16), 0..7
-    for t, tie_goes_up in _E2M1_MIDS:  # seven compares beat torch.bucketize on CPU
-        idx += (mag >= t) if tie_goes_up else (mag > t)
-    # y < 0, not signbit: a tiny negative rounded to 0 keeps its sign (0x8); -0.0 gives 0x0.
-    return idx | ((y < 0).to(torch.uint8) << 3)                          # (out, nb, 16)
 
 
 @torch.no_grad()
@@ -102,18 +97,6 @@ def quantize_nvfp4(w, global_scale=None, name="weight", method="rtn"):
     code = code.view(out_f, k_pad)                                       # (out, K_pad)
     packed = code[:, 0::2] | (code[:, 1::2] << 4)                        # (out, K_pad/2), even: low
     return packed.contiguous(), s.to(torch.float8_e4m3fn), gs
-
-
-# Byte -> its two values (low nibble first): one gather per byte, not an unpack and two gathers.
-_NVFP4_BYTE_LUT = E2M1_VALUES[torch.stack((torch.arange(256) & 0xF, torch.arange(256) >> 4), -1)]
-
-
-def dequantize_nvfp4(packed, scale, global_scale, dtype=torch.float32):
-    """-> [out, K_pad]: E2M1 value * (fp8 scale / global scale), in fp32, then cast to dtype."""
-    vals = _NVFP4_BYTE_LUT.to(packed.device)[packed.long()]              # (out, K_pad/2, 2)
-    step = scale.float() / global_scale.float().to(packed.device)        # (out, nb)
-    w = vals.view(*step.shape, NVFP4_BLOCK) * step.unsqueeze(-1)         # (out, nb, 16)
-    return w.view(packed.shape[0], -1).to(dtype)                         # (out, K_pad)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -170,15 +153,6 @@ class NVFP4Linear(_QuantLinear):
 # Whole-model quantization. vLLM runs q/k/v (and gate/up) as one fused matmul with one global
 # scale, so each group gets the scale of its largest amax (= the smallest of their own scales).
 
-FUSED_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
-                "gate_proj": "gate_up", "up_proj": "gate_up"}
-
-
-def fused_group(name):
-    """'model.layers.0.self_attn.k_proj' -> ('model.layers.0.self_attn', 'qkv'); else (name,)."""
-    parent, _, leaf = name.rpartition(".")
-    return (parent, FUSED_GROUPS[leaf]) if leaf in FUSED_GROUPS else (name,)
-
 
 # The weight formats: one registry that --quant, the loaders, quantize_model and the demo read. A
 # new one is a _QuantLinear subclass and one line; Part 2 registers NF4, then sets QUANT_CHOICES.
@@ -191,13 +165,6 @@ def weight_format(fmt):
         choices = ", ".join(WEIGHT_FORMATS)
         raise ValueError(f"unknown weight format {fmt!r}: choose one of {choices}")
     return WEIGHT_FORMATS[fmt]
-
-
-def replace_module(model, name, new):
-    """Put `new` where model's submodule `name` (e.g. "model.layers.0.mlp.up_proj") is; -> `new`."""
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent), leaf, new)  # get_submodule("") is the model itself
-    return new
 
 
 @torch.no_grad()

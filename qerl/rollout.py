@@ -7,6 +7,7 @@ prefill then a `decode_step` per token over a KV cache -> a Rollout (tokens, log
 and top-p, the loader, the CLI."""
 from dataclasses import dataclass, field
 
+import importlib
 import os
 import sys
 
@@ -22,6 +23,16 @@ from qerl import devices
 from qerl import quantize
 from qerl import engine  # generate's plumbing, the fast paths (False below: the plain computation)
 from qerl import hf_files  # a model folder's files: config.json's checks, safetensors, the tokenizer, ChatML
+
+stage03 = importlib.import_module("03_rollout")  # the stage this module extends: its definitions, used as they are
+DONE_CHECK_EVERY = stage03.DONE_CHECK_EVERY
+KVCache = stage03.KVCache
+MLP = stage03.MLP
+RMSNorm = stage03.RMSNorm
+apply_rope = stage03.apply_rope
+entropy_from_logp = stage03.entropy_from_logp
+left_pad = stage03.left_pad
+token_logprobs = stage03.token_logprobs
 
 DECODE_ATTENTION_CPU = True  # a CPU decode step attends by the plain product: 2x faster than SDPA
 CHUNKED_LOGPROBS = True  # log-probs a few tokens at a time: a 7B batch's full logits are ~80 GB
@@ -51,43 +62,12 @@ class ModelConfig:
     def from_dict(cls, d, where="config.json"):  # each bad or unsupported field: one clear error
         return cls(**hf_files.model_config_fields(d, where))
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.noise = None  # AQN (stage 04): an fp32 [dim] vector added to the gain while it is set
-    def forward(self, x):  # HF's order: normalize in fp32, cast back, scale (bf16 rounds as HF's)
-        h = x.float()
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        if self.noise is None:  # .to(): a no-op unless the gain is an fp32 master copy (05)
-            return (self.weight * h).to(x.dtype)
-        # w + Z in fp32, rounded once: Z added to a bf16 gain would mostly round away (README, 04)
-        return ((self.weight.float() + self.noise) * h.float()).to(x.dtype)
 
 def rope_inv_freq(cfg, device=None):  # (D/2,) fp32; Llama 3 stretches the long wavelengths (Part 2)
     D = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, device=device).float() / D))  # (D/2,)
     return inv if cfg.rope_scaling is None else llama3_scaled_inv_freq(inv, cfg.rope_scaling)
 
-def apply_rope(x, cos, sin):  # HF's pairs: the two halves of head_dim, not even/odd lanes
-    a, b = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-b, a), dim=-1) * sin  # (B, H, T, D)
-
-class KVCache:
-    """Layer i's keys/values k[i], v[i] (B, H_kv, S, D); `pos` (1,): the next slot, every row's."""
-    def __init__(self, cfg, batch, max_len, device, dtype):
-        shape, L = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim), cfg.num_hidden_layers
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(L)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(L)]
-        self.pos, self.max_len = torch.zeros(1, dtype=torch.long, device=device), max_len
-    def slots(self, T):
-        return self.pos + torch.arange(T, device=self.pos.device)  # (T,) the next T tokens' slots
-    def update(self, layer, k, v):  # k, v (B, H_kv, T, D) -> all S slots' keys and values
-        slots = self.slots(k.shape[2])  # (T,)
-        self.k[layer].index_copy_(2, slots, k)  # in place: no reallocation per step
-        self.v[layer].index_copy_(2, slots, v)
-        return self.k[layer], self.v[layer]  # (B, H_kv, S, D): unwritten slots are masked
 
 class Attention(nn.Module):
     def __init__(self, cfg, layer_idx):
@@ -122,15 +102,6 @@ class Attention(nn.Module):
         y = y.reshape(B, self.H, T, self.D).transpose(1, 2)  # (B, T, H, D)
         return self.o_proj(y.reshape(B, T, self.H * self.D))  # (B, T, C)
 
-class MLP(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        C, I = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(C, I, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(C, I, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(I, C, bias=cfg.mlp_bias)
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU, (B, T, C)
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer_idx):
@@ -192,9 +163,6 @@ class CausalLM(nn.Module):
         return self.lm_head(h).float()  # (B, T, V), fp32 so log-softmax is accurate for bf16
 
 # ---- Sampler: draw from the tempered logits; generate = a prefill, a decode_step per token
-def entropy_from_logp(logp, p=None):
-    p = logp.exp() if p is None else p  # clamping -inf keeps 0 * log 0 at 0, value and gradient
-    return -(p * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
 
 def sample_next(logits, temperature, top_k, top_p, generator):
     """One token per row from logits (B, V) -> (token, logprob, entropy), each (B,)."""
@@ -224,7 +192,6 @@ def decode_step(model, cache, tok, key_ok, temperature, top_k, top_p, generator)
     logits = model.lm_head(h[:, -1]).float()  # (B, V): only the last position is needed
     return sample_next(logits, temperature, top_k, top_p, generator)
 
-DONE_CHECK_EVERY = 8  # "all rows done?" every 8 tokens only: a host read waits for a GPU's queue
 
 @torch.no_grad()
 def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0, top_p=1.0,
@@ -269,11 +236,6 @@ def generate(model, prompts, num_samples=1, max_new_tokens=256, temperature=1.0,
         decode_steps_run=t + 1, **clock.laps))
 
 # ---- Log-probs with gradients, for the policy update
-def token_logprobs(lm_head, h, ids, temperature, entropy=True):
-    """Log-probs of ids and entropies (None unless `entropy`), each (n,), from h (n, C)."""
-    logits = lm_head(h).float()  # (n, V)
-    logp = (logits / temperature if temperature > 0 else logits).log_softmax(-1)  # (n, V)
-    return logp.gather(-1, ids[:, None]).squeeze(-1), entropy_from_logp(logp) if entropy else None
 
 def sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, temperature=1.0,
                       entropy=True):
@@ -355,17 +317,6 @@ def filter_logits(logits, top_k=0, top_p=1.0):
 # Batching and logits: left padding (generate, sequence_logprobs), the full logits (stage 04's KL)
 
 sample_from = engine.sample_from  # the inverse-CDF draw sample_next runs, under its old name here
-
-
-def left_pad(prompt_ids, completion_ids):
-    """Prompts left-padded to one length P, then completions (B, T) -> ids, key_ok (real slots) (B, P+T), P."""
-    P = max(len(p) for p in prompt_ids)
-    ids = F.pad(completion_ids, (P, 0))  # (B, P+T)
-    key_ok = torch.ones_like(ids, dtype=torch.bool)  # (B, P+T)
-    for i, p in enumerate(prompt_ids):
-        ids[i, P - len(p):P] = torch.tensor(list(p), device=ids.device)
-        key_ok[i, :P - len(p)] = False
-    return ids, key_ok, P
 
 
 def completion_hidden(model, prompt_ids, completion_ids):

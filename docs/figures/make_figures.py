@@ -4,15 +4,19 @@
                       (the block `python 01_quantize.py --show-block` prints)
     grpo_step.png     one GRPO step of stage 05: the noisy sampler, the clean trainer, the update
     aqn_columns.png   AQN's noise on RMSNorm gains is noise on the next Linear's input columns (stage 04)
-    aqn_schedule.png  AQN's sigma per step of the default run, for each of 04's DECAYS
+    aqn_schedule.png  AQN's sigma per step of the default run, for each of the trainer's decays (qerl.aqn.DECAYS)
+    aqn_entropy.png   the sampler's entropy per step with and without AQN, from the committed 750-step runs
+                      (bench/results/steps750/runs.tar.xz: QeRL and NVFP4 + LoRA, 2 seeds each)
 
-    python docs/figures/make_figures.py      # writes the four PNGs beside this file (~5 s)
+    python docs/figures/make_figures.py      # writes the five PNGs beside this file (~10 s)
 
 matplotlib is an optional extra, as for bench/plot_run.py: `.venv/bin/pip install matplotlib==3.10.7`.
 """
 import importlib
+import json
 import os
 import sys
+import tarfile
 
 import torch
 from safetensors.torch import load_file
@@ -21,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 quantize = importlib.import_module("01_quantize")
-aqn = importlib.import_module("04_aqn")
+aqn = importlib.import_module("qerl.aqn")  # the trainer's: every decay (DECAYS) and noise (NOISES)
 try:
     import matplotlib
     matplotlib.use("Agg")
@@ -215,9 +219,48 @@ def aqn_schedule(path, steps=750, s0=1e-2, s1=5e-4, K=10):
     plt.close(fig)
 
 
+def aqn_entropy(path, pack=os.path.join(ROOT, "bench", "results", "steps750", "runs.tar.xz"), window=25):
+    """e. The sampler's mean token entropy per step, with AQN (qerl) and without (nvfp4-lora), every seed of the
+    committed 750-step study, smoothed over `window` steps; AQN's sigma per step on a second axis."""
+    runs = {}
+    with tarfile.open(pack) as tar:
+        for member in tar.getmembers():
+            parts = member.name.split("/")
+            if parts[-1] == "metrics.jsonl" and parts[-2].rsplit("-", 1)[0] in ("qerl", "nvfp4-lora"):
+                lines = tar.extractfile(member).read().decode().splitlines()
+                runs[parts[-2]] = [r for r in map(json.loads, lines) if "step" in r and "entropy" in r]
+    fig, ax = plt.subplots(figsize=(11, 4.6))
+    colors = {"qerl": "#c0504d", "nvfp4-lora": "#4a7ab5"}
+    labels = {"qerl": "QeRL: NVFP4 + LoRA + AQN", "nvfp4-lora": "NVFP4 + LoRA (no AQN)"}
+    for name in sorted(runs):
+        method, seed = name.rsplit("-", 1)
+        steps = [r["step"] for r in runs[name]]
+        ent = torch.tensor([r["entropy"] for r in runs[name]])  # (steps,)
+        smooth = torch.nn.functional.avg_pool1d(ent.view(1, 1, -1), window, 1, window // 2, count_include_pad=False)
+        ax.plot(steps, ent.tolist(), color=colors[method], alpha=0.12, lw=0.6)
+        ax.plot(steps, smooth.view(-1)[: len(steps)].tolist(), color=colors[method], lw=1.8,
+                ls="-" if seed == "s0" else "--", label=f"{labels[method]}, {seed}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("sampler's mean token entropy (nats)")
+    ax.set_xlim(0, 750)
+    sig = ax.twinx()
+    x = list(range(751))
+    sig.plot(x, [aqn.sigma_schedule(min(s, 749), 750) for s in x], drawstyle="steps-post", color="#777777",
+             lw=1.0, ls=":", label="AQN's σ (right axis)")
+    sig.set_ylabel("σ", color="#777777")
+    lines = ax.get_legend_handles_labels()
+    more = sig.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=9, loc="upper right")
+    ax.set_title(f"Entropy per step with and without AQN (bundled model, 750 steps; thin: per step, thick: "
+                 f"{window}-step mean; 2 seeds a side,\ndescriptive only: bench/results/steps750 finds the "
+                 "arms' final accuracy not distinguishable)", fontsize=11)
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main():
     for name, draw in (("nvfp4_block", nvfp4_block), ("grpo_step", grpo_step), ("aqn_columns", aqn_columns),
-                       ("aqn_schedule", aqn_schedule)):
+                       ("aqn_schedule", aqn_schedule), ("aqn_entropy", aqn_entropy)):
         out = os.path.join(HERE, f"{name}.png")
         draw(out)
         print(f"wrote {os.path.relpath(out, ROOT)}")
