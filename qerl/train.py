@@ -5,6 +5,7 @@ advantages -> the clipped surrogate on the clean policy -> AdamW on the adapters
 pi_old readings, aggregations and loss terms, the run's checks and its command line.
     python qerl/train.py [--show-step]  # the tiny model learns arithmetic; or one group by hand
 """
+import importlib
 import collections
 import contextlib
 import dataclasses
@@ -32,6 +33,9 @@ from qerl import lora
 from qerl import rollout
 from qerl import aqn
 
+stage05 = importlib.import_module("05_grpo")  # the stage this module extends: its definitions, used as they are
+lr_factor = stage05.lr_factor
+
 # ---- The policy: the frozen (quantized) base, fresh LoRA adapters, AdamW on the adapters alone
 MORE_PARAMS = []  # (model, args) -> more parameters to train (Part 2: --train-norms)
 
@@ -47,11 +51,6 @@ def build_policy(args, device):
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     return model, tok, params, opt
 
-def lr_factor(step, warmup, total, min_ratio):  # linear warmup, then cosine decay to min_ratio
-    if step < warmup:
-        return (step + 1) / warmup
-    u = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * u))
 
 def step_sigma(args, step):  # AQN's noise at `step`: 04's schedule (exp: the official code's)
     return aqn.sigma_schedule(step, args.steps, args.sigma_start, args.sigma_end, args.num_stages,

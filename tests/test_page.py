@@ -64,7 +64,9 @@ def test_a_stage_imports_only_the_standard_library_the_packages_and_earlier_stag
         outside.discard("kernels")  # 01 alone may load kernels/ (by file path)
     assert not outside, f"{name} imports {sorted(outside)}"
     earlier = {s[:-3] for s in STAGES[: STAGES.index(name)]}
-    assert by_name <= earlier | {"triton"}, f"{name} imports by name {sorted(by_name - earlier)}"
+    if name == "01_quantize.py":  # kernels/ loaded by its path under a private package name
+        by_name = {m for m in by_name if not m.startswith("nvfp4_kernels.")}
+    assert by_name <= earlier, f"{name} imports by name {sorted(by_name - earlier)}"
     assert "sys.modules[__name__]" not in source(name)
 
 
