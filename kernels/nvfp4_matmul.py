@@ -45,7 +45,7 @@ Three ideas, in the order the kernel uses them:
    dequantized weight bit for bit.
 
 Part two (kernels/nvfp4_decode.py) adds a second kernel for decode and the entry point everyone
-calls, `kernels.nvfp4_matmul`. This kernel decodes in fp32 and its compiled main loop spends ~10-12
+calls, `nvfp4_matmul` (loaded by path: 01_quantize.nvfp4_kernel). This kernel decodes in fp32 and its compiled main loop spends ~10-12
 thread instructions per weight (read from the sm_90 machine code by bench/kernel_sass.py, see
 docs/kernel.md): fine for prefill, where a decoded tile serves 32-128 rows of x, but at decode the
 kernel would be bound by instruction issue rather than memory. No GPU has run either kernel yet.
@@ -344,7 +344,7 @@ def launch_general(x2, packed, scale_u8, global_scale, bias, block_sizes=None, s
 
 def nvfp4_matmul_general(x, packed, scale, global_scale, bias=None, *, block_sizes=None, split_k=None):
     """y = x @ W.T + bias with this file's kernel, whatever the shape of x: the tutorial's wrapper.
-    The entry point the stages call, `kernels.nvfp4_matmul` (part two), takes the same arguments,
+    The entry point 01 and the trainer call, nvfp4_decode.py's `nvfp4_matmul` (part two), takes the same arguments,
     runs the decode kernel at decode and caches the weight's checks; it is also differentiable.
 
     x: [..., K] float32/bfloat16/float16; K may be the unpadded in_features (K <= K_pad < K + 16).

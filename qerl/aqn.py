@@ -360,7 +360,7 @@ def build_parser():
     number = cli.number
     parser = cli.ArgumentParser(description="AQN schedule and exploration measurements")
     parser.add_argument("--model", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny-qwen"))
-    parser.add_argument("--steps", type=number(int, 1), default=600, help="run length for the printed schedule")
+    parser.add_argument("--steps", type=number(int, 1), default=stage04.SCHEDULE_STEPS, help="run length for the printed schedule (05's --steps)")
     # The table prints every decaying kind, and exp/log need sigma_end > 0 (check_sigma_range).
     parser.add_argument("--sigma-start", type=number(float, above=0), default=1e-2)
     parser.add_argument("--sigma-end", type=number(float, above=0), default=5e-4)

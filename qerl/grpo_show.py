@@ -95,7 +95,8 @@ def show_step(stage, args, shown=4):
           f"{round(loss['sampler'], 6) + 0.0:+.6f}\n   (the trainer's is 0 when the rows are equally long, as the A sum to 0; "
           "its gradient is not)")
     print("   At --mu 1 the trainer's ratio is 1: nothing is clipped, and the gradient is REINFORCE's,\n"
-          "   -mean_t A grad log pi_theta, with the group's mean reward as baseline. The sampler's ratio cancels\n"
-          "   the noise in expectation, E_{y~q}[(pi_theta/q) A] = E_{y~pi_theta}[A], at a cost in variance.")
+          "   -mean_t A grad log pi_theta, with the group's mean reward as baseline. The sampler's sequence ratio\n"
+          "   would cancel the noise in expectation, E_{y~q}[(pi_theta(y)/q(y)) A] = E_{y~pi_theta}[A]; the ratio here\n"
+          "   is per token (each token's own probability, not its prefix's), a first-order correction, at a cost in variance.")
     return out
 

@@ -444,6 +444,8 @@ def demo(seed=0):
     print("NVFP4: 4-bit code + one 8-bit scale per 16 + 4 bytes/tensor (fp32 global scale); 4over6 is the same\n"
           "bytes with each block's scale chosen between max -> 6 and max -> 4. NF4 without double\n"
           "quantization: 4-bit code + one fp32 absmax per 64; QLoRA's double quantization brings it to ~4.127 bits.")
+    print("Why NVFP4 though NF4's error can be lower: FP4 tensor cores (NVIDIA Blackwell) multiply NVFP4 directly,\n"
+          "so the sampler runs 4-bit matmuls instead of dequantizing to bf16 first; that is QeRL's rollout speed-up.")
 
 
 def show_block(seed=0):

@@ -313,8 +313,9 @@ from qerl import run_checks  # noqa: E402
 from qerl import tasks  # noqa: E402
 
 # -----------------------------------------------------------------------------
-# pi_old's other readings. The sampler's (q) cancels AQN's noise in expectation, up to the clip:
-# E_{y~q}[(pi_theta / q) A] = E_{y~pi_theta}[A]; the trainer's leaves it in.
+# pi_old's other readings. The sampler's (q): as a sequence ratio it would cancel AQN's noise in expectation,
+# E_{y~q}[(pi_theta(y) / q(y)) A] = E_{y~pi_theta}[A]; the ratio here is per token (pi_theta(y_t|y_<t) / q(y_t|y_<t),
+# not the prefix's), a first-order correction, up to the clip. The trainer's reading leaves the noise in.
 
 
 def trainer_logp(current, before):
@@ -329,7 +330,7 @@ def is_weights(current, sampler, before):
 
 
 PI_OLD["sampler"] = PiOld(
-    "the noisy sampler's own, as Algorithm 1 reads: up to the clip the ratio cancels AQN's noise in expectation",
+    "the noisy sampler's own, as Algorithm 1 reads: the per-token ratio corrects AQN's noise to first order",
     lambda current, sampler, before, o: (sampler, None))
 PI_OLD["tis"] = PiOld(
     "the trainer's, as the official code, with each token's loss weighted by min(rho, --tis-cap), rho = "

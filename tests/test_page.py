@@ -124,6 +124,18 @@ def test_the_stages_copied_alone_import_and_run(tmp_path):
     assert {"metrics.jsonl", "summary.json", "adapter_model.safetensors", "adapter_config.json"} <= made, made
 
 
+def test_the_readme_counts_are_the_files_counts():
+    """The README's reading-path table gives each stage's lines and 05's flags: computed here, not trusted."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    for s in STAGES:
+        found = re.search(rf"^\| \[`{re.escape(s)}`\]\({re.escape(s)}\) \| (\d+) \|", readme, re.M)
+        assert found, f"README.md's reading path has no row for {s}"
+        assert int(found.group(1)) == lines(s), f"README.md says {s} has {found.group(1)} lines; it has {lines(s)}"
+    found = re.search(r"one log line a step; (\d+) flags", readme)
+    assert found and int(found.group(1)) == len(flags("05_grpo.py")), "README.md's count of 05's flags"
+
+
 if __name__ == "__main__":
     for s in STAGES:
         plain, by_name = imports(s)
