@@ -27,9 +27,13 @@ KEPT = ("metrics.jsonl", "summary.json")  # the adapter is not kept: 05 rebuilds
 
 
 def cpu_name():
+    """The CPU model, its bf16 instruction sets (they pick oneDNN's kernels: floats part across CPUs), cores."""
     with open("/proc/cpuinfo") as f:
-        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    return f"{model}, {os.cpu_count()} cores, {platform.system()}"
+        info = f.read()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    bf16 = ",".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "no native bf16"
+    return f"{model} ({bf16}), {os.cpu_count()} cores, {platform.system()}"
 
 
 def run_seed(seed, runs, extra):
