@@ -100,7 +100,7 @@ def print_table(results, base):
 def build_parser():
     p = cli.ArgumentParser(description="Split one GRPO step (05_grpo's loop) into rollout / reward / update "
                            "per quantization (arguments after -- go to qerl/train.py's parser)")
-    p.add_argument("--quants", nargs="+", default=["none", "nf4", "nvfp4"], choices=quantize.QUANT_CHOICES)
+    p.add_argument("--quants", nargs="+", default=["none", "nf4", "nvfp4"], choices=quantize.quant_choices())
     p.add_argument("--steps", type=cli.number(int, 1), default=5, help="measured steps per quantization")
     p.add_argument("--warmup", type=cli.number(int, 0), default=2, help="unmeasured steps first")
     p.add_argument("--threads", type=cli.number(int, 1), default=1,

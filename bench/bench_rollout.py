@@ -55,7 +55,7 @@ SHAPES = {
 }
 CUDA_ONLY = ("qwen2.5-7b",)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-QUANTS = importlib.import_module("qerl.quantize").QUANT_CHOICES  # stage 01's registry
+QUANTS = importlib.import_module("qerl.quantize").quant_choices()  # the trainer's registry
 
 
 def model_config(shape, **overrides):

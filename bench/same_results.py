@@ -4,8 +4,9 @@ A refactor (stage files restructured, common.py split) must change no number. Th
 (3 steps of the bundled tiny model on the CPU, a few seconds) in a fresh process of the checkout this file
 lives in, so a worktree of an old commit measures its own code, and records sha256 of the final checkpoint's
 adapter_model.safetensors and adapter_config.json (less its base model's path), and of metrics.jsonl and
-summary.json with what depends on the clock, the machine or the paths removed (normalize). The normalized
-metrics are kept beside the hashes so that --check can name the first differing key. Floats can round
+summary.json with what depends on the clock, the machine or the paths removed (normalize). The baseline FILE
+holds the hashes, a line a configuration; the normalized metrics and summaries go beside it, compressed, in
+FILE's name with .details.json.xz, so that --check can name the first differing key. Floats can round
 differently on another CPU, so a baseline records its machine and is checked on the same one (--check says so).
 
     python bench/same_results.py --write bench/results/same_results/baseline-<sha>-<machine>.json
@@ -13,9 +14,12 @@ differently on another CPU, so a baseline records its machine and is checked on 
 """
 import argparse
 import hashlib
+import importlib
 import importlib.metadata
 import json
+import lzma
 import os
+import pathlib
 import platform
 import re
 import subprocess
@@ -24,6 +28,11 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout whose qerl/train.py is measured
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+cli = importlib.import_module("qerl.cli")  # one-line errors, signals (run_cli)
+files = importlib.import_module("qerl.files")  # atomic writes
+DETAILS = ("metrics", "summary")  # what a baseline keeps compressed beside its hashes
 
 # 32 new tokens, not 12: at 12 the tiny model never finishes an answer, every reward is 0, no group has a
 # spread, and the adapters never move, so their hash would prove nothing. Seed 2 gives groups with a spread.
@@ -190,9 +199,9 @@ def differences(want, got):
         if got["sha256"].get(file) == digest:
             continue
         where = ""
-        if file == "metrics.jsonl":
+        if file == "metrics.jsonl" and "metrics" in want:
             where = first_difference(want["metrics"], got["metrics"], "line")
-        elif file == "summary.json":
+        elif file == "summary.json" and "summary" in want:
             where = first_difference(want["summary"], got["summary"], "")
         lines.append(f"{file}{where}")
     return lines
@@ -212,6 +221,39 @@ def first_difference(a, b, path):
     return f": first differs at {path.lstrip('.')}: baseline {a!r}, now {b!r}"
 
 
+def details_path(path):
+    return re.sub(r"\.json$", "", path) + ".details.json.xz"
+
+
+def write_baseline(path, head, results):
+    """FILE: the header and one line of hashes per configuration; beside it the metrics and summaries, xz."""
+    lines = [f"{json.dumps(n)}: {json.dumps({k: v for k, v in r.items() if k not in DETAILS}, sort_keys=True)}"
+             for n, r in results.items()]
+    text = json.dumps(head, sort_keys=True)[:-1] + ', "configs": {\n' + ",\n".join(lines) + "\n}}\n"
+    details = {n: {k: r[k] for k in DETAILS if k in r} for n, r in results.items()}
+    packed = lzma.compress(json.dumps(details, sort_keys=True).encode())
+    files.atomic_write(details_path(path), lambda p: pathlib.Path(p).write_bytes(packed))
+    files.atomic_write(path, lambda p: pathlib.Path(p).write_text(text))
+
+
+def read_baseline(path):
+    """The baseline's header and configurations, with the compressed details merged in where they exist."""
+    try:
+        with open(path) as f:
+            baseline = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--check {path}: no such baseline; write one with --write") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--check {path}: not a baseline of this script ({e})") from None
+    if not isinstance(baseline, dict) or not isinstance(baseline.get("configs"), dict):
+        raise ValueError(f"--check {path}: not a baseline of this script (no configs)")
+    if os.path.exists(details_path(path)):
+        with open(details_path(path), "rb") as f:
+            for name, extra in json.loads(lzma.decompress(f.read())).items():
+                baseline["configs"].get(name, {}).update(extra)
+    return baseline
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = p.add_mutually_exclusive_group(required=True)
@@ -222,8 +264,11 @@ def main(argv=None):
     names = args.only or list(CONFIGS)
     baseline = None
     if args.check:
-        with open(args.check) as f:
-            baseline = json.load(f)
+        baseline = read_baseline(args.check)
+        missing = [n for n in names if n not in baseline["configs"]]
+        if missing and args.only:
+            raise ValueError(f"--only {' '.join(missing)}: not in the baseline {args.check}; it holds "
+                             f"{len(baseline['configs'])} configurations")
         names = [n for n in names if n in baseline["configs"]]
     results, failed, start, here = {}, [], time.time(), machine()
     warning = baseline and machine_warning(baseline, here)
@@ -254,10 +299,8 @@ def main(argv=None):
     print(f"{len(names)} configs in {time.time() - start:.0f}s at {ROOT} ({commit[:7] or 'no git'})", flush=True)
     if args.write:
         os.makedirs(os.path.dirname(os.path.abspath(args.write)), exist_ok=True)
-        with open(args.write, "w") as f:
-            json.dump({"commit": commit, "machine": here, "base_args": BASE, "flags": {n: CONFIGS[n] for n in results},
-                       "configs": results}, f, indent=1, sort_keys=True)
-            f.write("\n")
+        write_baseline(args.write, {"commit": commit, "machine": here, "base_args": BASE,
+                                    "flags": {n: CONFIGS[n] for n in results}}, results)
     if failed:
         print(f"{len(failed)} differ or failed: {' '.join(failed)}")
         if warning:
@@ -266,4 +309,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_cli(main))

@@ -25,7 +25,7 @@ def build_parser(stage):
     decaying = (lambda args: args.aqn and args.aqn_kind in aqn.DECAYING_KINDS, "--aqn with a decaying --aqn-kind")
     q = p.add_argument_group("QeRL: the model, its 4-bit base, LoRA, AQN, pi_old and the GRPO batch")
     q.add_argument("--model", default=stage.TINY_MODEL, help="Hugging Face model folder (default: the bundled tiny model)")
-    q.add_argument("--quant", choices=quantize.QUANT_CHOICES, default="nvfp4", help="the frozen base's format")
+    q.add_argument("--quant", choices=quantize.quant_choices(), default="nvfp4", help="the frozen base's format")
     q.add_argument("--lora-r", type=N(int, 1), default=16)
     q.add_argument("--lora-alpha", type=N(int, 1), default=32)
     q.add_argument("--aqn", action=argparse.BooleanOptionalAction, default=True, help="adaptive quantization noise")

@@ -155,7 +155,7 @@ class NVFP4Linear(_QuantLinear):
 
 
 # The weight formats: one registry that --quant, the loaders, quantize_model and the demo read. A
-# new one is a _QuantLinear subclass and one line; Part 2 registers NF4, then sets QUANT_CHOICES.
+# new one is a _QuantLinear subclass and one line; Part 2 registers NF4; quant_choices() reads it.
 WEIGHT_FORMATS = {"nvfp4": NVFP4Linear}
 
 
@@ -286,7 +286,10 @@ class NF4Linear(_QuantLinear):
 
 
 WEIGHT_FORMATS["nf4"] = NF4Linear
-QUANT_CHOICES = ("none", *WEIGHT_FORMATS)  # what --quant takes: "none" keeps the float weights
+def quant_choices():
+    """What --quant takes, read from WEIGHT_FORMATS when asked (a format registered later, from any module, is
+    in): "none" keeps the float weights."""
+    return ("none", *WEIGHT_FORMATS)
 
 # -----------------------------------------------------------------------------------------------------
 # The fast forward: _QuantLinear.forward's product, cheaper. NVFP4 on CUDA goes through the Triton kernel

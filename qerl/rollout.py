@@ -375,8 +375,8 @@ def load_model(path, quant="none", dtype=None, device=None, method="rtn"):
 
 def _load_format(path, raw, quant, method="rtn"):
     """-> (the format to quantize into while loading, whether the checkpoint is already NVFP4)."""
-    if quant not in quantize.QUANT_CHOICES:
-        raise ValueError(f"quant must be one of {', '.join(quantize.QUANT_CHOICES)}, got {quant!r}")
+    if quant not in quantize.quant_choices():
+        raise ValueError(f"quant must be one of {', '.join(quantize.quant_choices())}, got {quant!r}")
     if method != "rtn" and quant != "nvfp4":
         raise ValueError(f"method {method!r} is a rounding of NVFP4 weights: it needs quant='nvfp4', got {quant!r}")
     ct = raw.get("quantization_config")
@@ -447,7 +447,7 @@ def build_parser():
     ap.add_argument("--top-k", type=number(int, 0), default=0, help="0 = no top-k filter")
     ap.add_argument("--top-p", type=number(float, hi=1, above=0), default=1.0, help="nucleus mass, in (0, 1]")
     ap.add_argument("--seed", type=number(int, 0, cli.MAX_SEED), default=0)
-    ap.add_argument("--quant", default="none", choices=quantize.QUANT_CHOICES, help="quantize on load (stage 01)")
+    ap.add_argument("--quant", default="none", choices=quantize.quant_choices(), help="quantize on load")
     ap.add_argument("--quant-method", default="rtn", choices=quantize.NVFP4_METHODS,
                     help="NVFP4's rounding with --quant nvfp4: rtn (compressed-tensors) or 4over6 (Four Over Six)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: autodetect)")

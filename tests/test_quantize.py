@@ -373,8 +373,16 @@ def test_quantized_buffers_are_filled_by_name_and_checked():
     assert seen and all(g is None for g in seen)
 
 
+def test_a_format_registered_after_import_is_in_every_quant_flag(monkeypatch):
+    """--quant's choices are read from WEIGHT_FORMATS when a parser is built, not copied at import."""
+    from qerl import train
+    monkeypatch.setitem(q.WEIGHT_FORMATS, "late-format", q.NVFP4Linear)
+    assert train.build_parser().parse_args(["--quant", "late-format"]).quant == "late-format"
+    assert "late-format" in q.quant_choices()
+
+
 def test_weight_format_registry_drives_quantize_model(monkeypatch):
-    assert q.QUANT_CHOICES[0] == "none" and {"nvfp4", "nf4"} <= set(q.QUANT_CHOICES)  # a new format may join
+    assert q.quant_choices()[0] == "none" and {"nvfp4", "nf4"} <= set(q.quant_choices())  # a new format may join
     assert q.weight_format("nf4") is q.NF4Linear and q.weight_format("nvfp4") is q.NVFP4Linear
     with pytest.raises(ValueError, match="unknown weight format 'no-such-format'.*nvfp4, nf4"):
         q.weight_format("no-such-format")

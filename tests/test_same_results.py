@@ -60,3 +60,43 @@ def test_a_baseline_from_another_machine_is_named():
     line = same_results.machine_warning({"machine": other}, here)
     assert "Some Other CPU" in line and here["cpu"] in line and "--write" in line
     assert "does not record" in same_results.machine_warning({}, here)
+
+
+def test_a_baseline_is_a_line_of_hashes_a_configuration_with_its_details_beside(tmp_path):
+    """--write keeps the hashes in FILE (one line per configuration) and the metrics and summaries compressed
+    beside it; --check reads both back, so a difference is still named by its first key."""
+    results = {name: {"checkpoint": "checkpoint-000003", "steps_with_gradient": 3,
+                      "sha256": {"adapter_model.safetensors": name, "metrics.jsonl": "m"},
+                      "metrics": [{"step": 1, "loss": 0.5}], "summary": {"steps_done": 3}}
+               for name in ("default", "nf4", "resume")}
+    path = str(tmp_path / "baseline.json")
+    same_results.write_baseline(path, {"commit": "abc", "machine": {"cpu": "x"}}, results)
+    lines = open(path).read().splitlines()
+    assert len(lines) == 1 + len(results) + 1 and all('"metrics"' not in line for line in lines)
+    assert os.path.exists(same_results.details_path(path))
+    back = same_results.read_baseline(path)
+    assert back["configs"] == results and back["commit"] == "abc"
+    got = dict(results["nf4"], sha256={"adapter_model.safetensors": "nf4", "metrics.jsonl": "n"},
+               metrics=[{"step": 1, "loss": 0.25}])
+    assert "line[1].loss" in same_results.differences(back["configs"]["nf4"], got)[0]
+
+
+def test_the_committed_baselines_are_lean():
+    """Each committed baseline: a header line, a line per configuration, a closing line."""
+    folder = os.path.join(same_results.ROOT, "bench", "results", "same_results")
+    for name in os.listdir(folder):
+        if name.startswith("baseline-") and name.endswith(".json"):
+            baseline = same_results.read_baseline(os.path.join(folder, name))
+            assert sum(1 for _ in open(os.path.join(folder, name))) == len(baseline["configs"]) + 2
+            assert all("metrics" in c for c in baseline["configs"].values())  # the details beside it
+
+
+def test_a_missing_baseline_or_an_unknown_only_is_one_line(tmp_path, capsys):
+    assert same_results.cli.run_cli(same_results.main, ["--check", str(tmp_path / "none.json")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no such baseline" in err[0]
+    path = str(tmp_path / "b.json")
+    same_results.write_baseline(path, {"commit": "abc"}, {"default": {"sha256": {}}})
+    assert same_results.cli.run_cli(same_results.main, ["--check", path, "--only", "nf4"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--only nf4: not in the baseline" in err[0]
