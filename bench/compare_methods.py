@@ -180,11 +180,28 @@ def build_parser():
     return p
 
 
+def resolved_model(train_args):
+    """train_args with --model's folder made absolute from where this script was started: the runs start in
+    the checkout, so a relative folder would name another model there than the one recorded. --help after --
+    is refused: every run would print the trainer's help and exit 0."""
+    out = list(train_args)
+    for i, a in enumerate(out):
+        if a in ("-h", "--help"):
+            raise ValueError(f"{a} after -- would make every run print the trainer's help instead of training: "
+                             "see the trainer's flags with  python -m qerl.train --help")
+        if a == "--model" and i + 1 < len(out):
+            out[i + 1] = os.path.abspath(out[i + 1])
+        elif a.startswith("--model="):
+            out[i] = "--model=" + os.path.abspath(a.split("=", 1)[1])
+    return out
+
+
 def parse_args(argv):
     train_args = []
     if "--" in argv:  # everything after -- is passed to qerl/train.py unchanged
         i = argv.index("--")
         argv, train_args = argv[:i], argv[i + 1:]
+    train_args = resolved_model(train_args)
     args = build_parser().parse_args(argv)
     args.started, args.stopped, args.trained = time.time(), False, False
     args.code_dir, args.code_md5, args.code_made = None, None, False  # the code snapshot (prepare_code)

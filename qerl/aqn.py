@@ -337,17 +337,19 @@ def print_schedule(total, s0, s1, K):
 
 
 def demo_models(model_dir, dtype, seed, num_prompts, method="rtn"):
-    """The tokenizer, {base, NF4, NVFP4} of the folder model_dir in `dtype`, `num_prompts` problems.
-    method: NVFP4's rounding (stage 01: "rtn" or "4over6")."""
+    """The tokenizer, {base, and each registered weight format (quantize.WEIGHT_FORMATS, by name: NF4, NVFP4)} of
+    the folder model_dir in `dtype`, `num_prompts` problems. method: NVFP4's rounding ("rtn" or "4over6")."""
     base, tok = rollout.load_model(model_dir, quant="none", dtype=dtype, device="cpu")  # a missing folder: an error
-    nf4 = rollout.load_model(model_dir, quant="nf4", dtype=dtype, device="cpu")[0]
-    nvfp4 = rollout.load_model(model_dir, quant="nvfp4", dtype=dtype, device="cpu", method=method)[0]
+    models = {"base": base}
+    for fmt in sorted(quantize.WEIGHT_FORMATS):  # a format registered later joins the table
+        models[fmt.upper()] = rollout.load_model(model_dir, quant=fmt, dtype=dtype, device="cpu",
+                                                 **({"method": method} if fmt == "nvfp4" else {}))[0]
     gen, prompts = torch.Generator().manual_seed(seed + 1), []  # `a op b op c`; tasks.py owns 05's tasks
     for _ in range(num_prompts):
         a, b, c = (int(torch.randint(0, 1000, (1,), generator=gen)) for _ in range(3))
         o1, o2 = ("+-"[int(torch.randint(0, 2, (1,), generator=gen))] for _ in range(2))
         prompts.append(tok.encode(hf_files.chat_prompt(f"{a}{o1}{b}{o2}{c}=?")))
-    return tok, {"base": base, "NF4": nf4, "NVFP4": nvfp4}, prompts
+    return tok, models, prompts
 
 
 # The default run is the quick one (its time: the docstring); --full is the table measured at size

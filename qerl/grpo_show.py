@@ -27,7 +27,9 @@ def show_step(stage, args, shown=4):
     feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \
         else None
     sigma_at = (lambda s: feedback.sigma) if feedback else (lambda s: stage.step_sigma(args, s))
-    step = next((s for s in range(args.steps) if sigma_at(s) > 0), 0)  # the first noisy one
+    # the first noisy step: step 0 (a controller's sigma), or the first of stage 1 (stage 0 adds no noise), found
+    # in two looks, not by walking --steps (1e9 would take minutes)
+    step = next((s for s in (0, -(-args.steps // args.num_stages)) if s < args.steps and sigma_at(s) > 0), 0)
     sigma, G = sigma_at(step), args.group
     # the step's batch, sampled as train samples it; the first group whose rewards differ (the others carry no signal)
     problems = task.problems(args.seed, step, args.batch)

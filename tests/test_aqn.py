@@ -85,11 +85,15 @@ def test_none_kind_and_bad_settings():
         aqn.sigma_schedule(50, 50)
 
 
-def test_registries_hold_part_1_then_part_2_entries_in_the_cli_order():
-    # the paper's path first (Part 1), then the variants registered below the banner: 05's choices read these
-    assert list(aqn.DECAYS) == ["exp", "linear", "cosine", "log"] and aqn.DECAYING_KINDS == tuple(aqn.DECAYS)
-    assert aqn.SIGMA_KINDS == aqn.DECAYING_KINDS + ("none", "feedback")
-    assert list(aqn.NOISES) == ["absolute", "relative"] and list(aqn.SITES) == ["norms", "lora-A", "lora-B"]
+def test_the_trainers_choices_are_the_registries_with_the_papers_entry_first():
+    """--aqn-kind, --aqn-scale and --aqn-site offer exactly what DECAYS, NOISES and SITES hold (a new entry is
+    a choice without editing a list), the official code's entry first and default."""
+    from qerl import train
+    actions = train.build_parser()._option_string_actions
+    assert aqn.DECAYING_KINDS == tuple(aqn.DECAYS) and aqn.SIGMA_KINDS == aqn.DECAYING_KINDS + ("none", "feedback")
+    for flag, registry, first in (("--aqn-kind", aqn.SIGMA_KINDS, "exp"), ("--aqn-scale", aqn.NOISES, "absolute"),
+                                  ("--aqn-site", aqn.SITES, "norms")):
+        assert list(actions[flag].choices) == list(registry) and list(registry)[0] == first == actions[flag].default
 
 
 def test_check_schedule_refuses_what_sigma_schedule_refuses_before_any_step():

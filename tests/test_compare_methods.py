@@ -322,3 +322,16 @@ def test_ctrl_c_or_kill_stops_the_runs_and_exits_128_plus_the_signal(tmp_path, m
     assert len(err) == 1 and err[0].startswith("interrupted") and "rerun the same command" in err[0], err
     assert started == [".lora-s0.claim"]
     assert sorted(os.listdir(out / "runs")) == ["lora-s0"]  # its claim and the snapshot are gone
+
+
+def test_the_flags_after_dashes_name_one_model_and_never_help(tmp_path, monkeypatch):
+    """A relative -- --model is the folder as seen from where the study was started (the runs start in the
+    checkout: it would otherwise train another model than the one recorded); -- --help is refused."""
+    monkeypatch.chdir(tmp_path)
+    args = cmp.parse_args(["--methods", "lora", "--", "--model", "mine/model"])
+    assert args.train_args[-1] == str(tmp_path / "mine" / "model") == runner.model_dir(args)
+    args = cmp.parse_args(["--methods", "lora", "--", "--model=mine/model"])
+    assert args.train_args[-1] == "--model=" + str(tmp_path / "mine" / "model")
+    for flag in ("--help", "-h"):
+        with pytest.raises(ValueError, match=f"{flag} after -- would make every run print the trainer's help"):
+            cmp.parse_args(["--methods", "lora", "--", flag])

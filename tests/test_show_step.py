@@ -62,3 +62,17 @@ def test_each_token_and_the_loss_are_grpo_losss(shown):
 ], ids=lambda c: c.id)
 def test_show_step_bad_inputs(case, tmp_path, capsys):
     bad.run_case(case, tmp_path, capsys)
+
+
+def test_the_first_noisy_step_is_found_without_walking_the_run(monkeypatch):
+    """--steps 1e9 --num-stages 2: the first noisy step is 5e8, found in two looks at the schedule (walking
+    every step took minutes); the group is then sampled there as at any step."""
+    looked = []
+    step_sigma = grpo.step_sigma
+    monkeypatch.setattr(grpo, "step_sigma", lambda args, s: looked.append(s) or step_sigma(args, s))
+    args = grpo.build_parser().parse_args(["--show-step", "--steps", "1000000000", "--num-stages", "2",
+                                           "--batch", "16", "--group", "4", "--max-new-tokens", "40"])
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        d = grpo.show_step(args, 2)
+    assert d["step"] == 500_000_000 and 1 <= len(looked) <= 3, looked  # the schedule, looked at 2-3 times
+    assert "500000000" in out.getvalue()

@@ -1,7 +1,6 @@
 """tasks.py: the task contract (problems pure in (seed, step), held-out problems never trained on, a step
 gets the problems it asks for), grading and rewards by hand, the GSM8K-style loader, the registry and
 make_task's flag checks, and a forker's task whose answer is a list, not a number."""
-import argparse
 import json
 import os
 import random
@@ -11,23 +10,16 @@ from fractions import Fraction
 import pytest
 
 from qerl import tasks
+from qerl import train as grpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "assets", "tiny-qwen")
 
 
 def task_parser():
-    """The flags make_task reads, with 05's defaults: what a stage's build_parser gives make_task."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default=TINY)
-    p.add_argument("--task", default="arithmetic")
-    p.add_argument("--data", default=None)
-    p.add_argument("--eval-data", default=None)
-    p.add_argument("--digits", type=int, default=3)
-    p.add_argument("--nops", type=int, default=2)
-    p.add_argument("--system", choices=("auto", "paper", "none"), default="auto")
-    p.add_argument("--eval-size", type=int, default=500)
-    return p
+    """The trainer's own parser (qerl.train.build_parser): the task flags, their choices and defaults as a run
+    reads them, never a copy that could drift."""
+    return grpo.build_parser()
 
 
 def parse(*argv):
@@ -131,9 +123,20 @@ def check_contract(task, n, steps=range(12), seeds=(0, 5)):
             assert type(task.reward(p, text)) is float and type(task.correct(p, text)) is bool
 
 
+@pytest.mark.parametrize("name", list(tasks.TASKS))
+def test_every_registered_task_meets_the_contract(name, tmp_path):
+    """Each entry of tasks.TASKS, built as --task NAME builds it (a file task given a generic JSONL file of
+    question/answer lines), meets the contract: a new task gets this test without editing a list."""
+    cls = tasks.TASKS[name]
+    assert issubclass(cls, tasks.Task)
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(60)]
+    data = ["--data", write_jsonl(tmp_path / "d.jsonl", rows)] if cls.reads_data else []
+    task = make("--task", name, *data, "--eval-size", "20")
+    check_contract(task, 8, steps=range(4))
+
+
 def test_the_shipped_tasks_meet_the_contract(tmp_path):
     assert {"arithmetic", "gsm8k", "chat-arithmetic"} <= set(tasks.TASKS)
-    assert all(issubclass(cls, tasks.Task) for cls in tasks.TASKS.values())
     arith = make("--eval-size", "50")
     assert len(arith.held) == 50
     check_contract(arith, 16)
@@ -282,8 +285,11 @@ def test_task_registry_and_its_flags(tmp_path, monkeypatch):
     assert type(arith) is tasks.ArithmeticTask and (arith.digits, arith.nops, len(arith.held)) == (2, 1, 7)
     assert type(make("--task", "gsm8k", "--data", data)) is tasks.JsonlTask
     assert type(make("--task", "chat-arithmetic", "--eval-size", "3")) is tasks.ChatArithmeticTask
+    assert "mnist" not in task_parser()._option_string_actions["--task"].choices  # the parser refuses it first
+    args = parse()
+    args.task = "mnist"  # make_task's own check, for a caller without the parser (train(args, task=None))
     with pytest.raises(ValueError, match=r"unknown task 'mnist': choose one of arithmetic, gsm8k, chat-arithmetic"):
-        make("--task", "mnist")
+        tasks.make_task(args, task_parser())
     # --data belongs to gsm8k, and gsm8k needs it
     with pytest.raises(ValueError, match=r"^--data is the file of --task gsm8k, but the task is arithmetic: add "
                                          r"--task gsm8k to train on '\S+d.jsonl', or drop --data$"):
@@ -294,9 +300,10 @@ def test_task_registry_and_its_flags(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"^--digits 4 is read only by --task arithmetic, and --task gsm8k ignores "
                                          r"it: drop --digits$"):
         make("--task", "gsm8k", "--data", data, "--digits", "4")
-    with pytest.raises(ValueError, match=r"^--system paper is read only by --task arithmetic or --task gsm8k, and "
-                                         r"--task chat-arithmetic ignores it"):
-        make("--task", "chat-arithmetic", "--system", "paper")
+    readers = " or ".join(f"--task {n}" for n, c in tasks.TASKS.items() if "system" in c.reads)  # the registry's
+    for name in [n for n, c in tasks.TASKS.items() if "system" not in c.reads and not c.reads_data]:
+        with pytest.raises(ValueError, match=rf"^--system paper is read only by {readers}, and --task {name} ignores it"):
+            make("--task", name, "--system", "paper")
     assert type(make("--task", "gsm8k", "--data", data, "--digits", "3")) is tasks.JsonlTask
     # the defaults as a dict {dest: default} work as the parser does
     defaults = {"data": None, "eval_data": None, "digits": 3, "nops": 2, "system": "auto"}
@@ -365,3 +372,22 @@ def test_a_task_with_a_list_answer_registers_and_grades_the_whole_list(monkeypat
     assert task.correct(p, "<answer>1, 3, 31</answer>")
     assert task.reward(p, "<think>1<3<31</think><answer>1 3 31</answer><|im_end|>") == pytest.approx(1.1)
     assert task.reward(p, "<think>x</think><answer>none</answer>") == 0.0  # no list parsed: not even the format
+
+
+def test_a_prompt_too_long_for_any_context_is_refused_before_the_tokenizer(tmp_path, monkeypatch):
+    """A 2 MB question: one line naming its file line, and the tokenizer never sees it (a 1 GB line aborted
+    the Rust tokenizer); a question that merely overflows the context is still measured in tokens."""
+    from qerl import hf_files
+    tok = hf_files.load_tokenizer(TINY)
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text: encode(text) if len(text) < 100_000 else pytest.fail("tokenized"))
+    rows = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"} for i in range(20)]
+    rows.append({"question": "x" * 2_000_000, "answer": "#### 1"})
+    task = make("--task", "gsm8k", "--data", write_jsonl(tmp_path / "d.jsonl", rows), "--eval-size", "2")
+    with pytest.raises(ValueError, match=r"d\.jsonl:21: the prompt has 2,0\d\d,\d\d\d characters, more than the "
+                                         r"model's context of 2048 tokens can hold"):
+        tasks.check_prompts_fit(task, tok, 2048, 32)
+    rows[-1] = {"question": "y " * 3000, "answer": "#### 1"}  # over the context, but short enough to count
+    task = make("--task", "gsm8k", "--data", write_jsonl(tmp_path / "e.jsonl", rows), "--eval-size", "2")
+    with pytest.raises(ValueError, match=r"e\.jsonl:21: the prompt has \d+ tokens; with --max-new-tokens 32"):
+        tasks.check_prompts_fit(task, tok, 2048, 32)
