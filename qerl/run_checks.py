@@ -69,6 +69,7 @@ def check_sizes(args, task, world, device, model_config, policy_dtype):
     raw, weight_map, _ = hf_files.find_weight_files(args.model)
     cfg, tok = model_config(raw), hf_files.load_tokenizer(args.model, raw)
     hf_files.check_config_fits_weights(args.model, raw, weight_map)  # before an estimate made from a wrong config
+    tasks.check_reward_text(task, tok, args.model)  # what the reward reads survives the tokenizer
     P = tasks.check_prompts_fit(task, tok, cfg.max_position_embeddings, args.max_new_tokens,
                                 task.problems(args.seed, 0, min(args.batch, 64)))  # the longest prompt, in tokens
     dtype, why = policy_dtype(args, device, cfg)

@@ -31,6 +31,8 @@ class Task:
                   --data for every task without it.
       system      whether prompts carry the paper's instruction (PAPER_INSTRUCTION) as the system
                   message. make_task decides it from --system and passes it to from_args.
+      reward_text the pieces of text reward and correct read in a completion (digits, signs, tags): the
+                  run refuses a tokenizer that does not give each back from encode and decode.
 
     Built by `from_args(args, system)` (a classmethod): the task from the parsed command line.
 
@@ -52,6 +54,7 @@ class Task:
     help = ""
     reads = ()
     reads_data = False
+    reward_text = ()  # what reward and correct read in a completion: each must survive encode and decode
     system = False
 
     @classmethod
@@ -155,6 +158,7 @@ class AnswerTask(Task):
     reward: 1.0 if correct, plus FORMAT_REWARD (0.1) if format_ok: exactly one think block then one answer
     block, whitespace around them, a decoded stop token ignored, and an answer_of that is not None."""
     reads = ("system",)
+    reward_text = ("<think>", "</think>", "<answer>", "</answer>", *"0123456789", "-", ".", ",")
 
     def prompt(self, problem):
         return hf_files.chat_prompt(problem["question"], system=PAPER_INSTRUCTION if self.system else None)
@@ -394,6 +398,7 @@ class ChatArithmeticTask(AnswerTask):
     long-winded replies that run out of tokens."""
     help = "What is 13 - 4? in a chat model's own template (SmolLM2)"
     reads = ()  # its system message is the model's own
+    reward_text = (*"0123456789", "-")  # the reply's last number: no tags
 
     def __init__(self, eval_size=200, system_message=None):
         pool = [(f"What is {a} + {b}?", a + b) for a in range(21) for b in range(21)]
@@ -460,6 +465,18 @@ def make_task(args, defaults):
     system = args.system == "paper" or (args.system == "auto" and
                                         hf_files.find_weight_files(args.model)[0].get("qerl_prompt") != "bare")
     return cls.from_args(args, system)
+
+
+def check_reward_text(task, tok, model):
+    """Each piece of text the task's reward reads (task.reward_text: digits, signs, answer tags) must come back
+    from the tokenizer's encode and decode as it went in: a digit or a tag marked special vanishes on decode,
+    and a decoder can rewrite a character, so the reward would read another answer than the model wrote."""
+    for text in getattr(task, "reward_text", ()):
+        back = tok.decode(tok.encode(text))
+        if back.strip() != text:
+            raise ValueError(f"{model}: its tokenizer turns {text!r} into {back!r} (encode, then decode), and the "
+                             f"task's reward reads {text!r}: a token marked special, or a decoder that rewrites "
+                             f"it; fix tokenizer.json or use another model")
 
 
 def check_prompts_fit(task, tok, context, max_new_tokens, problems=()):

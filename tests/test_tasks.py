@@ -391,3 +391,52 @@ def test_a_prompt_too_long_for_any_context_is_refused_before_the_tokenizer(tmp_p
     task = make("--task", "gsm8k", "--data", write_jsonl(tmp_path / "e.jsonl", rows), "--eval-size", "2")
     with pytest.raises(ValueError, match=r"e\.jsonl:21: the prompt has \d+ tokens; with --max-new-tokens 32"):
         tasks.check_prompts_fit(task, tok, 2048, 32)
+
+
+def tokenizer_copy(tmp_path, change):
+    """A copy of the bundled model whose tokenizer.json went through change(dict)."""
+    import shutil
+    folder = tmp_path / "model"
+    shutil.copytree(TINY, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    change(spec)
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return str(folder)
+
+
+def mark_special(name):
+    def change(spec):
+        for added in spec["added_tokens"]:
+            if added["content"] == name:
+                added["special"] = True
+    return change
+
+
+def rewrite_seven(spec):
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        spec["decoder"], {"type": "Replace", "pattern": {"String": "7"}, "content": "1"}]}
+
+
+@pytest.mark.parametrize("change, text", [(mark_special("<answer>"), "<answer>"), (rewrite_seven, "7")],
+                         ids=["answer-tag-special", "decoder-rewrites-7"])
+def test_a_tokenizer_that_changes_what_the_reward_reads_is_refused(tmp_path, change, text):
+    from qerl import hf_files
+    model = tokenizer_copy(tmp_path, change)
+    tok = hf_files.load_tokenizer(model)
+    with pytest.raises(ValueError, match=rf"its tokenizer turns '{re.escape(text)}' into .* the task's reward reads"):
+        tasks.check_reward_text(make("--model", model), tok, model)
+    tasks.check_reward_text(make(), hf_files.load_tokenizer(TINY), TINY)  # the bundled model's passes
+
+
+def test_every_task_says_what_its_reward_reads():
+    for name, cls in tasks.TASKS.items():
+        assert cls.reward_text and all(isinstance(t, str) and t for t in cls.reward_text), name
+
+
+def test_the_trainer_refuses_such_a_tokenizer_in_one_line_before_any_work(tmp_path, capsys):
+    from qerl import cli
+    model = tokenizer_copy(tmp_path, rewrite_seven)
+    code = cli.run_cli(grpo.main, ["--model", model, "--out", str(tmp_path / "run"), "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "its tokenizer turns '7' into '1'" in err[0], err
+    assert not (tmp_path / "run").exists()
