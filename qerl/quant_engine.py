@@ -37,15 +37,27 @@ class RebuiltWeightLinear(torch.autograd.Function):
         return grad_out @ ctx.module.weight_in(grad_out.dtype), None     # (..., in)
 
 
+def version(t):
+    """How many times `t` was written in place; None for a tensor made under inference mode, which keeps no
+    count (such a buffer cannot be written outside inference mode either)."""
+    return None if t.is_inference() else t._version
+
+
 class FrozenQuantLinear(nn.Module):
     """The base of 01's quantized Linears: what they share that is not the method (see the docstring above).
     A subclass registers its format's buffers and defines dequantized_weight(dtype) -> (out, in)."""
     kept = None  # {dtype: dequantized weight} while keep_dequantized is on: a frozen weight rebuilt once
+    kept_from = None  # the format's buffers (each one's storage and in-place version) the kept weights came from
 
     def weight_in(self, dtype):
-        """The dequantized weight (out, in) in `dtype`: built once and kept under keep_dequantized, else rebuilt."""
+        """The dequantized weight (out, in) in `dtype`: built once and kept under keep_dequantized, else rebuilt.
+        A kept weight follows its buffers: written in place (an AQN site on the scales) or replaced, they are
+        read again, so nothing is ever sampled from a stale W."""
         if self.kept is None:
             return self.dequantized_weight(dtype)
+        source = tuple((t.data_ptr(), version(t)) for t in self._buffers.values() if t is not None)
+        if source != self.kept_from:
+            self.kept, self.kept_from = {}, source
         if dtype not in self.kept:
             self.kept[dtype] = self.dequantized_weight(dtype)
         return self.kept[dtype]

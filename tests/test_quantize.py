@@ -729,3 +729,22 @@ def test_show_block_prints_the_real_numbers(capsys):
     d = w_hat - block
     assert float(rel) == pytest.approx((d.norm() / block.norm()).item(), abs=5e-5)
     assert float(top) == pytest.approx(d.abs().max().item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("fmt", list(q.WEIGHT_FORMATS))
+def test_a_kept_weight_follows_writes_to_its_buffers(fmt):
+    """keep_dequantized keeps W once, but a write into the format's buffers (an AQN site on the scales, a
+    load_state_dict) is seen at the next forward: the output equals a fresh layer's, never a stale W's."""
+    torch.manual_seed(0)
+    layer = q.keep_dequantized(q.quantize_model(torch.nn.Sequential(torch.nn.Linear(32, 8)), fmt, skip=()))[0]
+    x = torch.randn(3, 32)
+    before = layer(x)
+    name = q.weight_format(fmt).BUFFERS[-1]  # NVFP4: the global scale; NF4: the absmax
+    with torch.no_grad():
+        getattr(layer, name).mul_(2)
+    fresh = torch.nn.functional.linear(x, layer.dequantized_weight(torch.float32), layer.bias)
+    after = layer(x)
+    assert torch.equal(after, fresh) and not torch.equal(after, before)
+    with torch.no_grad():
+        getattr(layer, name).div_(2)
+    assert torch.equal(layer(x), before)
