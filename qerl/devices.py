@@ -109,7 +109,12 @@ for _name in ONEDNN_CACHE_VARS:
 def compile_cache_problem():
     """Why torch.compile cannot run here, in a few words, or None: inductor writes the code it generates into
     a cache folder (TORCHINDUCTOR_CACHE_DIR, else torchinductor_<user> in the temporary folder: TMPDIR, /tmp,
-    /var/tmp, the current folder), and with none writable dynamo fails at the first compiled call, at length."""
+    /var/tmp, the current folder), and with none writable dynamo fails at the first compiled call, at length.
+    An empty TORCHINDUCTOR_CACHE_DIR would put inductor's folders in the current folder: it is unset, with a note."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ and not os.environ["TORCHINDUCTOR_CACHE_DIR"].strip():
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        print("note | TORCHINDUCTOR_CACHE_DIR is empty, which would write inductor's cache folders into the current "
+              "folder: left unset (its folder in the temporary folder)", flush=True)
     folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "the temporary folder")  # inductor's rule, read here: an
     try:  # import of inductor to ask it would fail as compile does
         folder = folder if "TORCHINDUCTOR_CACHE_DIR" in os.environ else tempfile.gettempdir()

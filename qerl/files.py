@@ -336,7 +336,13 @@ def write_output(out, write, command):
 
 
 def check_out_path(out, inputs=()):
-    """An output folder's path: not a file, and neither one of `inputs` nor a folder containing one."""
+    """An output folder's path: not a file, and neither one of `inputs` nor a folder containing one; and a umask
+    that lets the owner read, write and enter what the command makes (umask 0777 left a mode-000 folder)."""
+    mask = os.umask(0o022)
+    os.umask(mask)  # os.umask only reads by setting: the old mask is back
+    if mask & 0o700:
+        raise ValueError(f"the umask {mask:04o} takes the owner's own rights from every folder and file this "
+                         f"command would make (a folder of mode {0o777 & ~mask:03o}): run it under umask 022 or 077")
     out_real = os.path.realpath(out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is a file, not a folder: choose a folder name")

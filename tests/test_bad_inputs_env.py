@@ -247,3 +247,34 @@ def test_an_encoding_that_cannot_write_a_path_names_stdout_and_the_setting(monke
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: standard output cannot write 'é'"), err
     assert "/data/café/run" in err and "ascii" in err and "set PYTHONIOENCODING=utf-8" in err
+
+
+def test_an_empty_inductor_cache_variable_never_fills_the_current_folder(tmp_path, monkeypatch, capsys):
+    """TORCHINDUCTOR_CACHE_DIR="" would make inductor write its cache folders into the current folder: the
+    compile check unsets it with one note, and the cache goes to the temporary folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")
+    assert bad.devices.compile_cache_problem() is None
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert capsys.readouterr().out.count("note | TORCHINDUCTOR_CACHE_DIR is empty") == 1
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("mask", [0o777, 0o700, 0o200])
+def test_a_umask_that_locks_the_owner_out_is_one_line_before_any_folder(tmp_path, capsys, mask):
+    """umask 0777 made the run folder mode 000 and the run stopped on the next write: now one line, nothing
+    made; umask 022 and 077 (the owner keeps rwx) run as before."""
+    old = os.umask(mask)
+    try:
+        code = bad.cli.run_cli(bad.STAGES["qerl/train"].main, ["--out", str(tmp_path / "run"), "--steps", "1"])
+    finally:
+        os.umask(old)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and f"the umask {mask:04o}" in err[0] and "umask 022" in err[0], err
+    assert not (tmp_path / "run").exists()
+    for fine in (0o022, 0o077):
+        os.umask(fine)
+        try:
+            bad.files.check_out_path(str(tmp_path / "run"))
+        finally:
+            os.umask(old)
