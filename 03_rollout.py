@@ -360,9 +360,8 @@ def sequence_logprobs(
     completion_ids = completion_ids.to(model.lm_head.weight.device)
     B, T = completion_ids.shape
     ids, key_ok, P = left_pad(prompt_ids, completion_ids)
-    h = model.hidden_states(ids, attention_mask=key_ok)[
-        :, P - 1 : -1
-    ]  # (B, T, C): P-1+t predicts t
+    h = model.hidden_states(ids, attention_mask=key_ok)  # (B, P+T, C)
+    h = h[:, P - 1 : -1]  # (B, T, C): position P-1+t predicts token t
     m = completion_mask.to(h.device, torch.float32)  # (B, T)
     sel = m.reshape(-1).nonzero().squeeze(1)  # (n,) flat indices of the completion tokens
     h_sel, ids_sel = h.reshape(B * T, -1)[sel], completion_ids.reshape(-1)[sel]  # (n, C), (n,)
