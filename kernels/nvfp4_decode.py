@@ -1,7 +1,7 @@
 """
 Part two: the NVFP4 matmul at decode, and the entry point `nvfp4_matmul`, loaded by file path as
-`nvfp4_kernels.nvfp4_decode.nvfp4_matmul` (01_quantize.nvfp4_kernel) and `qerl_kernels.nvfp4_decode.nvfp4_matmul`
-(the trainer's qerl/quant_engine.kernel_module): Hugging Face's `kernels` package has this folder's name.
+`nvfp4_kernels.nvfp4_decode.nvfp4_matmul` (01_quantize.nvfp4_kernel, and the trainer's
+qerl/quant_engine.kernel_module: one copy): Hugging Face's `kernels` package has this folder's name.
 
 Read kernels/nvfp4_matmul.py (part one) first: the format, the exact decoding and the general
 kernel. This file adds what generation needs, for 16-bit x with at most 16 rows:

@@ -105,11 +105,12 @@ def keep_dequantized(model, enabled=True):
 
 # Hugging Face's `kernels` package (which transformers >= 5.25 imports) has our folder's import name. So kernels/
 # has no __init__.py (a namespace portion, which yields to HF's regular package) and its modules load by file
-# path under the private name qerl_kernels: no code imports `kernels` by name.
+# path under the private name nvfp4_kernels, the one 01_quantize.nvfp4_kernel uses: the stage and the trainer
+# share one loaded copy (one compile, one weight cache). No code imports `kernels` by name.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
 
-def kernel_module(name, root=ROOT, package="qerl_kernels"):
+def kernel_module(name, root=ROOT, package="nvfp4_kernels"):
     """`root`/kernels/<name>.py as module `package`.<name>, imported once (relative imports stay in that folder).
     nvfp4_matmul.py is part one (the format, the general kernel), nvfp4_decode.py part two (the decode kernel and
     the entry point `nvfp4_matmul`). Both need triton (no macOS/Windows wheels): without it, an ImportError."""
