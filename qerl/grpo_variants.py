@@ -142,12 +142,15 @@ def fast_paths(model, device, compiled, merged):
     return [name for name, on in used.items() if on]
 
 
+# The switches --plain turns off, each (owner, attribute): the one list use_plain_path and the tests' fixture read
+PLAIN_SWITCHES = ((quantize._QuantLinear, "fast"), (rollout, "DECODE_ATTENTION_CPU"), (rollout, "CHUNKED_LOGPROBS"))
+
+
 def use_plain_path():
     """--plain: the stages' plain computations (what 05_grpo.py runs) in place of the trainer's fast forward, CPU
     decode attention and chunked log-probs; merged sampling and the kept dequantized weight stay (05 has them)."""
-    quantize._QuantLinear.fast = False
-    rollout.DECODE_ATTENTION_CPU = False
-    rollout.CHUNKED_LOGPROBS = False
+    for owner, name in PLAIN_SWITCHES:
+        setattr(owner, name, False)
 
 
 def use_gpu_path(device):

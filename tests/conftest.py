@@ -7,10 +7,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def trainer_plain_path(monkeypatch):
+    """The trainer's --plain path for one test (its switches put back after): what the stages equal bit for bit."""
+    from qerl import grpo_variants
+    for owner, name in grpo_variants.PLAIN_SWITCHES:
+        monkeypatch.setattr(owner, name, False)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run faster on one thread, far faster on a busy CPU; both sides of a comparison run alike."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def pytest_configure(config):

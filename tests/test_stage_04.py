@@ -19,21 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "assets" / "tiny-qwen"
 
 
-@pytest.fixture(autouse=True)
-def plain_path(monkeypatch):
-    """The trainer's plain computations: what 03 and 04 must equal bit for bit."""
-    monkeypatch.setattr(ro, "DECODE_ATTENTION_CPU", False)
-    monkeypatch.setattr(ro, "CHUNKED_LOGPROBS", False)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one thread is faster, and far faster on a busy CPU (both
-    implementations run under the same setting, so their bits are compared like for like)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# the trainer's --plain path (what 03 and 04 must equal bit for bit), on one thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("trainer_plain_path", "one_thread")
 
 
 @pytest.fixture(scope="module")

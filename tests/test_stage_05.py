@@ -8,8 +8,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qerl import quantize as trainer_quantize
-from qerl import rollout as trainer_rollout
 from qerl import tasks
 from qerl import train as trainer
 
@@ -92,12 +90,8 @@ def test_a_trainer_flag_names_the_trainer_command():
     assert line.endswith(": python -m qerl.train --steps 5 --eps-low=0.3 --show-step")
 
 
-def test_a_short_run_is_the_trainers_plain_path_number_for_number(tmp_path, monkeypatch):
-    # the trainer's plain path (--plain): its own fast forward, CPU decode attention and chunked
-    # log-probs off; monkeypatch puts the switches back afterwards
-    monkeypatch.setattr(trainer_quantize._QuantLinear, "fast", False)
-    monkeypatch.setattr(trainer_rollout, "DECODE_ATTENTION_CPU", False)
-    monkeypatch.setattr(trainer_rollout, "CHUNKED_LOGPROBS", False)
+def test_a_short_run_is_the_trainers_plain_path_number_for_number(tmp_path, trainer_plain_path):
+    # the trainer's plain path (--plain, set again by the fixture, which puts the switches back afterwards)
     ours = grpo.build_parser().parse_args(SHORT_RUN + ["--out", str(tmp_path / "stage")])
     summary = grpo.train(ours)
     theirs = ["--plain", "--eval-k", "0", "--quiet", "--out", str(tmp_path / "trainer")]
