@@ -2,6 +2,7 @@
 prints, and metrics.jsonl, args.json and summary.json that rank 0 writes), the time budget, and stop signals
 (Ctrl-C, SIGTERM, SIGHUP let the step in flight finish, then checkpoint and stop). Imports no stage.
 """
+import collections
 import json
 import math
 import os
@@ -57,7 +58,7 @@ class RunLog:
         self.metrics = os.path.join(args.out, "metrics.jsonl")
         self.opened, self.steps_logged, self.made, self.recent = False, 0, [], []  # recent: s/step of each step
         self.far_steps = []  # the steps whose update moved the policy beyond DIVERGED_KL
-        self.entropies = []  # the sampler's entropy at the last ENTROPY_WINDOW steps (entropy_jump)
+        self.entropies = collections.deque(maxlen=ENTROPY_WINDOW)  # the sampler's recent entropies (entropy_jump)
         self.lock = files.OutputLock(args.out) if rank == 0 else None  # held from __enter__ to __exit__
         self.kept_rows = read_metrics(self.metrics, start) if rank == 0 and os.path.exists(self.metrics) else []
         dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
@@ -133,7 +134,7 @@ class RunLog:
         rec.update(lr=lr, time=time.time() - self.t_start)
         jump = entropy_jump(self.entropies, rec.get("entropy"))  # the free divergence alarm
         if rec.get("entropy") is not None:
-            self.entropies = (self.entropies + [rec["entropy"]])[-ENTROPY_WINDOW:]
+            self.entropies.append(rec["entropy"])
         if jump and not rec.get("diverged"):
             rec["diverged"] = jump  # then the record says why, and the run stops below
         self._append(rec)

@@ -487,11 +487,10 @@ def check_prompts_fit(task, tok, context, max_new_tokens, problems=()):
     # A token stands for at most `widest` bytes of text (its vocabulary entry's UTF-8 length bounds it), so a
     # prompt of more than 4 x widest x context characters cannot fit (the 4 covers normalizers that shorten
     # text): refused before the tokenizer sees it (a 1 GB line aborts the Rust tokenizer).
-    widest = max((len(t.encode()) for t in tok.tok.get_vocab(with_added_tokens=True)), default=1) \
-        if hasattr(tok, "tok") else None
+    widest = max((len(t.encode()) for t in tok.tok.get_vocab(with_added_tokens=True)), default=1)
     for p in [*task.held, *getattr(task, "train", []), *problems]:
         prompt, where = task.prompt(p), p.get("where", f"question {p['question'][:40]!r}")
-        if widest and len(prompt) > 4 * widest * context:
+        if len(prompt) > 4 * widest * context:
             raise ValueError(f"{where}: the prompt has {len(prompt):,} characters, more than the model's context of "
                              f"{context} tokens can hold (shorten or drop it)")
         n = len(tok.encode(prompt))
