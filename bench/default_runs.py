@@ -24,6 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACK = os.path.join(ROOT, "bench", "results", "default")
 KEPT = ("metrics.jsonl", "summary.json")  # the adapter is not kept: 05 rebuilds it from the seed
+WRITTEN = ("metrics.jsonl", "adapter_config.json", "adapter_model.safetensors")  # what a stopped 05 run leaves
 
 
 def cpu_name():
@@ -41,7 +42,11 @@ def run_seed(seed, runs, extra):
     if os.path.exists(os.path.join(out, "summary.json")):
         print(f"seed {seed}: done before, kept", flush=True)
         return
-    shutil.rmtree(out, ignore_errors=True)  # a stopped run's folder: this script made it
+    if os.path.isdir(out):  # a stopped run's folder: removed only if it holds nothing but what 05 writes
+        others = sorted(set(os.listdir(out)) - set(WRITTEN))
+        if others:
+            raise SystemExit(f"{out} holds {', '.join(others)}, which no run of 05 wrote: move it, or pass another --runs")
+        shutil.rmtree(out)
     cmd = [sys.executable, os.path.join(ROOT, "05_grpo.py"), "--seed", str(seed), "--out", out, *extra]
     print("$ " + " ".join(cmd[1:]), flush=True)
     t0 = time.time()
