@@ -96,11 +96,14 @@ TIME_KEYS = {"time", "seconds", "tok/s", "s/step", "peak_rss_mb"}
 PATH_KEYS = {"checkpoint", "model", "out", "data", "eval_data", "resume"}
 # Flags added after a baseline was written, at the value that leaves the run as it was: dropped from the
 # recorded args, so an older baseline still compares (--plain: the fast paths off; off by default)
-NEW_FLAGS = {"plain": False}
+NEW_FLAGS = {"plain": False, "max_completions": 0}
+# Record fields added after a baseline was written, which say more of the same run (the completions a step
+# sampled, the per-problem outcomes of an evaluation): dropped, so an older baseline still compares
+NEW_KEYS = {"completions", "ds_sampled", "outcomes"}
 
 
 def is_volatile(key):
-    return (key in TIME_KEYS or key in PATH_KEYS or key.startswith(("t_", "cpu_"))
+    return (key in TIME_KEYS or key in PATH_KEYS or key in NEW_KEYS or key.startswith(("t_", "cpu_"))
             or key.endswith(("_s", "/s", "_mb")))
 
 

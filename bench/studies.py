@@ -35,6 +35,7 @@ OWNED_FLAGS = ("--out", "--seed", "--steps", "--quant", "--aqn", "--no-aqn", "--
 # noise level (known only once the NVFP4 sweep is done: "{best}" in a key), the 05 flags every run
 # shares, and its questions as (a, b, question): a verdict on a - b per question.
 
+DS_BUDGET = 175 * 16 * 8  # the ds-matched study's completions: 175 steps of 16 prompts x 8 samples
 NOISE_LEVELS = (0.0, 1e-2, 3e-2, 1e-1)  # sigma_start; sigma_end = sigma_start / 20, as in the default 1e-2 -> 5e-4
 NVFP4_COLOURS, FP32_COLOURS = ("tab:green", "tab:olive", "tab:orange", "tab:red"), \
     ("tab:blue", "tab:cyan", "tab:purple", "tab:pink")
@@ -207,6 +208,25 @@ STUDIES = {
         # the bundled model's step (TINY_SECONDS) x 1.4: the refilling arm's step costs 1.8x (docs/experiments.md)
         "seconds": {"step": {1: 0.92, 2: 1.33}, "greedy_problem": 0.004, "sample": 0.005, "load": 10.0},
         "questions": [("qerl-ds2", "qerl", "does refilling flat groups help QeRL at the same number of steps?")]},
+    # Issue 55: the same two arms at an equal budget of sampled completions. A refill round samples more,
+    # so at equal steps the refilling arm had 1.56-1.94x the completions. Here both stop at 175 steps' worth
+    # of the default's completions (175 x 16 x 8 = 22,400), their LR and AQN schedules spread over it
+    # (--max-completions): the default runs its 175 steps exactly, the refilling arm about 100.
+    "ds-matched": {
+        "title": "DAPO's dynamic sampling at equal completions: QeRL vs QeRL + --dynamic-sampling 2, each "
+                 "stopped at 22,400 sampled completions (--max-completions)",
+        "methods": {"qerl-budget": ("QeRL (05's default), 22,400 completions (175 steps)",
+                                    METHODS["qerl"][1] + ["--max-completions", str(DS_BUDGET)], "tab:red"),
+                    "qerl-ds2-budget": ("QeRL + dynamic sampling (up to 2 more rounds a step), 22,400 completions",
+                                        METHODS["qerl"][1] + ["--dynamic-sampling", "2", "--max-completions",
+                                                              str(DS_BUDGET)], "tab:blue")},
+        "first": ["qerl-budget", "qerl-ds2-budget"], "after_best": [], "best_from": None, "train_args": [],
+        "defaults": {"steps": 175, "seeds": [0, 1, 2, 3, 4, 5], "eval_size": 1000, "eval_every": 50, "eval_k": 0},
+        # the dynamic-sampling study's per step, x 0.92: the refilling arm's ~100 steps at 1.48x the default's
+        # time average to 0.92 of a default step over the 175
+        "seconds": {"step": {1: 0.85, 2: 1.22}, "greedy_problem": 0.004, "sample": 0.005, "load": 10.0},
+        "questions": [("qerl-ds2-budget", "qerl-budget",
+                       "does refilling flat groups help QeRL at the same number of sampled completions?")]},
 }
 
 

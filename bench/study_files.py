@@ -80,6 +80,8 @@ def finished_steps(files):
     except (KeyError, ValueError):
         return None
     done = isinstance(s, dict) and isinstance(s.get("args"), dict) and is_count(s.get("steps_done"))
+    if done and s.get("stopped_by") == "completions" and is_count(s["args"].get("steps")):
+        return s["args"]["steps"]  # it spent its --max-completions: finished, its --steps its schedule's length
     return s["steps_done"] if done and s["args"].get("steps") == s["steps_done"] else None
 
 
@@ -428,7 +430,20 @@ def load_run(files, run_dir, method, seed, threshold, table=METHODS, label=None)
             "grad_norm": step_mean(steps, "grad_norm"),
             "s_per_step": statistics.mean(r["s/step"] for r in steps), "wall_s": summary["wall_s"],
             "eval_curve": [[e["step"], e["greedy"]] for e in evals],
-            "skipped_updates": summary.get("skipped_updates", 0), **read_versions(files.get("versions.txt", ""))}
+            "skipped_updates": summary.get("skipped_updates", 0), **read_versions(files.get("versions.txt", "")),
+            # what it sampled (runs from before the trainer counted it: None), and which held-out problems its
+            # final greedy answers got right ("0"/"1" a problem, in the evaluation's order; older runs: None)
+            "completions": sum(r["completions"] for r in steps)
+            if all(is_count(r.get("completions")) for r in steps) else None,
+            "final_outcomes": outcomes_text(final)}
+
+
+def outcomes_text(evaluation):
+    """An evaluation's per-problem outcomes ("0"/"1" a problem) if it holds them, one per problem it
+    counted, else None: a run's file is untrusted text."""
+    text = evaluation.get("outcomes")
+    ok = isinstance(text, str) and len(text) == evaluation["n"] and not text.strip("01")
+    return text if ok else None
 
 
 def step_mean(steps, key):

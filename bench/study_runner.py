@@ -519,7 +519,7 @@ def estimate_wall(args, n_runs):
 
 STEP_KEYS = ("step", "reward", "acc", "entropy", "sigma", "sigma_applied", "len", "clip", "kl_old", "ratio_max",
              "grad_norm", "s/step", "mismatch_kl", "is_w_mean", "is_w_max", "is_beyond_cap", "is_ess",
-             "frac_zero_std", "ds_rounds", "ds_flat_before")
+             "frac_zero_std", "ds_rounds", "ds_flat_before", "ds_sampled", "completions", "lr")
 
 
 def compact_metrics(run_dir):

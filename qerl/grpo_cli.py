@@ -122,6 +122,9 @@ def build_parser(stage):
     o.add_argument("--save-every", type=N(int, 0), default=100, help="checkpoint every N steps (0: at the end only)")
     o.add_argument("--time-budget", type=N(float, 0), default=540, help="stop after this many seconds incl. the "
                    "final evaluation (0: no limit)")
+    o.add_argument("--max-completions", type=N(int, 0), default=0, help="stop once the run has sampled this many "
+                   "completions (refills included), then evaluate; the LR and AQN schedules then run over the budget: "
+                   "step s sits where its completions so far put it among --steps (0: no budget)")
     o.add_argument("--stop-at", type=N(int, 0), default=0, help="stop after this step with a checkpoint, as if "
                    "interrupted (for testing --resume)")
     o.add_argument("--quiet", action="store_true", help="no per-step lines")

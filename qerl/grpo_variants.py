@@ -66,17 +66,19 @@ def refill_flat_groups(args, task, model, tok, step, sigma, rank, world, problem
     has flat groups; a group still flat after N rounds stays. Every draw is a function of (seed, step, r): a
     resumed run refills as an uninterrupted one. sample_groups, score: 05's; sampling: its keyword arguments.
     -> (problems, samples, rewards, correct) of the batch that trains, and {ds_rounds: rounds taken (the most
-    of any rank), ds_flat_before: flat groups before refilling}."""
+    of any rank), ds_flat_before: flat groups before refilling, ds_sampled: groups the rounds sampled}."""
     G, B = args.group, args.batch
 
     def flat_of(r):  # rewards (n*G,) -> n bools: whether each group's rewards all tie
         return (r.view(-1, G).std(1) == 0).tolist()
     flat = [g for g, f in enumerate(flat_of(rewards)) if f]  # this rank's flat groups, to replace in order
     picks, problems, flat_before, rounds = [(samples, g) for g in range(len(problems))], list(problems), len(flat), 0
+    sampled = 0  # groups sampled by the refill rounds (--max-completions counts them)
     while flat and rounds < args.dynamic_sampling:
         rounds += 1
         more = distributed.shard(task.problems(args.seed, step, B * (rounds + 1))[B * rounds:], rank, world)
         more = more[:len(flat)]
+        sampled += len(more)
         new, _ = sample_groups(model, tok, [tok.encode(task.prompt(p)) for p in more], step, sigma, rank=rank,
                                draw=rounds, **sampling)
         for g, is_flat in enumerate(flat_of(score(task, more, new.texts, G)[0])):
@@ -87,7 +89,8 @@ def refill_flat_groups(args, task, model, tok, step, sigma, rank, world, problem
         samples = take_groups(picks, G, tok.pad_token_id)
         rewards, correct = score(task, problems, samples.texts, G)
     record = {"ds_rounds": int(distributed.global_sum([rounds], op="max")[0]),
-              "ds_flat_before": int(distributed.global_sum([flat_before])[0])}
+              "ds_flat_before": int(distributed.global_sum([flat_before])[0]),
+              "ds_sampled": int(distributed.global_sum([sampled])[0])}
     return problems, samples, rewards, correct, record
 
 

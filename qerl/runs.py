@@ -181,7 +181,8 @@ class RunLog:
         s = {"steps_done": done, "stopped_by": stopped, "likely_divergence_steps": self.far_steps, "wall_s": time.time() - self.t_start,
              "first_eval": first_eval, "final_eval": last_eval, "checkpoint": last_ckpt, "args": vars(self.args)}
         why = {"steps": f"--steps {self.args.steps}", "time budget": f"--time-budget {self.args.time_budget:g}s",
-               "stop-at": f"--stop-at {self.args.stop_at}"}.get(stopped, stopped)  # or the signal's name
+               "stop-at": f"--stop-at {self.args.stop_at}",
+               "completions": f"--max-completions {self.args.max_completions}"}.get(stopped, stopped)  # or the signal's name
         gain = ""
         if first_eval and last_eval:
             s["greedy_gain"] = last_eval["greedy"] - first_eval["greedy"]
@@ -347,6 +348,9 @@ def step_record(step, samples, mask, truncated, rewards, correct, report, clock,
             "cpu_sample": clock.cpu_laps["sample"], "peak_rss_mb": devices.peak_rss_bytes() / 2 ** 20}
 
 
+FINISHED = ("steps", "time budget", "completions")  # the ends that take a final checkpoint and evaluation
+
+
 class Milestones:
     """What a run does between its steps besides the step: held-out evaluations (the first one, every
     --eval-every steps, the full one with pass@k at the end), checkpoints (every --save-every steps, on a stop,
@@ -356,17 +360,35 @@ class Milestones:
     def __init__(self, args, rank, start, state, log, stop, evaluate, save):
         self.args, self.rank, self.start, self.log, self.stop, self._save = args, rank, start, log, stop, save
         self.evaluate = lambda step, k: evaluate(step, k) if args.eval_size else None
+        # --max-completions: the completions sampled so far (every rank counts the same global number; a
+        # checkpoint keeps it, so a resumed run stops and schedules as the uninterrupted one)
+        self.completions = (state or {}).get("completions", 0)
         self.first_eval = (state or {}).get("first_eval") or self.evaluate(start, args.eval_k)
         self.last_eval, self.last_ckpt, self.done, self.stopped, self.signum = \
             self.first_eval, None, start, "steps", 0
 
     def steps(self):
-        """The steps still to run; the time budget ends them early enough for the final evaluation."""
+        """The steps still to run; the time budget ends them early enough for the final evaluation, and
+        --max-completions once the run has sampled that many."""
         for step in range(self.start, self.args.steps):
+            if self.args.max_completions and self.completions >= self.args.max_completions:
+                self.stopped = "completions"
+                return
             if self.log.out_of_time(self.first_eval):
                 self.stopped = "time budget"
                 return
             yield step
+
+    def schedule_step(self, step):
+        """The step the LR and AQN schedules read: `step`, or under --max-completions where the completions
+        sampled so far put the run among --steps (a refilling run, sampling more a step, goes through its
+        schedule in fewer steps; a run sampling B x G a step at a budget of --steps x B x G reads `step`)."""
+        if not self.args.max_completions:
+            return step
+        return min(self.completions * self.args.steps // self.args.max_completions, self.args.steps - 1)
+
+    def count(self, completions):
+        self.completions += completions
 
     def save(self, step):
         self.last_ckpt = self._save(step, self.first_eval) or self.last_ckpt
@@ -394,13 +416,13 @@ class Milestones:
         """The end: a last checkpoint and the full evaluation (unless a stop came), then the summary; a signal
         raises cli.Interrupted once the summary is out (the log's line says how to resume)."""
         done, last = self.done, self.last_eval
-        if self.stopped in ("steps", "time budget"):
+        if self.stopped in FINISHED:
             if self.rank == 0 and done > self.start and not (self.last_ckpt or "").endswith(f"{done:06d}"):
                 self.save(done)
             if last is None or last["step"] != done or "k" not in last:
                 self.last_eval = self.evaluate(done, self.args.eval_k) or last
         summary = self.log.summary(done, self.stopped, self.first_eval, self.last_eval, self.last_ckpt)
-        if self.stopped not in ("steps", "time budget", "stop-at"):
+        if self.stopped not in (*FINISHED, "stop-at"):
             raise cli.Interrupted(signum=self.signum)
         return summary
 

@@ -225,15 +225,19 @@ def policy_update(model, opt, params, prompt_ids, ids, mask, sampler_logp, rewar
 
 # ---- Evaluation: the clean policy (no AQN noise), greedy, on held-out problems
 @torch.inference_mode()
-def evaluate(model, tok, task, problems, max_new_tokens, chunk=512, compiled=False):
-    """-> greedy pass@1 and the answers' mean task.reward (partial credit), summed over ranks."""
+def evaluate(model, tok, task, problems, max_new_tokens, chunk=512, compiled=False, outcomes=None):
+    """-> greedy pass@1 and the answers' mean task.reward (partial credit), summed over ranks; `outcomes`, a
+    list, gets whether each of this rank's problems was answered right."""
     prompts, texts = [tok.encode(task.prompt(p)) for p in problems], []
     with merged_sampling_weights(model, merge_for_sampling(devices.model_device(model))):
         for i in range(0, len(prompts), chunk):  # `chunk` rows a generate() call (memory)
             texts += rollout.generate(model, prompts[i:i + chunk], max_new_tokens=max_new_tokens,
                                       temperature=0.0, eos_token_ids=tok.eos_token_ids,
                                       tokenizer=tok, compiled=compiled).texts
-    right, reward = sum(map(task.correct, problems, texts)), sum(map(task.reward, problems, texts))
+    right_each = [bool(task.correct(p, t)) for p, t in zip(problems, texts)]
+    outcomes = outcomes if outcomes is not None else []
+    outcomes += right_each
+    right, reward = sum(right_each), sum(map(task.reward, problems, texts))
     reward, n, greedy = distributed.global_sum([reward, len(problems), right])
     return {"n": int(n), "greedy_correct": int(greedy), "greedy": greedy / max(n, 1),
             "greedy_reward": reward / max(n, 1)}
@@ -263,10 +267,11 @@ def train(args, task=None):
         run = milestones(log, stop, state, model, tok, task, opt, params, controller)  # Part 2
         for step in run.steps():  # --time-budget ends them early enough for the final evaluation
             clock = runs.StepClock()
-            lr = args.lr * lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
+            at = run.schedule_step(step)  # `step`, or under --max-completions its place in the budget
+            lr = args.lr * lr_factor(at, args.warmup, args.steps, args.min_lr_ratio)
             for param_group in opt.param_groups:
                 param_group["lr"] = lr
-            sigma = controller.sigma if controller else step_sigma(args, step)
+            sigma = controller.sigma if controller else step_sigma(args, at)
             problems = distributed.shard(task.problems(args.seed, step, args.batch), rank, world)
             prompts = [tok.encode(task.prompt(p)) for p in problems]
             samples, sigma_applied = sample_groups(model, tok, prompts, step, sigma, rank=rank,
@@ -288,9 +293,11 @@ def train(args, task=None):
                                    sampler_logp, rewards, group=args.group, **update_args)
             checked = grpo_variants.check_step(step + 1, model, params, samples, loss_mask, report,
                                                args.temperature, args.kl_after_rows)  # kl_after
+            sampled = args.group * (args.batch + refilled.get("ds_sampled", 0))  # global, every rank
             rec = runs.step_record(step + 1, samples, mask, truncated, rewards, correct, report,
                                    clock, sigma=sigma, sigma_applied=sigma_applied, **refilled,
-                                   **checked)
+                                   **checked, completions=sampled)
+            run.count(sampled)
             if controller is not None:
                 controller.update(rec["entropy"])  # the same global entropy on every rank
             log.step(rec, lr=lr)  # the log line; a step that diverged ends the run here
@@ -476,10 +483,10 @@ def aggregate(values, mask, mode, max_new_tokens=None, denom=None):
 
 
 def evaluate_pass_k(model, tok, task, problems, max_new_tokens, k=0, temperature=1.0, seed=0, chunk=512,
-                    compiled=False):
+                    compiled=False, outcomes=None):
     """Part 1's greedy `evaluate`, and with k > 0 also pass@1 (the mean over k samples) and pass@k (any of k
     correct) at `temperature`, seeded by `seed` (grpo_variants.pass_at_k): the evaluation at a run's ends."""
-    res = evaluate(model, tok, task, problems, max_new_tokens, chunk, compiled)
+    res = evaluate(model, tok, task, problems, max_new_tokens, chunk, compiled, outcomes)
     if k > 0:
         with torch.inference_mode(), merged_sampling_weights(model, merge_for_sampling(devices.model_device(model))):
             res.update(grpo_variants.pass_at_k(model, tok, task, problems, max_new_tokens, k, temperature, seed,
@@ -500,17 +507,29 @@ def milestones(log, stop, state, model, tok, task, opt, params, controller):
 
     def held_out(step, k):
         devices.release_freed_memory()  # the steps' freed activations go back first: the peaks do not add up
-        t0 = time.time()
+        t0, mine = time.time(), []
         res = evaluate_pass_k(model, tok, task, distributed.shard(task.held, rank, world), args.max_new_tokens, k,
-                              args.temperature, tasks.EVAL_SEED, args.eval_chunk, args.compile)
+                              args.temperature, tasks.EVAL_SEED, args.eval_chunk, args.compile, mine)
+        res["outcomes"] = held_out_outcomes(mine, len(task.held), rank, world)
         return log.eval(res, step, k, time.time() - t0)
 
     def save(step, first_eval):
         modules = aqn.AQN_NORMS if args.train_norms else None  # trained gains: PEFT's modules_to_save
         write = functools.partial(lora.save_adapter, model, base_model_name_or_path=args.model, modules_to_save=modules)
         return checkpoints.save_checkpoint(args.out, step, opt, params, args, write, lora.DEFAULT_TARGETS,
-                                           controller, {"first_eval": first_eval})
-    return runs.Milestones(args, rank, log.start, state, log, stop, held_out, save)
+                                           controller, {"first_eval": first_eval, "completions": run.completions})
+    run = runs.Milestones(args, rank, log.start, state, log, stop, held_out, save)
+    return run
+
+
+def held_out_outcomes(mine, n, rank, world):
+    """Which held-out problems the greedy answers got right, as text: character i is "1" if problem i (in
+    task.held's order) was, else "0". Each rank scored its contiguous share (distributed.shard), so the
+    shares summed in place over the ranks are the whole set. A study compares runs problem by problem."""
+    flags = [0.0] * n
+    lo = rank * n // world
+    flags[lo:lo + len(mine)] = [float(x) for x in mine]
+    return "".join("1" if v > 0.5 else "0" for v in distributed.global_sum(flags))
 
 
 # what moved beside and beneath, under its old name here
