@@ -35,10 +35,12 @@ What it writes, it made (docs/reliability.md, "Studies with integrity"):
     the command before any training, in one line.
   - An unfinished run folder is emptied before the run trains again only when it holds nothing but what
     this script and 05 write (versions.txt, train.log, 05's run files); a user's notes stop the command.
-  - The runs execute a snapshot of the stage files (runs/.code, made at the start: every run runs the
-    same code). Its hash is recorded in it and checked again before every run; a copy of this script
-    reuses another's snapshot only when its files are this checkout's stage files byte for byte (a record
-    naming a live process proves nothing). Any other snapshot (planted, edited) is refused, never run.
+  - The stage files are read once at the start (the five stages, qerl/*.py, kernels/*.py: nothing else)
+    and hashed; the runs import a copy written from those bytes in a folder only this user can write
+    (mode 0700, in TMPDIR, not in --out), checked again before every run and removed at the end,
+    with python -E (PYTHONPATH cannot come first). runs/.code, a copy of the same bytes, is what copies of
+    this script agree on: a second copy goes on only when its own code is that snapshot byte for byte (a
+    record naming a live process proves nothing). Any other snapshot (planted, edited) is refused.
   - Each run's versions.txt records the code's and the model's md5, the snapshot's hash and the run's
     whole 05 command line (argv). A study resumed with other 05 settings (`-- --lr 5e-3`, another
     --eval-size, --steps) is refused before training, naming a differing flag, and a report refuses runs
@@ -130,8 +132,8 @@ from studies import BUILD_HINTS, METHODS, NOISE_LEVELS, OWNED_FLAGS, ROOT, STUDI
 from study_files import OUTPUTS, PACK, REPORT, check_outputs, collect, pack_runs, read_invocations, short, unpack_runs, \
     write_text
 from study_report import noise_results_best, report
-from study_runner import (estimate_wall, log_invocation, model_dir, owner_text, prepare_code, release_code, run_all,
-                          run_study, snapshot_claim)
+from study_runner import (estimate_wall, log_invocation, model_dir, owner_text, prepare_code, private_code, read_code,
+                          release_code, remove_private, run_all, run_study, snapshot_claim)
 # what tests/test_bad_inputs.py reads from this module, which held everything before it was split
 from study_files import read_pack as read_pack
 from study_runner import CODE_FILES as CODE_FILES, SNAPSHOT_RECORD as SNAPSHOT_RECORD, live_claims as live_claims, \
@@ -204,7 +206,8 @@ def parse_args(argv):
     train_args = resolved_model(train_args)
     args = build_parser().parse_args(argv)
     args.started, args.stopped, args.trained = time.time(), False, False
-    args.code_dir, args.code_md5, args.code_made = None, None, False  # the code snapshot (prepare_code)
+    # the copy of the code the runs import (private_code), its md5, the study's snapshot (prepare_code)
+    args.code_dir, args.code_md5, args.code_made, args.snapshot = None, None, False, None
     study = STUDIES.get(args.study)
     args.table = study["methods"] if study else METHODS
     args.methods = args.methods or list(args.table)
@@ -269,16 +272,20 @@ def main(argv=None):
     try:
         if not args.dry_run:
             os.makedirs(runs_root, exist_ok=True)
-            args.code_dir, args.code_md5, args.code_made = prepare_code(runs_root)
+            code = read_code()  # read once: the snapshot and the copy the runs import are these bytes
+            args.snapshot, args.code_md5, args.code_made = prepare_code(runs_root, code)
             if not args.code_made:  # a claim on the snapshot: its maker, ending first, leaves it to this copy
                 write_text(snapshot_claim(runs_root), owner_text())
+            args.code_dir = private_code(code, args.code_md5)  # what the runs import: mode 0700, in TMPDIR
             unpack_runs(args.out)
         jobs = run_study(args) if study else run_all(args)
     finally:
         if args.code_dir:
+            remove_private(args.code_dir)
+        if args.snapshot:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(snapshot_claim(runs_root))
-            release_code(runs_root, args.code_dir, args.code_md5)
+            release_code(runs_root, args.snapshot, args.code_md5)
         if study and not args.dry_run and (jobs or args.trained):  # an interrupted invocation's wall time counts too
             log_invocation(args, len(jobs))
     if not args.dry_run:

@@ -14,6 +14,7 @@ import stat
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from studies import ROOT, STUDIES, resolve
@@ -31,10 +32,16 @@ checkpoints = importlib.import_module("qerl.checkpoints")  # which files a 05 ru
 # Running: one subprocess per (method, seed), at most --parallel at a time
 
 
-# what a run imports: the stages and the engine modules beneath them (every .py at the top), and the kernels
-CODE_FILES = (*sorted(f for f in os.listdir(ROOT) if f.endswith(".py")), "kernels", "qerl")
-SNAPSHOT = ".code"              # <runs>/.code: the copy of the stage files every run of the study executes
+# what a run imports: the five stages (by their name: a torch.py beside them is never copied) and the .py
+# modules of the packages beneath them, qerl/ and kernels/ (read_code: the manifest of what a run executes)
+STAGE_FILE = re.compile(r"\d\d_\w+\.py")
+CODE_FILES = (*sorted(f for f in os.listdir(ROOT) if STAGE_FILE.fullmatch(f)), "kernels", "qerl")
+SNAPSHOT = ".code"              # <runs>/.code: the study's code, by which copies of this script agree on it
 SNAPSHOT_RECORD = ".made.json"  # in it: {"md5": tree_hash, "owner": [pid, start]} of the copy that made it
+PRIVATE_CODE = "qerl-study-code-"  # the prefix of the folder (mode 0700, in TMPDIR) whose copy the runs import
+# how a run's python starts: -E ignores PYTHONPATH (a folder there would come before the site packages) and
+# every other PYTHON* variable, so -B and -u say what PYTHONDONTWRITEBYTECODE and PYTHONUNBUFFERED said
+PYTHON_FLAGS = ("-E", "-B", "-u")
 
 
 def code_hash(root, names=CODE_FILES, suffix=".py"):
@@ -53,30 +60,47 @@ def code_hash(root, names=CODE_FILES, suffix=".py"):
     return h.hexdigest()
 
 
-def tree_hash(folder):
-    """md5 over everything under `folder` but its record: each entry's path, kind and bytes (a link: its
-    target). Unlike code_hash it misses nothing a run could import: a file added to the snapshot (a
-    torch.py, a __pycache__/*.pyc) changes it too."""
+def entries_md5(entries):
+    """md5 over entries [(path, kind, data)]: kind "file" (data: its bytes), "dir", "link" (data: its
+    target) or "other" (data: its mode), in the order of their paths."""
     h = hashlib.md5()
-    for root, dirs, files in os.walk(folder):
-        dirs.sort()
-        for name in sorted(dirs + files):
+    for rel, kind, data in sorted(entries, key=lambda e: e[0]):
+        if kind == "file":
+            h.update(f"file {rel} {len(data)}\n".encode())
+            h.update(data)
+        else:
+            h.update(f"{kind} {rel}{'' if data is None else f' {data}'}\n".encode())
+    return h.hexdigest()
+
+
+def folder_entries(folder):
+    """Everything under `folder` but its record, as entries_md5 reads them."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        for name in dirs + names:
             path = os.path.join(root, name)
             rel = os.path.relpath(path, folder)
             if rel == SNAPSHOT_RECORD:
                 continue
             mode = os.lstat(path).st_mode
             if stat.S_ISLNK(mode):
-                h.update(f"link {rel} {os.readlink(path)}\n".encode())
+                found.append((rel, "link", os.readlink(path)))
             elif stat.S_ISDIR(mode):
-                h.update(f"dir {rel}\n".encode())
+                found.append((rel, "dir", None))
             elif not stat.S_ISREG(mode):  # a pipe or a device: named, never read (a pipe's read would wait)
-                h.update(f"other {rel} {mode}\n".encode())
+                found.append((rel, "other", mode))
             else:
-                h.update(f"file {rel} {os.path.getsize(path)}\n".encode())
                 with open(path, "rb") as fh:
-                    h.update(fh.read())
-    return h.hexdigest()
+                    found.append((rel, "file", fh.read()))
+    return found
+
+
+def tree_hash(folder):
+    """md5 over everything under `folder` but its record: each entry's path, kind and bytes (a link: its
+    target). Unlike code_hash it misses nothing a run could import: a file added to a copy of the code (a
+    torch.py, a __pycache__/*.pyc) changes it too. A copy intact has the md5 of the code it was written
+    from (entries_md5 of read_code)."""
+    return entries_md5(folder_entries(folder))
 
 
 def process_identity(pid):
@@ -129,65 +153,148 @@ def owner_text():
     return f"{pid} {start}" if start else str(pid)
 
 
-def copy_code(dest):
-    """Copy the stage files (CODE_FILES) of this checkout into a new folder `dest`."""
-    os.makedirs(dest)
+def read_code(root=ROOT):
+    """The code the runs of this invocation execute, read once into memory as entries (entries_md5): the
+    manifest is CODE_FILES, of a package its .py files (code_hash's files), nothing else (no __pycache__,
+    no file added beside them). Every copy a run or a second copy of this script reads is written from
+    these bytes, and the md5 the study records is theirs: what was hashed is what runs."""
+    code = []
     for name in CODE_FILES:
-        src = os.path.join(ROOT, name)
-        if os.path.isdir(src):
-            shutil.copytree(src, os.path.join(dest, name), ignore=shutil.ignore_patterns("__pycache__"))
+        path = os.path.join(root, name)
+        if os.path.isdir(path):
+            code.append((name, "dir", None))
+            found = sorted(os.path.join(name, f) for f in os.listdir(path)
+                           if f.endswith(".py") and os.path.isfile(os.path.join(path, f)))
         else:
-            shutil.copy2(src, dest)
+            found = [name]
+        for rel in found:
+            with open(os.path.join(root, rel), "rb") as f:
+                code.append((rel, "file", f.read()))
+    return code
 
 
-def prepare_code(runs_root):
-    """The code snapshot every run of this invocation executes: (folder, its tree_hash, made here).
-    Copying the stage files into <runs>/.code means every run executes the same code even if someone edits
-    qerl/train.py while the study trains (15 runs take most of an hour). A snapshot runs only if this
-    invocation made it, or if its files are this checkout's stage files byte for byte (a second copy of
-    this script, started while the first runs, reuses the first's: the same tree_hash as its own copy).
-    Which process a record names proves nothing (any process can put compare_methods.py on its command
-    line), so a live maker only keeps its snapshot from being removed: one with other code is refused.
-    Any other .code (planted, edited, or left by a version of this script without records) is refused too,
-    and left as it is; a snapshot of this checkout's files left by a copy that has exited is made again."""
-    snap = os.path.join(runs_root, SNAPSHOT)
-    tmp = snap + f".tmp{os.getpid()}"
+def write_code(dest, code):
+    """Write read_code's entries into the empty folder `dest`: each file new (O_EXCL), no link followed."""
+    for rel, kind, data in sorted(code, key=lambda e: e[0]):
+        path = os.path.join(dest, rel)
+        if kind == "dir":
+            os.mkdir(path)
+        else:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+
+
+def open_ancestor(folder):
+    """The first folder above `folder` through which another user could move it away and put another in
+    its place (one writable by a group or by all without /tmp's sticky bit, or owned by another user than
+    this one or root); None when there is none."""
+    parent = os.path.dirname(folder)
+    while True:
+        st = os.lstat(parent)
+        if st.st_uid not in (0, os.getuid()) or (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+                                                 and not st.st_mode & stat.S_ISVTX):
+            return parent
+        if os.path.dirname(parent) == parent:
+            return None
+        parent = os.path.dirname(parent)
+
+
+def private_code(code, md5):
+    """A copy of `code` only this user can write, which the runs of this invocation import: a new folder
+    (tempfile.mkdtemp: an unpredictable name, mode 0700, in TMPDIR: not in --out, where another process
+    may write) written from the bytes that were hashed. A copy in runs/ could be edited between its check
+    and a run's imports (and restored after: no trace); only a process of this user can edit this one.
+    Its caller removes it (remove_private) when the study ends."""
     try:
-        for _ in range(2):
-            shutil.rmtree(tmp, ignore_errors=True)  # a temporary of this PID: a killed earlier process's
-            copy_code(tmp)
-            md5 = tree_hash(tmp)
-            record = read_record(snap)
-            if record and is_live_copy(record["owner"]):
-                got = tree_hash(snap)
-                if got != record["md5"]:
-                    raise ValueError(f"{short(snap)} changed since process {record['owner'][0]} made it (md5 "
-                                     f"{record['md5']}, now {got}): not running it; wait for that process to end "
-                                     f"(or stop it), delete {short(snap)}, then rerun")
-                if got != md5:
-                    raise ValueError(f"{short(snap)} holds other code than this checkout's stage files (md5 {got}, "
-                                     f"here {md5}; its record names process {record['owner'][0]}): not running it; "
-                                     f"wait for that study to end, or use another --out")
-                return snap, got, False
-            if os.path.lexists(snap):
-                if not os.path.islink(snap) and tree_hash(snap) == md5:
-                    shutil.rmtree(snap)  # this checkout's files, left by a copy of this script that was killed
-                else:
-                    why = ("it is a link" if os.path.islink(snap) else "its record is missing or unreadable"
-                           if not record else "its files differ from its record" if tree_hash(snap) != record["md5"]
-                           else "its files are not this checkout's stage files")
-                    raise ValueError(f"{short(snap)} was not made by a running copy of this script ({why}): this "
-                                     f"script runs or removes only a code snapshot of this checkout's stage files; "
-                                     f"delete {short(snap)} and rerun")
+        folder = os.path.realpath(tempfile.mkdtemp(prefix=PRIVATE_CODE))  # the path the runs import, no link in it
+    except OSError as e:  # gettempdir: no writable folder among TMPDIR, /tmp, /var/tmp and here
+        raise ValueError(f"no private folder for the runs' code could be made ({e.strerror or e}): set TMPDIR to "
+                         f"a folder of yours that you can write") from None
+    try:
+        shared = open_ancestor(folder)
+        if shared:
+            raise ValueError(f"{shared} (above {folder}, where the runs' code goes) can be written by another user, "
+                             f"who could replace that code before a run imports it: set TMPDIR to a folder only you "
+                             f"can write (or /tmp)")
+        write_code(folder, code)
+        got = tree_hash(folder)
+        if got != md5:  # only a process of this user can write there
+            raise ValueError(f"{folder} changed while this script wrote it (md5 {md5}, now {got}): not running it; "
+                             f"stop whatever writes in TMPDIR, then rerun")
+    except BaseException:
+        remove_private(folder)
+        raise
+    return folder
+
+
+def remove_private(folder):
+    """Remove a private_code folder (only one: named as private_code names them, a folder, this user's)."""
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return
+    if os.path.basename(folder).startswith(PRIVATE_CODE) and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def prepare_code(runs_root, code=None):
+    """The study's code snapshot <runs>/.code of `code` (read_code's entries; default: this checkout's, read
+    now): (folder, its md5, made here). No run imports it: each invocation's runs import a private_code copy
+    of the same bytes, which no other process can edit between its check and a run's imports. The snapshot
+    is what copies of this script sharing a study agree on: a second copy, started while the first runs,
+    goes on only if its own code is the snapshot's byte for byte, so every run of a study executes the same
+    code even if someone edits qerl/train.py meanwhile (15 runs take most of an hour). Which process a
+    record names proves nothing (any process can put compare_methods.py on its command line), so a live
+    maker only keeps its snapshot from being removed: one with other code is refused. Any other .code
+    (planted, edited, or left by a version of this script without records) is refused too, and left as it
+    is; a snapshot of this checkout's files left by a copy that has exited is made again. It is written in
+    a new folder (tempfile.mkdtemp: an unpredictable name, mode 0700) and renamed into place only when that
+    holds the code's bytes and nothing else."""
+    code = read_code() if code is None else code
+    md5 = entries_md5(code)
+    snap = os.path.join(runs_root, SNAPSHOT)
+    for _ in range(2):
+        record = read_record(snap)
+        if record and is_live_copy(record["owner"]):
+            got = tree_hash(snap)
+            if got != record["md5"]:
+                raise ValueError(f"{short(snap)} changed since process {record['owner'][0]} made it (md5 "
+                                 f"{record['md5']}, now {got}): not running it; wait for that process to end "
+                                 f"(or stop it), delete {short(snap)}, then rerun")
+            if got != md5:
+                raise ValueError(f"{short(snap)} holds other code than this checkout's stage files (md5 {got}, "
+                                 f"here {md5}; its record names process {record['owner'][0]}): not running it; "
+                                 f"wait for that study to end, or use another --out")
+            return snap, got, False
+        if os.path.lexists(snap):
+            if not os.path.islink(snap) and tree_hash(snap) == md5:
+                shutil.rmtree(snap)  # this checkout's files, left by a copy of this script that was killed
+            else:
+                why = ("it is a link" if os.path.islink(snap) else "its record is missing or unreadable"
+                       if not record else "its files differ from its record" if tree_hash(snap) != record["md5"]
+                       else "its files are not this checkout's stage files")
+                raise ValueError(f"{short(snap)} was not made by a running copy of this script ({why}): this "
+                                 f"script runs or removes only a code snapshot of this checkout's stage files; "
+                                 f"delete {short(snap)} and rerun")
+        tmp = tempfile.mkdtemp(prefix=SNAPSHOT + ".tmp", dir=runs_root)
+        try:
+            write_code(tmp, code)
+            got = tree_hash(tmp)
+            if got != md5:  # a file dropped in beside the code's: never made the study's snapshot
+                raise ValueError(f"{short(tmp)} changed while this script wrote the code snapshot there (md5 {md5}, "
+                                 f"now {got}): not using it; stop whatever writes in {short(runs_root)}, then rerun")
             write_text(os.path.join(tmp, SNAPSHOT_RECORD),
                        json.dumps({"md5": md5, "owner": process_identity(os.getpid())}))
             try:
                 os.rename(tmp, snap)  # the snapshot and its record appear at once; fails if a second copy was quicker
             except OSError:
                 continue
+            tmp = None
             return snap, md5, True
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # the copy, where it was not renamed into place
+        finally:
+            if tmp:  # what this call made, where it was not renamed into place
+                shutil.rmtree(tmp, ignore_errors=True)
     raise ValueError(f"{short(snap)} keeps changing while this script starts (another copy starting?): rerun")
 
 
@@ -256,6 +363,13 @@ def run_command(args, method, seed, run_dir, code_dir=ROOT):
              "--time-budget", "0",  # a fixed number of steps, never cut short by the clock
              "--eval-size", str(args.eval_size), "--eval-every", str(args.eval_every), "--eval-k", str(args.eval_k),
              "--save-every", "0", "--quiet"] + model + args.table[method][1] + args.train_args)
+
+
+def launch(command):
+    """A run's command line as it starts: python with PYTHON_FLAGS, so that only the code's copy, the
+    standard library and the site packages come on its sys.path (run as a file, its sys.path starts at the
+    copy, never at the working folder)."""
+    return [command[0], *PYTHON_FLAGS, *command[1:]]
 
 
 def recorded_argv(args, method, seed, run_dir):
@@ -394,7 +508,7 @@ def run_all(args, methods=None):
     for _, _, run_dir in todo:
         refuse_foreign(run_dir)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")  # no __pycache__ in the snapshot: its hash holds
+               PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")  # no __pycache__ in the code's copy: its hash holds
     print(f"plan | {len(todo)} run(s) to train, {len(jobs) - len(todo)} reused | {args.steps} steps each | "
           f"parallel {args.parallel} x {args.threads} thread(s) | out {runs_root}")
     if todo:
@@ -407,11 +521,11 @@ def run_all(args, methods=None):
 
     code_dir, md5 = args.code_dir, args.code_md5
     code = code_hash(code_dir)
-    print(f"code | running the stage files copied to {short(code_dir)} | md5 {code} (snapshot {md5}"
-          + (")" if args.code_made else ", made by another copy of this script)"))
+    print(f"code | running this invocation's copy of the stage files in {short(code_dir)} (only you can write "
+          f"there) | md5 {code} (snapshot {md5}" + (")" if args.code_made else ", made by another copy of this script)"))
     if todo:
         m, s, d = todo[0]
-        print("command | " + shlex.join(short(c) for c in run_command(args, m, s, d, code_dir)))
+        print("command | " + shlex.join(short(c) for c in launch(run_command(args, m, s, d, code_dir))))
     t0, running, finished, durations = args.started, [], 0, []  # --max-wall counts from this script's start
     pending = list(todo)
     try:
@@ -435,7 +549,7 @@ def run_all(args, methods=None):
                           f"which neither this script nor 05 wrote")
                     continue
                 got = tree_hash(code_dir)
-                if got != md5:  # edited or replaced since it was made and checked: never run it
+                if got != md5:  # edited since it was written and checked (by this user: it is 0700): never run it
                     os.remove(os.path.join(runs_root, f".{m}-s{s}.claim"))
                     raise ValueError(f"{short(code_dir)} changed since this invocation checked it (md5 {md5}, now "
                                      f"{got}): not running it; the runs in flight are stopped, finished ones kept")
@@ -447,8 +561,8 @@ def run_all(args, methods=None):
                 write_text(os.path.join(run_dir, "versions.txt"), f"code {code}\nmodel {model_md5}\nsnapshot {md5}\n"
                            f"argv {json.dumps(recorded_argv(args, m, s, run_dir))}\n")
                 log = open(os.path.join(run_dir, "train.log"), "w")
-                proc = subprocess.Popen(run_command(args, m, s, run_dir, code_dir), cwd=ROOT, env=env, stdout=log,
-                                        stderr=subprocess.STDOUT)
+                proc = subprocess.Popen(launch(run_command(args, m, s, run_dir, code_dir)), cwd=ROOT, env=env,
+                                        stdout=log, stderr=subprocess.STDOUT)
                 args.trained = True
                 running.append((proc, m, s, run_dir, log, time.time()))
             time.sleep(1.0)

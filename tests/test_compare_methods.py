@@ -7,9 +7,11 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -144,6 +146,17 @@ def test_the_committed_six_seed_study_rebuilds_with_its_verdict(tmp_path):
     q = {(q["a"], q["b"]): q for q in results["questions"]}
     ranked = {ab for ab, x in q.items() if x["final_greedy"]["p"] < 0.05}
     assert ranked == {("qerl", "lora"), ("nvfp4-lora", "lora")}
+    # and they stay ranked over the family of 9 questions: every LoRA seed ends above every seed of the
+    # other (exact permutation p 2/924), Holm-adjusted 9 x 2/924 = 0.019 (issue 55)
+    assert {ab for ab, x in q.items() if not x["final_greedy"]["verdict"].startswith("not")} == ranked
+    for ab in ranked:
+        assert q[ab]["final_greedy"]["p_permutation"] == pytest.approx(2 / 924)
+        assert q[ab]["final_greedy"]["p_holm"] == pytest.approx(9 * 2 / 924) and q[ab]["final_greedy"]["family"] == 9
+    mde = {ab: x["final_greedy"]["mde"] for ab, x in q.items()}  # what issue 55 computed from the seeds' spreads
+    assert mde["qerl", "lora"] == pytest.approx(8.2, abs=0.05) and mde["lora-aqn", "lora"] == pytest.approx(7.8, abs=0.05)
+    assert mde["qerl-relative", "qerl"] == pytest.approx(12.7, abs=0.05)
+    assert q["lora-aqn", "lora"]["final_greedy"]["verdict"] == ("not distinguishable; the seeds could have detected a "
+                                                              "difference of about 7.8 points")
     assert q["qerl", "lora"]["final_greedy"]["diff"] == pytest.approx(-13.67, abs=0.01)
     assert q["qerl", "lora"]["final_greedy"]["p"] < 0.001
     assert q["nvfp4-lora", "lora"]["final_greedy"]["p"] == pytest.approx(0.0250, abs=1e-3)
@@ -164,9 +177,10 @@ def test_the_committed_tables_rebuild_in_their_own_folder(tmp_path):
     q = next(q for q in results["questions"] if (q["a"], q["b"]) == ("qerl", "nvfp4-lora"))["final_greedy"]
     assert q["diff"] == pytest.approx(-24.0) and q["t"] == pytest.approx(-2.527, abs=1e-3)
     assert q["df"] == pytest.approx(2.009, abs=1e-3) and q["p"] == pytest.approx(0.1269, abs=1e-3)
-    assert q["verdict"] == "not distinguishable"
-    assert all(q["final_greedy"]["p"] >= 0.05 and q["final_greedy"]["verdict"] == "not distinguishable"
+    assert q["verdict"].startswith("not distinguishable; the seeds could have detected a difference of about 50.8 ")
+    assert all(q["final_greedy"]["p"] >= 0.05 and q["final_greedy"]["verdict"].startswith("not distinguishable")
                for q in results["questions"])  # at n = 3 no SmolLM2 contrast reaches p < 0.05
+    assert q["p_permutation"] == pytest.approx(0.1) and q["p_holm"] == pytest.approx(0.8)  # 8 questions
     assert {m: s["collapses"] for m, s in results["methods"].items() if s["collapses"]} == {"qerl": 1}
     assert results["methods"]["qerl"]["collapsed_seeds"] == [2]
     assert "| 25.2 ± 16.4 | 1 of 3 |" in (out / "table.md").read_text()
@@ -199,12 +213,13 @@ def test_welch_gives_the_interval_and_p_and_ranks_only_below_005():
     assert w["diff"] == -3.0 and w["df"] == pytest.approx(4.0) and w["t"] == pytest.approx(-3.6742, abs=1e-4)
     assert w["p"] == pytest.approx(0.02131, abs=1e-4)
     assert w["ci"] == pytest.approx([-3 - 2.776445 * (2 / 3) ** 0.5, -3 + 2.776445 * (2 / 3) ** 0.5], abs=1e-4)
-    assert stats.verdict("a", "b", w) == "b ends higher than a"
-    assert "[-5.3, -0.7], p 0.021" in report.contrast_text(w)
+    assert stats.verdict("a", "b", {**w, "p_holm": w["p"]}) == "b ends higher than a"  # were it the adjusted p
+    assert stats.verdict("a", "b", w) == "not distinguishable"  # no family-adjusted p: no ranking
+    assert "[-5.3, -0.7], Welch's t p 0.021" in report.contrast_text(w)
     # the same means at twice the spread: p 0.14, no ranking (the old two-standard-error rule called it)
     wide = stats.welch(2.0, 2.0, 3, 5.0, 2.0, 3)
     assert wide["t"] == pytest.approx(-1.837, abs=1e-3) and wide["p"] == pytest.approx(0.140, abs=1e-3)
-    assert stats.verdict("a", "b", wide) == "not distinguishable"
+    assert stats.verdict("a", "b", {**wide, "p_holm": wide["p"]}) == "not distinguishable"
     # a lone seed, or no spread on either side: nothing to judge by, never a ranking
     for w in (stats.welch(2.0, 0.0, 1, 5.0, 1.0, 3), stats.welch(2.0, 0.0, 3, 5.0, 0.0, 3)):
         assert w["p"] is None and w["ci"] is None and stats.verdict("a", "b", w) == "not distinguishable"
@@ -286,11 +301,14 @@ def test_a_second_copy_reuses_only_a_verified_snapshot(tmp_path):
 
 
 def test_a_snapshot_changed_during_the_study_is_not_run(tmp_path, monkeypatch):
-    """The snapshot is hashed again before every run: a file added to it between two runs stops the study."""
+    """The copy the runs import is hashed again before every run: a file added to it between two runs stops
+    the study, and the copy (this invocation's own folder) is removed with what was added."""
     out = tmp_path / "cmp"
     marker = tmp_path / "second-run-started"
+    copies = []
 
-    def command(args, method, seed, run_dir, code_dir=studies.ROOT):  # each "run" adds a module to the snapshot
+    def command(args, method, seed, run_dir, code_dir=studies.ROOT):  # each "run" adds a module to its code
+        copies.append(code_dir)
         return [sys.executable, "-c", f"open({os.path.join(code_dir, 'torch.py')!r}, 'w');"
                 f"open({str(marker)!r}, 'a').write('x')"]
     monkeypatch.setattr(runner, "run_command", command)
@@ -298,7 +316,115 @@ def test_a_snapshot_changed_during_the_study_is_not_run(tmp_path, monkeypatch):
         cmp.main(["--methods", "lora", "--steps", "1", "--seeds", "0", "1", "--parallel", "1", "--eval-size", "2",
                   "--out", str(out)])
     assert marker.read_text() == "x"  # the first run only
-    assert (out / "runs" / ".code" / "torch.py").exists()  # a snapshot that is not what was recorded stays
+    assert not os.path.exists(copies[0]) and not (out / "runs" / ".code").exists()
+
+
+def test_the_runs_import_the_checked_bytes_whatever_changes_in_out(tmp_path, monkeypatch):
+    """Issue 56: the snapshot in --out was checked, then a run imported it 2 s later: a process that could
+    write there edited runs/.code/qerl/files.py in that window and restored it after, with no trace. Now
+    a run imports its invocation's own copy (mode 0700, this user's, in TMPDIR, removed at the end),
+    written from the bytes that were hashed; python -E keeps a PYTHONPATH folder from coming first."""
+    out, marker = tmp_path / "cmp", tmp_path / "planted-code-ran"
+    planted = tmp_path / "pythonpath"
+    planted.mkdir()
+    (planted / "json.py").write_text(f"open({str(marker)!r}, 'a').write('PYTHONPATH json ')\n")
+    monkeypatch.setenv("PYTHONPATH", str(planted))
+    seen = {}
+
+    def command(args, method, seed, run_dir, code_dir=studies.ROOT):  # the run: imports qerl.files as 05 would
+        st = os.stat(code_dir)
+        seen.update(script=real_command(args, method, seed, run_dir, code_dir)[1], code_dir=code_dir,
+                    mode=stat.S_IMODE(st.st_mode), uid=st.st_uid)
+        return [sys.executable, "-c", f"import sys; sys.path.insert(0, {code_dir!r}); import qerl.files as f; "
+                f"open({os.path.join(run_dir, 'imported')!r}, 'w').write(f.__file__)"]
+    real_command, real_popen = runner.run_command, subprocess.Popen
+
+    def window(argv, **kwargs):  # between the check and the imports: another process edits runs/.code, restores it
+        target = out / "runs" / ".code" / "qerl" / "files.py"
+        original = target.read_bytes()
+        target.write_bytes(f"open({str(marker)!r}, 'a').write('snapshot files.py ')\n".encode() + original)
+        try:
+            proc = real_popen(argv, **kwargs)
+            proc.wait()
+        finally:
+            target.write_bytes(original)
+        return proc
+    monkeypatch.setattr(runner, "run_command", command)
+    monkeypatch.setattr(runner.subprocess, "Popen", window)
+    with pytest.raises(ValueError):  # the double writes no summary.json: nothing to report
+        cmp.main(["--methods", "lora", "--steps", "1", "--seeds", "0", "--eval-size", "2", "--out", str(out)])
+    assert not marker.exists(), marker.read_text()
+    imported = (out / "runs" / "lora-s0" / "imported").read_text()
+    assert imported == os.path.join(seen["code_dir"], "qerl", "files.py")
+    assert seen["script"] == os.path.join(seen["code_dir"], "qerl/train.py")  # what a real run starts
+    assert not seen["code_dir"].startswith(str(tmp_path)) and os.path.basename(seen["code_dir"]).startswith(
+        runner.PRIVATE_CODE)
+    assert seen["mode"] == 0o700 and seen["uid"] == os.getuid()
+    assert not os.path.exists(seen["code_dir"]) and not (out / "runs" / ".code").exists()  # both removed
+
+
+def test_only_the_manifest_is_copied_and_a_file_dropped_in_is_never_used(tmp_path, monkeypatch):
+    """The code is the five stages, qerl/*.py and kernels/*.py, read once: a torch.py beside the stages, a
+    __pycache__ or notes in the packages are never copied; a file dropped into a copy while it is written
+    (the snapshot's new folder in runs/, or the private copy) stops the command before anything runs."""
+    assert runner.CODE_FILES == (*(f"0{i}_{n}.py" for i, n in enumerate(
+        ["quantize", "lora", "rollout", "aqn", "grpo"], 1)), "kernels", "qerl")
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for name in runner.CODE_FILES:
+        src = os.path.join(ROOT, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, checkout / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, checkout / name)
+    for extra in ("torch.py", "qerl/notes.txt", "qerl/__pycache__/torch.cpython-311.pyc", "kernels/data.bin"):
+        (checkout / extra).parent.mkdir(exist_ok=True)
+        (checkout / extra).write_text("open('/nonexistent/ran', 'w')\n")
+    code = runner.read_code(str(checkout))
+    assert code == runner.read_code()
+    md5 = runner.entries_md5(code)
+
+    runs_root, made = tmp_path / "runs", []
+    runs_root.mkdir()
+    real_write = runner.write_code
+
+    def write_and_drop(dest, entries):  # another process drops torch.py in while the copy is written
+        made.append(dest)
+        real_write(dest, entries)
+        (Path(dest) / "torch.py").write_text("open('/nonexistent/ran', 'w')\n")
+    monkeypatch.setattr(runner, "write_code", write_and_drop)
+    with pytest.raises(ValueError, match="changed while this script wrote the code snapshot"):
+        runner.prepare_code(str(runs_root), code)
+    assert os.path.basename(made[0]).startswith(".code.tmp") and os.listdir(runs_root) == []  # not renamed, gone
+    with pytest.raises(ValueError, match="changed while this script wrote it"):
+        runner.private_code(code, md5)
+    assert not os.path.exists(made[1])
+    monkeypatch.setattr(runner, "write_code", real_write)
+    folder = runner.private_code(code, md5)
+    try:
+        assert runner.tree_hash(folder) == md5 and sorted(os.listdir(folder)) == sorted(runner.CODE_FILES)
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    finally:
+        runner.remove_private(folder)
+    assert not os.path.exists(folder)
+
+
+def test_a_private_copy_under_a_folder_others_can_write_is_refused(tmp_path, monkeypatch):
+    """A folder above the copy that another user can write (without /tmp's sticky bit) lets them move the
+    copy away and put theirs in its place: refused in one line naming TMPDIR; with the sticky bit, used."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setattr(runner.tempfile, "tempdir", str(shared))
+    code = runner.read_code()
+    with pytest.raises(ValueError, match=f"{shared} .* can be written by another user.*set TMPDIR"):
+        runner.private_code(code, runner.entries_md5(code))
+    assert os.listdir(shared) == []
+    shared.chmod(0o1777)
+    folder = runner.private_code(code, runner.entries_md5(code))
+    assert os.path.dirname(folder) == str(shared)
+    runner.remove_private(folder)
+    assert os.listdir(shared) == []
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

@@ -106,7 +106,8 @@ def test_flat_groups_are_replaced_by_the_steps_further_problems_and_the_batch_ke
     got_problems, got, got_rewards, got_correct, ds = grpo.refill_flat_groups(
         args, task, model, tok, step, 0.0, 0, 1, problems, samples, rewards, correct)
     flat_after = (got_rewards.view(B, G).std(1) == 0).tolist()
-    assert ds == {"ds_rounds": ds["ds_rounds"], "ds_flat_before": sum(flat)} and 1 <= ds["ds_rounds"] <= 3
+    assert ds == {"ds_rounds": ds["ds_rounds"], "ds_flat_before": sum(flat), "ds_sampled": ds["ds_sampled"]}
+    assert 1 <= ds["ds_rounds"] <= 3 and sum(flat) <= ds["ds_sampled"] <= 3 * sum(flat)
     assert 0 < sum(flat) and sum(flat_after) < sum(flat)
     assert len(got_problems) == B and len(got.texts) == len(got.prompt_ids) == got.completion_ids.shape[0] == B * G
     want_rewards, want_correct = grpo.score(task, got_problems, got.texts, G)  # the trained batch's own
