@@ -16,7 +16,7 @@ and metrics.jsonl and writes:
                 training, whether it collapsed, wall time, the eval curve), per method the mean +- std
                 over seeds and the collapses, and per contrast the difference, its interval and p-value
   table.md      per method: mean +- std over seeds and collapses (k of n); per contrast (the paper's
-                ordering, a study's questions) the difference with its 95% interval and p (Welch)
+                ordering, a study's questions) the difference with its 95% interval, Welch's p, the permutation and Holm-adjusted p, and the detectable effect
   curves.png    reward, held-out accuracy and entropy vs step, a band across seeds (needs
                 matplotlib, an optional extra: without it the plot is skipped and the rest still works)
   runs.tar.xz   the finished runs' args.json, metrics.jsonl, summary.json and versions.txt (not
@@ -106,12 +106,16 @@ printed when it starts.
              mismatch KL, the gradient norm and the completion length.
   dynamic-sampling  The bundled model, 6 seeds x 100 steps: QeRL as 05 runs it against the same plus
              --dynamic-sampling 2 (DAPO: flat groups replaced by up to 2 more sampling rounds a step).
+  ds-matched The same two arms at an equal budget of 22,400 sampled completions each (--max-completions;
+             the default's 175 steps, about 100 of the refilling arm's), 6 seeds, per-problem outcomes kept.
 The methods, phases and questions are data (bench/studies.py); --methods restricts a study to some of its
 methods. Every question is a - b of two methods: the table gives the difference of means of final
 greedy accuracy, of pass@k and of first-fifth entropy, each with its 95% interval and p-value from Welch's
-t-test over the seeds (the verdict, on final greedy: "a ends higher than b" when p < 0.05, otherwise "not
-distinguishable"; at 3 seeds a side Welch's df is 2-4, so an interval is 2.8-4.3 standard errors wide on
-each side). Collapses are counted per method, apart from the mean (COLLAPSE_LEN: a run that ends below its
+t-test over the seeds; on final greedy also the exact permutation p over the seeds, that p Holm-adjusted
+over the study's questions, and the smallest difference the seeds could detect at 80% power (the verdict:
+"a ends higher than b" when the adjusted p < 0.05, otherwise "not distinguishable" with that detectable
+difference; at 3 seeds a side the permutation p cannot go below 0.10, so 3 seeds never rank). Where every
+run kept its per-problem outcomes, a paired bootstrap over problems and seeds is given too. Collapses are counted per method, apart from the mean (COLLAPSE_LEN: a run that ends below its
 start, or whose completions shrink to under a quarter of their first fifth's length). --max-wall SECONDS starts no run after that long
 (running ones finish) and the same command resumes; Ctrl-C or `kill` stops the runs it started, keeping
 the finished ones, and exits 130 (143 for kill) with one line. Study runs keep a compact metrics.jsonl

@@ -205,11 +205,11 @@ STUDIES = {
         "first": ["qerl", "qerl-ds2"], "after_best": [], "best_from": None, "train_args": [],
         # greedy on 1000 held-out problems every 50 steps; no pass@k: on 1000 problems it costs about what training does
         "defaults": {"steps": 100, "seeds": [0, 1, 2, 3, 4, 5], "eval_size": 1000, "eval_every": 50, "eval_k": 0},
-        # the bundled model's step (TINY_SECONDS) x 1.4: the refilling arm's step costs 1.8x (docs/experiments.md)
+        # the bundled model's step (TINY_SECONDS) x 1.4: the refilling arm's step cost 1.48x in the study
         "seconds": {"step": {1: 0.92, 2: 1.33}, "greedy_problem": 0.004, "sample": 0.005, "load": 10.0},
         "questions": [("qerl-ds2", "qerl", "does refilling flat groups help QeRL at the same number of steps?")]},
     # Issue 55: the same two arms at an equal budget of sampled completions. A refill round samples more,
-    # so at equal steps the refilling arm had 1.56-1.94x the completions. Here both stop at 175 steps' worth
+    # so at equal steps the refilling arm had 1.56-1.90x the completions. Here both stop at 175 steps' worth
     # of the default's completions (175 x 16 x 8 = 22,400), their LR and AQN schedules spread over it
     # (--max-completions): the default runs its 175 steps exactly, the refilling arm about 100.
     "ds-matched": {

@@ -10,24 +10,64 @@ from studies import CONTROL_PAIRS, METHODS, PAPER_PAIRS, STUDIES, best_noise_lev
 from study_files import (REPORT, check_fields, collect, flag_values, is_done, is_number, json_kind, load_json,
                          optional, owned_outputs, read_invocations, read_metrics, read_regular, stored_runs,
                          write_text)
-from study_stats import ALPHA, COLLAPSE_LEN, answer, compare, summarize
+from study_stats import ALPHA, BOOTSTRAP_REPLICATES, COLLAPSE_LEN, POWER, answers, checks, summarize
 
 # ---------------------------------------------------------------------------------------------------
 # The tables: per method, then the contrasts (the paper's ordering, or a study's questions)
 
 
-def contrast_text(w, spec=".1f"):
-    """A difference as "+1.2 [-3.4, +5.6], p 0.41" ("no interval" where Welch's test has no variance)."""
+def contrast_text(w, spec=".1f", verdict=False):
+    """A difference as "+1.2 [-3.4, +5.6], Welch's t p 0.41, permutation p 0.40" ("no interval" where
+    Welch's test has no variance); with verdict (final greedy), the Holm-adjusted p and the MDE too. Every
+    p names its test."""
     d = format(w["diff"], "+" + spec)
     if w["p"] is None:
-        return f"{d} (no interval: fewer than 2 seeds, or no spread)"
-    lo, hi = w["ci"]
-    return f"{d} [{format(lo, '+' + spec)}, {format(hi, '+' + spec)}], {p_text(w['p'])}"
+        parts = [f"{d} (no interval: fewer than 2 seeds, or no spread)"]
+    else:
+        lo, hi = w["ci"]
+        parts = [f"{d} [{format(lo, '+' + spec)}, {format(hi, '+' + spec)}]", p_text(w["p"], "Welch's t")]
+    if w.get("p_permutation") is not None:
+        parts.append(p_text(w["p_permutation"], "permutation" + (" (sampled)" if w.get("permutation_sampled") else "")))
+    if verdict and w.get("p_holm") is not None:
+        parts.append(p_text(w["p_holm"], "Holm-adjusted"))
+    if verdict and w.get("mde") is not None:
+        parts.append(f"MDE {format(w['mde'], spec)}")
+    return ", ".join(parts)
 
 
-def p_text(p):
-    """Three decimals near the 0.05 line (0.049 and 0.051 must not both read 0.05), two above 0.1."""
-    return "p < 0.001" if p < 0.001 else f"p {p:.3f}" if p < 0.1 else f"p {p:.2f}"
+def p_text(p, test):
+    """A p named by its test; three decimals near the 0.05 line (0.049 and 0.051 must not both read 0.05),
+    two above 0.1."""
+    return f"{test} p < 0.001" if p < 0.001 else f"{test} p {p:.3f}" if p < 0.1 else f"{test} p {p:.2f}"
+
+
+def paired_text(q):
+    """The paired bootstrap over problems and seeds of a question or pair, where its runs kept outcomes."""
+    b = q.get("paired")
+    if not b:
+        return ""
+    lo, hi = b["ci"]
+    return (f" | paired over {b['problems']} problems x seeds {b['diff']:+.1f} [{lo:+.1f}, {hi:+.1f}], "
+            + p_text(b["p"], "bootstrap"))
+
+
+def family_text(family, what, paired):
+    """How a verdict is reached, for the text above a table's contrasts (what: "question" or "pair"; paired:
+    whether some contrast has the paired bootstrap)."""
+    what += "s" if family != 1 else ""
+    text = (f"a - b, the difference of means [its 95% interval, Welch's], p from Welch's t-test over the seeds and "
+            f"from an exact permutation test (every relabeling of the per-seed values, two-sided; with 3 seeds a "
+            f"side it cannot go below 0.10). On final greedy accuracy also the Holm-adjusted p (Holm's step-down "
+            f"over the permutation p of this table's {family} {what}) and the MDE, the difference {POWER:.0%} power "
+            f"would detect at alpha {ALPHA:g} two-sided from the observed spread ((t_0.975,df + t_0.8,df) x Welch's "
+            f"se). A pair is ranked only at Holm-adjusted p < {ALPHA:g}; otherwise it is not distinguishable, with "
+            f"what the seeds could have detected.")
+    if paired:
+        text += (f" Where every run of both kept which held-out problems it got right: paired over problems x seeds, "
+                 f"a two-level bootstrap ({BOOTSTRAP_REPLICATES} replicates, a fixed seed: the problems drawn once "
+                 f"for both methods, the seeds within each), the difference of mean accuracy, its 95% percentile "
+                 f"interval and the bootstrap p (two-sided, unadjusted).")
+    return text
 
 
 def pct(ms, digits=1):
@@ -64,15 +104,14 @@ def render_table(summary, records, args, checks):
                      f"{s['collapses']} of {s['runs']} | {gain} | "
                      f"{pct(s['final_pass_k'])} | {stt} | {s['entropy_first_fifth'][0]:.3f} → "
                      f"{s['entropy_last_fifth'][0]:.3f} | {s['s_per_step'][0]:.2f} |")
-    lines += ["", "Paper (Table 1, GSM8K, Qwen2.5-3B/7B): qerl >= nvfp4-lora >= lora >= qlora. Here: a - b, the "
-              "difference of mean final greedy accuracy in points [its 95% interval], and p, from Welch's t-test "
-              f"over the seeds; a pair is ranked only at p < {ALPHA:g}, otherwise it is not distinguishable:", ""]
-    if not any(checks):
+    family = checks[0]["final_greedy"]["family"] if checks else 0
+    lines += ["", "Paper (Table 1, GSM8K, Qwen2.5-3B/7B): qerl >= nvfp4-lora >= lora >= qlora. Here, on final "
+              "greedy accuracy in points: " + family_text(family, "pair", any("paired" in c for c in checks)), ""]
+    if not checks:
         lines.append("- (no pair of compared methods was run)")
     for c in checks:
-        if c:
-            w = {"diff": c["diff_points"], "ci": c["ci_points"], "p": c["p"]}
-            lines.append(f"- {c['pair']}: {contrast_text(w)} -> {c['verdict']}")
+        g = c["final_greedy"]
+        lines.append(f"- {c['pair']}: {contrast_text(g, verdict=True)} -> {g['verdict']}" + paired_text(c))
     lines += collapse_lines(summary, records)
     return "\n".join(lines + per_run_lines(summary, records)) + "\n"
 
@@ -145,14 +184,15 @@ def render_study_table(summary, records, args, answers, best):
     if study["after_best"]:
         lines += ["", "Best nonzero NVFP4 noise level (mean final greedy of the noise sweep): "
                   + (f"{best:g} -> {best / 20:g}." if best is not None else "not known yet (the sweep is unfinished).")]
-    lines += ["", "Questions: a - b, the difference of means [its 95% interval] and p, from Welch's t-test over the "
-              f"seeds (points; entropy in nats). The verdict is on final greedy accuracy: a ranking at p < {ALPHA:g}, "
-              "otherwise not distinguishable."
+    family = answers[0]["final_greedy"]["family"] if answers else 0
+    lines += ["", "Questions (points; entropy in nats): "
+              + family_text(family, "question", any("paired" in q for q in answers))
               + (" Where the two start apart, the gain over start (final - start greedy, per run) is given too."
                  if any("gain_points" in q for q in answers) else ""), ""]
     for q in answers:
         g, p, e = q["final_greedy"], q.get("final_pass_k"), q["entropy_first_fifth"]
-        lines.append(f"- {q['question']} ({q['a']} - {q['b']}): final greedy {contrast_text(g)} -> **{g['verdict']}** "
+        lines.append(f"- {q['question']} ({q['a']} - {q['b']}): final greedy {contrast_text(g, verdict=True)} -> "
+                     f"**{g['verdict']}**{paired_text(q)} "
                      + (f"| gain over start {contrast_text(q['gain_points'])} " if "gain_points" in q else "")
                      + (f"| final pass@{k} {contrast_text(p)} " if p else "")
                      + f"| first-fifth entropy {contrast_text(e, '.4f')}")
@@ -272,7 +312,7 @@ def report(args, records):
         raise ValueError(f"no finished runs to report in {os.path.join(args.out, 'runs')}")
     order = [m for m in args.table if any(r["method"] == m for r in records)]
     summary = summarize(records, order)
-    checks = [compare(summary, a, b) for a, b in PAPER_PAIRS + CONTROL_PAIRS] if not args.study else []
+    pairs = checks(summary, records, PAPER_PAIRS + CONTROL_PAIRS) if not args.study else []
     _, runs = stored_runs(args.out)
     first = runs[f"{records[0]['method']}-s{records[0]['seed']}"]
     train_args = load_json(first["args.json"]) if "args.json" in first else {}
@@ -280,16 +320,16 @@ def report(args, records):
     for key in {"out", "seed", "quant", "aqn", "model"} | varied:
         train_args.pop(key, None)
     results = {"threshold_points": args.threshold, "steps": records[0]["steps"],
-               "shared_05_args": train_args, "methods": summary, "ordering_checks": [c for c in checks if c],
+               "shared_05_args": train_args, "methods": summary, "ordering_checks": pairs,
                "runs": records}
     if args.study:
         best = study_best(args, summary)
-        answers = [q for q in (answer(summary, a, b, text) for a, b, text in resolve(args, "questions", best)) if q]
-        results = {"study": args.study, "best_noise_level": best, "questions": answers,
+        answered = answers(summary, records, resolve(args, "questions", best))
+        results = {"study": args.study, "best_noise_level": best, "questions": answered,
                    "invocations": read_invocations(args.out), **results}
-        table = render_study_table(summary, records, args, answers, best) + invocation_lines(args.out)
+        table = render_study_table(summary, records, args, answered, best) + invocation_lines(args.out)
     else:
-        table = render_table(summary, records, args, checks)
+        table = render_table(summary, records, args, pairs)
     with owned_outputs(args.out, REPORT):
         write_text(os.path.join(args.out, "results.json"), json_lines(clean(results)) + "\n")
         write_text(os.path.join(args.out, "table.md"), table)
