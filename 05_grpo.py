@@ -348,7 +348,7 @@ TRAINER_FLAGS = set(
     --tis-cap --beta --entropy-coef --dynamic-sampling --mask-truncated --grad-clip --dtype
     --quant-method --compile --micro-batch --grad-checkpoint --dist-timeout --plain --gpu-path
     --eval-k --eval-chunk --resume --save-every --time-budget --stop-at --quiet --kl-after-rows
-    --show-step""".split()
+    --show-step --max-completions --ratio-level""".split()
 )
 TINY_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-qwen")
 

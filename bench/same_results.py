@@ -95,8 +95,9 @@ ENV = {"gpu-path": {"TRITON_INTERPRET": "1"}}  # the Triton kernel interpreted o
 TIME_KEYS = {"time", "seconds", "tok/s", "s/step", "peak_rss_mb"}
 PATH_KEYS = {"checkpoint", "model", "out", "data", "eval_data", "resume"}
 # Flags added after a baseline was written, at the value that leaves the run as it was: dropped from the
-# recorded args, so an older baseline still compares (--plain: the fast paths off; off by default)
-NEW_FLAGS = {"plain": False, "max_completions": 0}
+# recorded args, so an older baseline still compares (--plain: the fast paths off; off by default; --ratio-level
+# token: the ratio per token, as before the flag)
+NEW_FLAGS = {"plain": False, "max_completions": 0, "ratio_level": "token"}
 # Record fields added after a baseline was written, which say more of the same run (the completions a step
 # sampled, the per-problem outcomes of an evaluation): dropped, so an older baseline still compares
 NEW_KEYS = {"completions", "ds_sampled", "outcomes"}

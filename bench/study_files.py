@@ -411,6 +411,7 @@ def load_run(files, run_dir, method, seed, threshold, table=METHODS, label=None)
     len_last = fifth_mean(lengths, last=True) if lengths else None
     return {"method": method, "label": table[method][0], "seed": seed, "dir": os.path.relpath(run_dir, ROOT),
             "steps": summary["steps_done"], "planned_steps": a.get("steps"), "stopped_by": summary.get("stopped_by"),
+            "max_completions": a.get("max_completions") or None,
             "quant": a.get("quant"), "aqn": a.get("aqn"), "eval_every": a.get("eval_every"),
             "temperature": a.get("temperature"),
             "start_greedy": first["greedy"], "final_greedy": final["greedy"],
@@ -505,12 +506,20 @@ def collect(args, jobs=None):
         if len(seen) > 1:
             print(f"warning | the runs used {len(seen)} different versions of the {what} ({', '.join(seen)}): "
                   f"the comparison mixes them")
-    budgets = sorted({r["steps"] for r in records})
+    budgets = sorted({budget(r) for r in records})
     if len(budgets) > 1:
-        raise ValueError(f"runs in {where} have different step counts {budgets}: an unequal budget is not a "
+        raise ValueError(f"runs in {where} have different budgets {budgets}: an unequal budget is not a "
                          f"fair comparison (move the odd ones away or retrain them with --force)")
     check_same_settings(args, loaded)
     return records
+
+
+def budget(record):
+    """What a run was given: its --max-completions where it had one (its steps then differ by design: a
+    refilling run samples more a step), else its steps."""
+    if record.get("max_completions"):
+        return f"{record['max_completions']:,} completions"
+    return f"{record['steps']} steps"
 
 
 SETTING_FREE = ("out", "seed", "resume", "model")  # differ by design (the model: by its md5 in versions.txt)

@@ -173,8 +173,15 @@ def render_study_table(summary, records, args, answers, best):
                   ("beyond cap 2 %", lambda s: pct(s["is_beyond_cap"], 2)),
                   ("grad norm", lambda s: ms(s["grad_norm"], ".2f"))] if mismatch else []),
                ("clip %", lambda s: pct(s["clip"], 2)), ("s/step", lambda s: f"{s['s_per_step'][0]:.2f}")]
+    budgeted = records[0].get("max_completions")
+    if budgeted:  # the steps differ by design: what each method took for its completions
+        columns[2:2] = [("steps taken", lambda s: ms(s["steps_taken"], ".1f")),
+                        ("completions", lambda s: ms(s["completions"], ",.0f"))]
+    budget = (f"A budget of {budgeted:,} sampled completions per run (--max-completions: refills counted, the LR "
+              f"and AQN schedules spread over it; a run stops at the step that spends it)." if budgeted else
+              f"{records[0]['steps']} GRPO steps per run.")
     lines = [f"# Study '{args.study}': {study['title']}", "",
-             f"{records[0]['steps']} GRPO steps per run. " + table_intro(records, args, k, records[0]["eval_n"])
+             f"{budget} " + table_intro(records, args, k, records[0]["eval_n"])
              + (" Mismatch KL: the k3 estimate of KL(sampler || trainer) on the sampled tokens; beyond cap: the "
                 "tokens whose trainer/sampler ratio exceeds 2; grad norm: before clipping; each a mean over the steps."
                 if mismatch else ""), "",

@@ -60,6 +60,8 @@ def summarize(records, methods):
                   "kl_old": mean_std([r.get("kl_old") for r in rs]), "clip": mean_std([r.get("clip") for r in rs]),
                   **{key: mean_std([r.get(key) for r in rs]) for key in ("mismatch_kl", "is_beyond_cap", "grad_norm")},
                   "s_per_step": mean_std([r["s_per_step"] for r in rs]),
+                  "steps_taken": mean_std([r["steps"] for r in rs]),
+                  "completions": mean_std([r.get("completions") for r in rs]),
                   "wall_s": mean_std([r["wall_s"] for r in rs]), "k": rs[0]["k"],
                   # counted apart from the mean: one collapsed seed drags a mean of 3 without moving the others
                   "collapses": sum(bool(r.get("collapse")) for r in rs),

@@ -95,7 +95,7 @@ SITES = {"norms": NoiseSite(
     "each decoder layer's two pre-norm gains, as the paper (multiplicative noise on the input "
     "columns of q/k/v and gate/up)",
     lambda model: [(f"{name}.weight", norm) for name, norm in aqn_norms(model)],
-    lambda norm: norm.weight, _add_to_gain)}  # lora-A, lora-B: below the banner
+    lambda norm: norm.weight, _add_to_gain)}  # lora-A, lora-B, block-scales: below the banner
 
 
 @contextlib.contextmanager
@@ -210,6 +210,45 @@ SITES["lora-A"] = NoiseSite("every LoRA A matrix (02), before a CPU sampler merg
                             _lora_matrices("lora_A"), lambda m: m.lora_A, _add_to_matrix("lora_A"))
 SITES["lora-B"] = NoiseSite("every LoRA B matrix (02), before a CPU sampler merges them",
                             _lora_matrices("lora_B"), lambda m: m.lora_B, _add_to_matrix("lora_B"))
+
+# -----------------------------------------------------------------------------
+# The block-scale site (05 --aqn-site block-scales), our extension: every NVFP4 layer's FP8-E4M3 block scales
+# (weight_scale, one per 16 weights) times (1 + Z), Z ~ N(0, sigma^2) per block: each block of 16 weights scaled
+# by 1 + Z, the packed codes untouched. E4M3 steps by 6-12%, so a 1e-2 change rounds away in it: while the noise
+# acts, each layer's weight_scale buffer is a float32 copy (what the dequantization reads; a CPU's kept weight
+# follows its buffers, quant_engine's weight_in; the Triton kernel reads only E4M3, so those layers run the
+# dequantized product meanwhile), and the E4M3 tensor itself is put back on exit. The draw: one N(0, 1) per
+# block, (out, K/16) per layer in module order, from the step's generator as every site; Z is drawn for each
+# block's multiplier 1, so --aqn-scale absolute and relative are the same here. Like the LoRA sites, it acts
+# before 02's lora_merged and refuses inside it (the merged weights were built from the clean scales).
+
+def _nvfp4_layers(model):
+    """find(model) for the block-scales site: every NVFP4Linear as [(its weight_scale's name, the layer)]."""
+    layers = [(f"{name}.weight_scale", m) for name, m in model.named_modules() if isinstance(m, quantize.NVFP4Linear)]
+    if not layers:
+        raise ValueError(f"AQN site block-scales needs an NVFP4 base (--quant nvfp4); {type(model).__name__} has no "
+                         f"NVFP4 layer")
+    if any(m.merged is not None for m in model.modules() if isinstance(m, lora.LoRALinear)):
+        raise ValueError("AQN noise on block scales inside 02's lora_merged would miss the merged weights the model "
+                         "runs: enter aqn_noise first, then lora_merged (as 05's sample_groups does)")
+    return layers
+
+
+@torch.no_grad()
+def _scale_blocks(layer, z):
+    """add(layer, Z): weight_scale becomes float32 s * (1 + Z); lands (s' - s) / s, the relative change per block
+    (0 for a zero scale); undo puts the E4M3 tensor back."""
+    e4m3 = layer.weight_scale
+    s = e4m3.float()  # (out, nb)
+    layer.weight_scale = s * (1 + z)
+    landed = torch.where(s != 0, (layer.weight_scale - s) / s.where(s != 0, 1), 0)
+    return landed, lambda: setattr(layer, "weight_scale", e4m3)
+
+
+SITES["block-scales"] = NoiseSite(
+    "NVFP4's block scales (one per 16 weights) times 1 + Z, held in fp32 while sampling (needs --quant nvfp4; "
+    "--aqn-scale relative is absolute here)",
+    _nvfp4_layers, lambda m: torch.ones(m.weight_scale.shape, device=m.weight_scale.device), _scale_blocks)
 
 # -----------------------------------------------------------------------------
 # --aqn-kind feedback: sigma from an entropy-feedback controller instead of the schedule (our extension)

@@ -121,11 +121,18 @@ def read_trainer_state(file, defaults):
     for k, kind in want.items():
         if not isinstance(state.get(k), kind) or isinstance(state[k], bool):
             raise ValueError(damaged.format(f"its {k} is {type(state.get(k)).__name__}, not {kind.__name__}"))
-    for k, v in state["args"].items():  # each saved flag's value has the kind of its default
-        d = defaults.get(k)
-        if d is not None and v is not None and type(v) is not type(d) and {type(v), type(d)} != {int, float}:
+    for k, v in state["args"].items():  # each saved flag's value has the kind of its default (or FLAG_KINDS')
+        kinds = FLAG_KINDS.get(k, {type(defaults.get(k))})
+        kinds = kinds | {int, float} if kinds & {int, float} else kinds  # 0.0 for a default of 540, say
+        if defaults.get(k) is not None and v is not None and type(v) not in kinds:
             raise ValueError(damaged.format(f"its args.{k} is {v!r}, not a value of --{k.replace('_', '-')}"))
     return state
+
+
+# The flags whose values are of more than one kind: --micro-batch is "auto" or a number of rows. Its default was
+# the int 0 (all rows at once) until 20a2201 (2026-12-02) made it "auto"; 0 still means all rows at once, so such
+# a checkpoint resumes as it ran.
+FLAG_KINDS = {"micro_batch": {str, int}}
 
 
 def resume_args(args, defaults):
@@ -154,6 +161,8 @@ def resume_args(args, defaults):
     files.check_regular(file)  # not a pipe: torch.load would wait on it
     state = read_trainer_state(file, defaults)
     saved = dict(state["args"], **check_run_record(args, ckpt, state, defaults))
+    saved.update(settings_not_saved(file, ckpt, state, saved, defaults))
+    saved.update(older_values(file, state, saved))
     for k, v in saved.items():
         if k in RUNTIME_ARGS:  # how to compute: the command line's, else the run's own (not the default)
             if k in INHERITED_RUNTIME_ARGS and getattr(args, k, None) == defaults.get(k):
@@ -162,8 +171,6 @@ def resume_args(args, defaults):
         if getattr(args, k, v) not in (v, defaults.get(k)):
             print(f"note | --{k.replace('_', '-')} {getattr(args, k)} ignored: resuming keeps the checkpoint's {v}")
         setattr(args, k, v)
-    if "pi_old" not in saved:  # a run from before --pi-old existed took pi_old from the sampler
-        args.pi_old = "sampler"
     args.out = args.out or os.path.dirname(os.path.abspath(ckpt))
     step = state.get("step")
     if type(step) is not int or not 0 <= step <= args.steps:  # 10**18 would skip the loop and report success
@@ -174,6 +181,75 @@ def resume_args(args, defaults):
         raise ValueError(f"--resume: {file} says step {step}, but its folder's name says {named}: the checkpoint "
                          f"was renamed or edited; resume from another checkpoint")
     return ckpt, state
+
+
+# The settings the trainer gained after it first wrote checkpoints, oldest first, each with the value every run
+# had before it existed (a callable: read from the checkpoint's other arguments). A checkpoint written before a
+# setting lacks it and every later one; one that lacks it but holds a later one was edited.
+ADDED_LATER = (
+    {"task": lambda saved: "arithmetic" if saved.get("data") in (None, "arith") else "gsm8k"},  # 04cb920
+    {"quant_method": "rtn"},  # 945a4eb
+    {"pi_old": "sampler"},  # 0606ce1: the sampler's reading, until the trainer's became the default
+    {"aqn_scale": "absolute", "tis_cap": 2.0},  # cd54d4c
+    {"aqn_site": "norms", "dynamic_sampling": 0},  # 2f4cd1d
+    {"max_completions": 0},  # df557ee
+    {"ratio_level": "token"},  # the ratio per token, until --ratio-level
+)
+
+
+def _flag(dest):
+    return "--" + dest.replace("_", "-")
+
+
+def _flags(values):
+    return ", ".join(f"{_flag(k)} {v}" for k, v in values.items())
+
+
+def settings_not_saved(file, ckpt, state, saved, defaults):
+    """--resume: the settings the run reads (every flag but RUNTIME_ARGS) that trainer_state.pt's arguments lack
+    -> {flag dest: value}: from the checkpoint's run record, else its run's args.json, else, for a checkpoint
+    written before the setting existed (ADDED_LATER), the value every run had then; a note names each. Any other
+    is one line: the command line's value (its default, mostly) would change the run unseen."""
+    missing = [k for k in defaults if k not in saved and k not in RUNTIME_ARGS]
+    if not missing:
+        return {}
+    args_json = os.path.join(os.path.dirname(os.path.abspath(ckpt)), "args.json")
+    folder = files.read_json(args_json) if os.path.lexists(args_json) else {}
+    found = {}
+    for source, where in ((state.get("run"), "its run record"), (folder, "its run's args.json")):
+        took = {k: source[k] for k in missing if isinstance(source, dict) and k in source and k not in found}
+        if took:
+            print(f"note | {file} does not say {_flags(took)}: taken from {where}")
+        found.update(took)
+    have = set(saved) | set(found)
+    era = len(ADDED_LATER)  # the first setting this checkpoint was written before
+    while era and not have & set(ADDED_LATER[era - 1]):
+        era -= 1
+    older = {k: v for group in ADDED_LATER[era:] for k, v in group.items() if k in missing and k not in found}
+    unknown = [k for k in missing if k not in found and k not in older]
+    if unknown:
+        raise ValueError(f"--resume: {file} does not say {', '.join(map(_flag, unknown))}, which the run reads, "
+                         f"and neither does its run's args.json: the checkpoint is damaged or edited (this command "
+                         f"line's value would change the run unseen); resume from another checkpoint")
+    older = {k: v(saved) if callable(v) else v for k, v in older.items()}
+    if older:
+        print(f"note | {file} was written before {', '.join(map(_flag, older))} existed: its run had "
+              f"{_flags(older)}")
+    if "task" in older and saved.get("data") == "arith":  # --data arith named the arithmetic task then
+        older["data"] = None
+    return {**found, **older}
+
+
+def older_values(file, state, saved):
+    """--resume: the saved values an earlier trainer wrote that now read otherwise -> {flag dest: today's value},
+    with a note. --dtype None (before 20a2201) was bfloat16 on CUDA and under --gpu-path, else float32: the
+    device the run ran on says which (its --device, else whether it saved CUDA's generators)."""
+    if "dtype" not in saved or saved["dtype"] is not None:
+        return {}
+    device = saved.get("device") or ("cuda" if state.get("cuda_rng") is not None else "cpu")
+    dtype = "bfloat16" if saved.get("gpu_path") or str(device).startswith("cuda") else "float32"
+    print(f"note | {file} says --dtype None, its trainer's default: {dtype}, as that trainer chose on {device}")
+    return {"dtype": dtype}
 
 
 def check_run_record(args, ckpt, state, defaults):
@@ -221,23 +297,27 @@ def latest_checkpoint(folder):
 
 
 def finished_run(args, ckpt, state):
-    """--resume of a run that ended at its last step with its final evaluation (its summary.json says it was
-    stopped by "steps"): nothing to add (no step, evaluation, checkpoint or log line); the summary, as the run
-    wrote it, is printed and returned. Else None: a run stopped at its last step by a signal or --stop-at
-    resumes to its final evaluation, once."""
-    if not state or state["step"] != args.steps:
+    """--resume of a run that ended with its final evaluation at its last step, or where --max-completions stopped
+    it (its summary.json says it was stopped by "steps", or "completions", at the checkpoint's step): nothing to
+    add (no step, evaluation, checkpoint or log line); the summary, as the run wrote it, is printed and returned.
+    Else None: a run stopped at its last step by a signal or --stop-at resumes to its final evaluation, once."""
+    if not state:
         return None
     file = os.path.join(os.path.dirname(os.path.abspath(ckpt)), "summary.json")
     try:
         summary = files.read_json(file)
     except ValueError:  # missing or damaged: the resume writes it again
         return None
-    if summary.get("steps_done") != args.steps or summary.get("stopped_by") != "steps":
+    stopped, done = summary.get("stopped_by"), summary.get("steps_done")
+    if done != state["step"] or not (stopped == "steps" and done == args.steps or
+                                     stopped == "completions" and getattr(args, "max_completions", 0)):
         return None
-    print(f"resume | {ckpt} is step {args.steps} of --steps {args.steps}: the run is finished, nothing to add (to "
-          f"train further, start a new run)")
+    where = f"of --steps {args.steps}" if stopped == "steps" else \
+        f"(--max-completions {args.max_completions} stopped the run there)"
+    print(f"resume | {ckpt} is step {done} {where}: the run is finished, nothing to add (to train further, start "
+          f"a new run)")
     gain = summary.get("greedy_gain")
-    print(f"summary | steps {args.steps} | stopped by steps" +
+    print(f"summary | steps {done} | stopped by {stopped}" +
           (f" | greedy {100 * gain:+.1f} points" if isinstance(gain, float) else "") + f" | {file}")
     return summary
 
@@ -282,6 +362,7 @@ def adam_state(file, saved, opt, max_steps):
         bad = f"AdamW's state covers {len(state)} of the run's {len(params)} parameters (a step updates them all)"
     elif len(steps) > 1:
         bad = f"AdamW's step counts differ between parameters ({steps[0]:g} and {steps[-1]:g})"
+    bad = bad or shared_moment(state)
     if bad:
         raise ValueError(f"--resume: {file}: {bad}: the checkpoint is damaged; resume from another checkpoint")
     return {i: {"step": torch.tensor(float(one["step"]), dtype=torch.float32), "exp_avg": one["exp_avg"],
@@ -290,25 +371,61 @@ def adam_state(file, saved, opt, max_steps):
 
 def adam_problem(i, one, params, max_steps):
     """What is wrong with AdamW's state `one` of parameter index `i` (None: nothing): the index one of the run's
-    parameters; each moment finite and of its parameter's shape, every second moment >= 0 (its square root
-    divides the step); the step count a whole number in 0..max_steps (the run's steps x --mu)."""
+    parameters; each tensor dense and its own (tensor_form); each moment finite and of its parameter's shape and
+    dtype, every second moment >= 0 (its square root divides the step); the step count a whole number in
+    0..max_steps (the run's steps x --mu)."""
     at = f"parameter {i}"
     if type(i) is not int or not 0 <= i < len(params):
         return f"AdamW's state names {at}, but the run has {len(params)}"
     if not (isinstance(one, dict) and all(torch.is_tensor(one.get(k)) for k in ("step", "exp_avg", "exp_avg_sq"))):
         return f"AdamW's state of {at} is not the tensors step, exp_avg and exp_avg_sq"
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        form = tensor_form(one[key])
+        if form:
+            return f"AdamW's {key} ({at}) is {form}"
     step = one["step"]
     n = float(step) if step.numel() == 1 and not step.is_complex() else float("nan")
     if not (math.isfinite(n) and n == int(n) and 0 <= n <= max_steps):
         return f"AdamW's step count of {at} is not a whole number in 0..{max_steps} ({step.flatten()[:1].tolist()})"
     for key in ("exp_avg", "exp_avg_sq"):
         t = one[key]
-        if t.shape != params[i].shape or not t.is_floating_point():
+        if t.shape != params[i].shape:
             return f"AdamW's {key} ({at}) is {t.dtype} {list(t.shape)}, not of its parameter's {list(params[i].shape)}"
+        if t.dtype != params[i].dtype:  # load_state_dict would cast it unseen (float8 has no isfinite)
+            return f"AdamW's {key} ({at}) is {t.dtype}, not its parameter's {params[i].dtype}"
         if not bool(torch.isfinite(t).all()):
             return f"AdamW's {key} holds a non-finite value ({at})"
         if key == "exp_avg_sq" and bool((t < 0).any()):
             return f"AdamW's exp_avg_sq (a second moment) holds a negative value ({at})"
+    return None
+
+
+def shared_moment(state):
+    """The first AdamW moment in `state` ({index: {exp_avg, exp_avg_sq}}) whose memory another one shares, as a
+    sentence; None if each holds its own. AdamW updates every moment in place: shared, they would mix unseen."""
+    owners = {}  # storage -> the moment that holds it
+    for i, one in state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            name = f"{key} (parameter {i})"
+            other = owners.setdefault(one[key].untyped_storage().data_ptr(), name) if one[key].numel() else name
+            if other != name:  # (an empty tensor holds no memory to share)
+                return f"AdamW's {name} shares its memory with {other}"
+    return None
+
+
+def tensor_form(t):
+    """What keeps tensor `t` from being AdamW state read from trainer_state.pt (None: nothing): values of its own,
+    on the CPU (where the file is loaded), dense and contiguous. A sparse or nested tensor has no isfinite or
+    in-place step; a meta tensor no values; an expand()ed view (stride 0) shares one value among many elements,
+    and AdamW's in-place update of it fails mid-step."""
+    if t.is_nested or t.layout != torch.strided:
+        return f"a {'nested' if t.is_nested else str(t.layout).replace('torch.', '')} tensor, not a dense one"
+    if t.is_meta:
+        return "a meta tensor, which holds no values"
+    if t.device.type != "cpu":
+        return f"on {t.device}, not on the CPU, where trainer_state.pt is loaded"
+    if not t.is_contiguous():
+        return f"a view with strides {list(t.stride())} (elements sharing memory, or apart), not a contiguous tensor"
     return None
 
 

@@ -15,6 +15,8 @@ import threading
 import torch
 from safetensors import SafetensorError
 
+from qerl import devices
+
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line naming the flag, not a usage block. No abbreviations: a new flag
@@ -193,13 +195,17 @@ def run_cli(main, argv=None):
     SIGTERM, SIGHUP or SIGUSR1 prints `interrupted` (with the signal's name and the exception's message, e.g.
     how to resume) and returns 128 + the signal's number (130, 143, 129, 138); a closed standard output (`| head`)
     returns 141, as a shell reports SIGPIPE; a failed allocation (out of memory) is one line naming the flags
-    to lower, and a failed write to standard output one naming it."""
+    to lower, and a failed write to standard output one naming it. Before main: no usable temporary folder is
+    one line naming TMPDIR (devices.temp_folder_problem), exit 1."""
     main_thread = threading.current_thread() is threading.main_thread()  # only it can take signals
     previous = {s: signal.signal(s, raise_interrupted) for s in STOP_SIGNALS[1:]} if main_thread else {}
     stdout = sys.stdout
     if stdout is not None and not isinstance(stdout, StdoutGuard):  # None: started with `>&-`, print writes nothing
         sys.stdout = StdoutGuard(stdout)
     try:
+        if (problem := devices.temp_folder_problem()) is not None:  # torch needs one from the first layer on
+            say_error(f"error: {problem}")
+            return 1
         code = main(argv) or 0
         if sys.stdout is not None:  # what is still buffered fails here, in one line, not at the interpreter's exit
             sys.stdout.flush()

@@ -106,6 +106,40 @@ for _name in ONEDNN_CACHE_VARS:
     os.environ.setdefault(_name, ONEDNN_CACHE_ENTRIES)
 
 
+def temp_folder_problem():
+    """Why this process has no temporary folder, in one line naming TMPDIR and what to do, or None. torch needs
+    one from a model's first layer on (building a module reads its compile cache's folder, which defaults to the
+    temporary folder), so without one every command stopped there on tempfile's errno line. Python takes the
+    first folder that takes a file among TMPDIR, TEMP, TMP, /tmp, /var/tmp, /usr/tmp and the current folder:
+    "no usable" means none does (tempfile.gettempdir raises). A TMPDIR that cannot be used while another folder
+    can is usable, with a note saying where the temporaries go instead."""
+    wanted = os.environ.get("TMPDIR", "")
+    try:
+        folder = tempfile.gettempdir()
+    except OSError as e:  # FileNotFoundError: "No usable temporary directory found in [...]"
+        tried = str(e.strerror or e).partition(" found in ")[2] or "TMPDIR, /tmp, /var/tmp, the current folder"
+        return (f"no usable temporary folder: TMPDIR {_unusable_because(wanted) or wanted + ' takes no file'}, and "
+                f"none of the folders Python falls back to takes a file either (it tried {tried}); torch needs one: "
+                f"set TMPDIR to a writable folder (mkdir -p ~/tmp && export TMPDIR=~/tmp)")
+    if wanted and os.path.abspath(wanted) != folder and (why := _unusable_because(wanted)):
+        print(f"note | TMPDIR {why}: temporaries (torch's caches) go to {folder}", flush=True)
+    return None
+
+
+def _unusable_because(folder):
+    """Why TMPDIR's value `folder` cannot hold a temporary file, or None where it can (a file is made and removed,
+    as tempfile tries: root passes os.access on a read-only mount or /proc)."""
+    if not folder:
+        return "is not set"
+    if not os.path.isdir(folder):
+        return f"{folder} {'is not a folder' if os.path.exists(folder) else 'does not exist'}"
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError:
+        return f"{folder} is not writable"
+    return None
+
+
 def compile_cache_problem():
     """Why torch.compile cannot run here, in a few words, or None: inductor writes the code it generates into
     a cache folder (TORCHINDUCTOR_CACHE_DIR, else torchinductor_<user> in the temporary folder: TMPDIR, /tmp,

@@ -1,5 +1,6 @@
 """Beside stage 05: its command line (build_parser). It imports stages 01 and 04 and the modules beneath,
-never 05: 05 passes itself in (`stage`), whose registries (PI_OLD, LOSS_AGGS) give the choices of their flags.
+never 05: 05 passes itself in (`stage`), whose registries (PI_OLD, LOSS_AGGS, RATIOS) give the choices of their
+flags.
 """
 import argparse
 
@@ -66,8 +67,14 @@ def build_parser(stage):
     g.add_argument("--max-new-tokens", type=N(int, 1), default=42)
     g.add_argument("--temperature", type=N(above=0), default=1.0,
                    help="sampling temperature (> 0: at 0 a prompt's G samples are all the same: no signal)")
-    g.add_argument("--eps-low", type=N(float, 0, below=1), default=stage.LossOptions.eps_low)
-    g.add_argument("--eps-high", type=N(float, 0), default=stage.LossOptions.eps_high)
+    # the clip range's default is the --ratio-level's (None: not given; LossOptions.from_args and check_args read it)
+    clip_defaults = ", ".join(f"{k} {v.eps_low:g} and {v.eps_high:g}" for k, v in stage.RATIOS.items())
+    g.add_argument("--eps-low", type=N(float, 0, below=1), default=None, help="the ratio is clipped to [1 - eps_low, "
+                   f"1 + eps_high] (default: the --ratio-level's: {clip_defaults})")
+    g.add_argument("--eps-high", type=N(float, 0), default=None, help="see --eps-low")
+    levels = "; ".join(f"{k}: {v.help}" for k, v in stage.RATIOS.items())
+    g.add_argument("--ratio-level", choices=list(stage.RATIOS), default=stage.LossOptions.ratio_level,
+                   help=f"the importance ratio pi_theta / pi_old: {levels}")
     g.add_argument("--loss-agg", default=stage.LossOptions.loss_agg, choices=list(stage.LOSS_AGGS))
     g.add_argument("--no-std-scale", action="store_true", help="advantage r - mean only (Dr. GRPO)")
     # PPO-style reuse takes a few passes (TRL's num_iterations, PPO's 3-10 epochs); past 16 the batch is far

@@ -2,6 +2,7 @@
 It imports stages 03 and 04 and the modules beneath, never 05: 05 passes itself in (`stage`).
 """
 import os
+import textwrap
 
 import torch
 
@@ -16,9 +17,9 @@ from qerl import rollout
 def show_step(stage, args, shown=4):
     """--show-step: one sampled group of the fresh policy (adapters B = 0) worked by hand, at the first step
     with AQN noise: rewards, advantages, and for `shown` tokens of its best and worst row the log-probs,
-    ratio, surrogate and share of the loss under pi_old's two readings. Every number is 05's own (sample_groups,
-    score, group_advantages, PI_OLD, grpo_loss, 03's sequence_logprobs); printed, and returned as a dict
-    (tests/test_show_step.py recomputes it)."""
+    ratio (--ratio-level's), surrogate and share of the loss under pi_old's two readings. Every number is 05's own
+    (sample_groups, score, group_advantages, PI_OLD, grpo_loss and its clipped_surrogate, 03's sequence_logprobs);
+    printed, and returned as a dict (tests/test_show_step.py recomputes it)."""
     if args.loss_agg != "token-mean" or args.beta or args.entropy_coef:
         raise ValueError("--show-step works the default loss (token-mean, no KL, no entropy bonus): drop "
                          "--loss-agg, --beta and --entropy-coef")
@@ -56,15 +57,17 @@ def show_step(stage, args, shown=4):
     for i in sorted({int(adv.argmax()), int(adv.argmin())}):
         gap = ((logp[i] - sampler[i]).abs() * mask[i]).masked_fill(mask[i] == 0, -1)  # (T,)
         picked += [(i, t) for t in sorted(gap.topk(min(shown, int(mask[i].sum()))).indices.tolist())]
+    # each reading's surrogate, ratio and clip at every token of the group, as grpo_loss computes them (over the
+    # whole mask: at --ratio-level sequence a token's ratio is its row's)
+    (surr_tr, _, _), (surr_s, ratio_s, clipped_s) = (stage.clipped_surrogate(logp, old[k], adv, mask, loss_options)
+                                                     for k in ("trainer", "sampler"))  # (G, T) each
     tokens = []
-    for i, t in picked:  # grpo_loss on this one token alone: its -surrogate, and whether the clip set it
-        one = torch.zeros_like(mask)
-        one[i, t] = 1
-        (l_tr, _), (l_s, s_stats) = (stage.grpo_loss(logp, old[k], adv, one, loss_options) for k in ("trainer", "sampler"))
+    for i, t in picked:  # a token's share of the loss: its -surrogate / N (token-mean)
         tokens.append({"row": i, "t": t, "token": tok.decode([int(ids[i, t])], skip_special_tokens=False),
                        "adv": float(adv[i]), "logp": float(logp[i, t]), "sampler": float(sampler[i, t]),
-                       "ratio": float(torch.exp(logp[i, t] - sampler[i, t])), "clipped": s_stats["clip"] > 0,
-                       "surrogate": -float(l_s), "share_trainer": float(l_tr) / n, "share_sampler": float(l_s) / n})
+                       "ratio": float(ratio_s[i, t]), "clipped": bool(clipped_s[i, t]),
+                       "surrogate": float(surr_s[i, t]), "share_trainer": -float(surr_tr[i, t]) / n,
+                       "share_sampler": -float(surr_s[i, t]) / n})
     out = {"step": step, "sigma": sigma, "group": g, "problem": task.prompt(problems[g]), "rewards": r.tolist(),
            "mean": float(r.mean()), "std": float(r.std()), "adv": adv.tolist(), "n_tokens": int(n), "loss": loss,
            "tokens": tokens, "logp": logp, "sampler_logp": sampler, "mask": mask}
@@ -86,6 +89,9 @@ def show_step(stage, args, shown=4):
           "on the side A pushes,\n   surrogate min(ratio A, clip(ratio) A), share -surrogate / N. "
           f"N = {int(n)} tokens in this group; {shown} tokens of\n   the best and the worst row, where q and "
           "pi_theta differ most:")
+    if args.ratio_level != "token":  # the ratio and clip columns are this level's
+        print(textwrap.fill(f"--ratio-level {args.ratio_level}: {stage.RATIOS[args.ratio_level].help}", 110,
+                            initial_indent="   ", subsequent_indent="   "))
     print(f"{'row':>4} | {'t':>3} | {'token':<10} | {'A':>7} | {'log pi_theta':>12} | {'log q':>8} | {'ratio':>7} | "
           f"{'clip':>4} | {'surrogate':>9} | {'share trainer':>13} | {'share sampler':>13}")
     for k in tokens:
@@ -98,7 +104,9 @@ def show_step(stage, args, shown=4):
           "its gradient is not)")
     print("   At --mu 1 the trainer's ratio is 1: nothing is clipped, and the gradient is REINFORCE's,\n"
           "   -mean_t A grad log pi_theta, with the group's mean reward as baseline. The sampler's sequence ratio\n"
-          "   would cancel the noise in expectation, E_{y~q}[(pi_theta(y)/q(y)) A] = E_{y~pi_theta}[A]; the ratio here\n"
-          "   is per token (each token's own probability, not its prefix's), a first-order correction, at a cost in variance.")
+          "   would cancel the noise in expectation, E_{y~q}[(pi_theta(y)/q(y)) A] = E_{y~pi_theta}[A]; " + (
+              "the ratio here\n   is per token (each token's own probability, not its prefix's), a first-order "
+              "correction, at a cost in variance." if args.ratio_level == "token" else "the ratio here\n   is "
+              f"--ratio-level {args.ratio_level}'s (above)."))
     return out
 

@@ -351,7 +351,28 @@ UNSUPPORTED_FIELDS = {"use_dora": False, "bias": "none", "rank_pattern": {}, "al
                       "fan_in_fan_out": False, "layers_to_transform": None, "layers_pattern": None,
                       "layer_replication": None, "lora_bias": False, "exclude_modules": None,
                       "trainable_token_indices": None, "target_parameters": None, "use_qalora": False,
-                      "megatron_config": None}
+                      "megatron_config": None, "alora_invocation_tokens": None, "arrow_config": None,
+                      "use_bdlora": None, "kasa_config": None, "monteclora_config": None}
+# Of those, the fields PEFT reads alike empty and at their default (no pattern, no module excluded, no layer
+# replicated...). Any other empty value is refused: layers_to_transform [] adapts no layer at all.
+EMPTY_AS_DEFAULT = ("rank_pattern", "alpha_pattern", "layers_pattern", "layer_replication", "exclude_modules",
+                    "trainable_token_indices", "target_parameters", "megatron_config")
+# init_lora_weights: how PEFT made the adapter before training. These leave the base weights as they are, so the
+# file's A and B over the base are the adapter (what load_adapter computes); PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA
+# and the rest start from a base rewritten (W - A0 B0, or requantized), which this model does not hold.
+PLAIN_INITS = (True, False, "gaussian")
+
+
+def _unsupported(cfg):
+    """The first adapter_config.json field load_adapter does not implement, as (name, value, what it reads), or None."""
+    for k, default in UNSUPPORTED_FIELDS.items():
+        v = cfg.get(k, default)
+        if v != default and not (v is None or k in EMPTY_AS_DEFAULT and v in ("", [], {})):
+            return k, v, repr(default)
+    init = cfg.get("init_lora_weights")  # (None: not given, PEFT's true)
+    if init is not None and (type(init) not in (bool, str) or init not in PLAIN_INITS):  # 1 is not JSON's true
+        return "init_lora_weights", init, "true, false or gaussian: an adapter over the base as it is"
+    return None
 
 
 def check_config_fits(model, cfg, folder):
@@ -386,10 +407,11 @@ def load_adapter(model, folder):
     cfg = files.read_json(path)
     if cfg.get("peft_type") != "LORA":
         raise ValueError(f"{folder}: only plain LoRA adapters are supported, got peft_type={cfg.get('peft_type')!r}")
-    for k, default in UNSUPPORTED_FIELDS.items():  # read as plain LoRA, such an adapter would compute another function
-        if cfg.get(k) not in (default, None, "", [], {}):
-            raise ValueError(f"{path}: {k} is {cfg[k]!r}, which load_adapter does not implement (plain LoRA only, "
-                             f"{k} {default!r}): load this adapter with PEFT")
+    unsupported = _unsupported(cfg)  # read as plain LoRA, such an adapter would compute another function
+    if unsupported:
+        k, v, reads = unsupported
+        raise ValueError(f"{path}: {k} is {v!r}, which load_adapter does not implement (plain LoRA only, {k} "
+                         f"{reads}): load this adapter with PEFT")
     bad = _bad_config_fields(cfg)
     if bad:
         raise ValueError(f"{path}: missing or malformed {', '.join(bad)}")

@@ -43,20 +43,26 @@ def version(t):
     return None if t.is_inference() else t._version
 
 
+def _same_source(a, b):
+    """Whether two ((tensor, version), ...) name the same tensors, each at the same in-place version."""
+    return b is not None and len(a) == len(b) and all(t is u and v == w for (t, v), (u, w) in zip(a, b))
+
+
 class FrozenQuantLinear(nn.Module):
     """The base of 01's quantized Linears: what they share that is not the method (see the docstring above).
     A subclass registers its format's buffers and defines dequantized_weight(dtype) -> (out, in)."""
     kept = None  # {dtype: dequantized weight} while keep_dequantized is on: a frozen weight rebuilt once
-    kept_from = None  # the format's buffers (each one's storage and in-place version) the kept weights came from
+    kept_from = None  # ((buffer, its in-place version), ...): the format's buffers the kept weights came from
 
     def weight_in(self, dtype):
         """The dequantized weight (out, in) in `dtype`: built once and kept under keep_dequantized, else rebuilt.
         A kept weight follows its buffers: written in place (an AQN site on the scales) or replaced, they are
-        read again, so nothing is ever sampled from a stale W."""
+        read again, so nothing is ever sampled from a stale W. The buffers are compared by identity and held
+        (not by address: a replacement freed and the next one allocated in its place would share it)."""
         if self.kept is None:
             return self.dequantized_weight(dtype)
-        source = tuple((t.data_ptr(), version(t)) for t in self._buffers.values() if t is not None)
-        if source != self.kept_from:
+        source = tuple((t, version(t)) for t in self._buffers.values() if t is not None)
+        if not _same_source(source, self.kept_from):
             self.kept, self.kept_from = {}, source
         if dtype not in self.kept:
             self.kept[dtype] = self.dequantized_weight(dtype)
@@ -87,7 +93,7 @@ class FrozenQuantLinear(nn.Module):
         for k, t in keep.items():
             self._buffers[k] = t.to(self._buffers[k].device)
         if self.kept is not None:  # kept weights are rebuilt on the new device
-            self.kept = {}
+            self.kept, self.kept_from = {}, None  # (and the old device's buffers are not held)
         return self
 
     def extra_repr(self):
@@ -99,7 +105,7 @@ def keep_dequantized(model, enabled=True):
     A float copy of the model in memory, as the unquantized base would take; the stored bytes stay 4-bit."""
     for m in model.modules():
         if isinstance(m, FrozenQuantLinear):
-            m.kept = {} if enabled else None
+            m.kept, m.kept_from = ({} if enabled else None), None
     return model
 
 

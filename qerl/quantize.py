@@ -315,7 +315,9 @@ def nvfp4_kernel():
 def fast_forward(layer, x):                                              # (..., in) -> (..., out)
     """What a quantized layer runs: NVFP4 on CUDA (or kernel_on_cpu) through the Triton kernel, which reads the
     4-bit bytes; otherwise F.linear on the dequantized W, W rebuilt in backward (and kept under keep_dequantized)."""
-    kernel = nvfp4_kernel() if isinstance(layer, NVFP4Linear) and (x.is_cuda or layer.kernel_on_cpu) else None
+    # the kernel reads E4M3 scales: a float32 copy (AQN's block-scales site, while it samples) takes the F.linear path
+    kernel = nvfp4_kernel() if isinstance(layer, NVFP4Linear) and (x.is_cuda or layer.kernel_on_cpu) \
+        and layer.weight_scale.dtype == torch.float8_e4m3fn else None
     if kernel is not None:  # None without Triton
         return kernel(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, layer.bias)
     return quant_engine.RebuiltWeightLinear.apply(x, layer)  # without grad: just F.linear on the dequantized W

@@ -105,6 +105,9 @@ def check_args(args, world, ckpt, defaults, read_when, check_schedule):
     if args.quant_method != "rtn" and args.quant != "nvfp4":
         raise ValueError(f"--quant-method {args.quant_method} is a rounding of NVFP4 weights: it needs --quant nvfp4 "
                          f"(got --quant {args.quant})")
+    if args.aqn and args.aqn_site == "block-scales" and args.quant != "nvfp4":  # 04 SITES: NVFP4's E4M3 scales
+        raise ValueError(f"--aqn-site block-scales puts the noise on NVFP4's block scales: it needs --quant nvfp4 "
+                         f"(got --quant {args.quant})")
     for action, (reads, when) in read_when.items():
         if getattr(args, action.dest) != defaults[action.dest] and not reads(args):
             flag = action.option_strings[0]

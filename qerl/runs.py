@@ -22,9 +22,9 @@ from qerl import files
 from qerl.checkpoints import RUN_FILES, check_run_links, is_run_file  # the run folder's own files
 from qerl.distributed import PeerError, global_sum, rank_and_world
 
-def read_metrics(path, upto):
-    """metrics.jsonl's rows up to step `upto`. A cut-off last line (a kill mid-write) is dropped with a note;
-    a bad line before it is an error naming the file and line."""
+def read_metrics(path, upto=None):
+    """metrics.jsonl's rows up to step `upto` (None: all). A cut-off last line (a kill mid-write) is dropped with a
+    note; a bad line before it is an error naming the file and line."""
     text = files.read_text(path)  # a pipe planted as metrics.jsonl is refused; a damaged byte: a line not JSON
     lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     rows = []
@@ -41,9 +41,15 @@ def read_metrics(path, upto):
         step = record.get("step") if isinstance(record, dict) else None
         if not isinstance(step, int) or isinstance(step, bool):
             raise ValueError(damaged.format("has no integer step"))
-        if step <= upto:
+        if upto is None or step <= upto:
             rows.append(row)
     return rows
+
+
+def row_key(row):
+    """Where a row of metrics.jsonl (read_metrics': it has an integer step) stands in a run: (its step, 0 for a
+    step's row or 1 for an evaluation's, which follows the step's)."""
+    return (row["eval"]["step"], 1) if "eval" in row else (row["step"], 0)
 
 
 
@@ -60,10 +66,16 @@ class RunLog:
         self.far_steps = []  # the steps whose update moved the policy beyond DIVERGED_KL
         self.entropies = collections.deque(maxlen=ENTROPY_WINDOW)  # the sampler's recent entropies (entropy_jump)
         self.lock = files.OutputLock(args.out) if rank == 0 else None  # held from __enter__ to __exit__
-        self.kept_rows = read_metrics(self.metrics, start) if rank == 0 and os.path.exists(self.metrics) else []
+        rows = read_metrics(self.metrics) if rank == 0 and os.path.exists(self.metrics) else []
+        # metrics.jsonl's rows past the checkpoint (a run stopped after logging on, or one resumed from an earlier
+        # checkpoint of it) stay until this run writes the row of their step and kind: stopped again, the log
+        # still holds every step (a resumed run logs the same numbers)
+        self.kept_rows = [r for r in rows if row_key(r)[0] <= start]
+        self.later_rows = [r for r in rows if row_key(r)[0] > start]
         dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
         print(f"run | model {args.model} | quant {args.quant} | aqn {args.aqn_kind if args.aqn else 'off'} | "
-              f"pi_old {args.pi_old} | "
+              f"pi_old {args.pi_old} | " + (f"ratio {args.ratio_level} (clip [{1 - args.eps_low:g}, "
+                                           f"{1 + args.eps_high:g}]) | " if args.ratio_level != "token" else "") +
               f"device {devices.model_device(model)} | dtype {dtype}" + (f" ({dtype_why})" if dtype_why else "") +
               f" | fast {','.join(fast) or 'none'}"  # the fast paths this run takes (05: grpo_variants.fast_paths)
               f" | steps {args.steps} | B {args.batch} | "
@@ -80,18 +92,38 @@ class RunLog:
 
     def _open(self):
         """The run folder's files, at the first record (a run that fails before it writes nothing): args.json,
-        and metrics.jsonl cut back to the checkpoint's step (a crash may have logged past it)."""
+        and metrics.jsonl as read (a line cut off mid-write goes)."""
         os.makedirs(self.args.out, exist_ok=True)
         files.write_json(os.path.join(self.args.out, "args.json"), clean(vars(self.args)))
-        if self.kept_rows or os.path.exists(self.metrics):
-            files.write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in self.kept_rows))
+        if self.kept_rows or self.later_rows or os.path.exists(self.metrics):
+            self._write_rows()
         self.opened = True
+
+    def _write_rows(self):  # metrics.jsonl in one atomic write: a kill leaves the old file or the new
+        files.write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in self.kept_rows + self.later_rows))
 
     def _append(self, rec):  # one line of metrics.jsonl, written by rank 0
         if self.rank == 0:
             if not self.opened:
                 self._open()
-            files.append_line(self.metrics, json.dumps(clean(rec)) + "\n")  # never through a planted link
+            rec = clean(rec)
+            self.kept_rows.append(rec)
+            if self.later_rows:  # this row replaces the earlier run's of its step and kind; later ones stay
+                key = row_key(rec)
+                self.kept_rows[-1:-1] = [r for r in self.later_rows if row_key(r) < key]
+                self.later_rows = [r for r in self.later_rows if row_key(r) > key]
+                self._write_rows()
+            else:
+                files.append_line(self.metrics, json.dumps(rec) + "\n")  # never through a planted link
+
+    def logged_eval(self, step, k):
+        """The evaluation at `step` with pass@k (k 0: greedy alone) that metrics.jsonl already holds up to this run's
+        checkpoint (rank 0), or None: a run stopped after its final evaluation but before its summary has it."""
+        for row in reversed(self.kept_rows):
+            res = row.get("eval")
+            if res is not None and res["step"] == step and res.get("k", 0) == k and "greedy" in res:
+                return res
+        return None
 
     def __enter__(self):
         """The run folder is this run's alone until it ends: a second run on it, or a --resume of it, fails
@@ -102,11 +134,12 @@ class RunLog:
         return self
 
     def __exit__(self, kind, exc, tb):
-        """A run that ends before its first step removes the run files it wrote, then the folder if it made
-        it and nothing else is in it; every other file stays. Ctrl-C (or SIGTERM, SIGHUP) ends in one line
+        """A new run that ends before its first step removes the run files it wrote, then the folder if it made
+        it and nothing else is in it; every other file stays (a resumed run's files are its run's record, a
+        summary.json its final evaluation wrote among them). Ctrl-C (or SIGTERM, SIGHUP) ends in one line
         saying what to run to continue, pasteable into a shell."""
         if self.lock:
-            if self.steps_logged == 0:
+            if self.steps_logged == 0 and self.start == 0:
                 for name in self.made:
                     if os.path.isfile(os.path.join(self.args.out, name)):  # what it wrote (a link is not)
                         os.remove(os.path.join(self.args.out, name))
@@ -194,7 +227,9 @@ class RunLog:
         print(f"summary | steps {done} | stopped by {why}{gain} | wall {s['wall_s']:.0f}s | out {self.args.out}"
               + (f" | LIKELY DIVERGED: {len(far)} step(s) moved the policy beyond kl_after {DIVERGED_KL:g} (first: "
                  f"step {far[0]})" if far else ""))
-        if self.rank == 0 and (self.steps_logged or (self.opened and self.start)):  # a resume's final evaluation
+        if self.rank == 0 and (self.steps_logged or self.start):  # a resume's, though it ran no step
+            if not self.opened:
+                self._open()
             files.write_json(os.path.join(self.args.out, "summary.json"), clean(s))
         return s
 
@@ -412,6 +447,17 @@ class Milestones:
         if self.rank == 0 and ((self.args.save_every and done % self.args.save_every == 0) or halt):
             self.save(done)
 
+    def logged_final_eval(self, done):
+        """A resume that ran no step (its checkpoint is at `done`) of a run stopped after its final evaluation but
+        before its summary: that evaluation, from metrics.jsonl (the policy is the same), on rank 0 (the others:
+        the last one they hold); None to evaluate. Every rank agrees."""
+        resumed_here = done == self.start > 0 and self.args.eval_size
+        found = self.log.logged_eval(done, self.args.eval_k) if resumed_here else None
+        if not global_sum([found is not None], "max")[0]:
+            return None
+        print(f"eval | step {done} | the final evaluation is in metrics.jsonl already: not run again", flush=True)
+        return found if found is not None else self.last_eval
+
     def finish(self):
         """The end: a last checkpoint and the full evaluation (unless a stop came), then the summary; a signal
         raises cli.Interrupted once the summary is out (the log's line says how to resume)."""
@@ -420,7 +466,8 @@ class Milestones:
             if self.rank == 0 and done > self.start and not (self.last_ckpt or "").endswith(f"{done:06d}"):
                 self.save(done)
             if last is None or last["step"] != done or "k" not in last:
-                self.last_eval = self.evaluate(done, self.args.eval_k) or last
+                logged = self.logged_final_eval(done)
+                self.last_eval = logged if logged is not None else self.evaluate(done, self.args.eval_k) or last
         summary = self.log.summary(done, self.stopped, self.first_eval, self.last_eval, self.last_ckpt)
         if self.stopped not in (*FINISHED, "stop-at"):
             raise cli.Interrupted(signum=self.signum)

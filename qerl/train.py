@@ -2,7 +2,8 @@
 
 A step: B prompts x G samples of the NVFP4 base + LoRA under AQN's noise -> rewards -> group
 advantages -> the clipped surrogate on the clean policy -> AdamW on the adapters. Part 2: the other
-pi_old readings, aggregations and loss terms, the run's checks and its command line.
+pi_old readings, the ratio per sequence (GSPO), aggregations and loss terms, the run's checks and its
+command line.
     python qerl/train.py [--show-step]  # the tiny model learns arithmetic; or one group by hand
 """
 import importlib
@@ -101,9 +102,12 @@ class LossOptions:  # grpo_loss's options, each the flag of its name (eps_low: -
     loss_agg: str = "token-mean"  # a key of LOSS_AGGS
     beta: float = 0.0  # the KL term's weight (Part 2); 0 in the paper
     entropy_coef: float = 0.0  # the entropy bonus's weight (Part 2)
+    ratio_level: str = "token"  # a key of RATIOS: the ratio per token (Part 2: per sequence, GSPO)
     @classmethod
-    def from_args(cls, args):
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    def from_args(cls, args):  # --eps-low / --eps-high not given (None): the --ratio-level's own
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        level = RATIOS[given["ratio_level"]]
+        return cls(**{**given, **{k: getattr(level, k) for k in ("eps_low", "eps_high") if given[k] is None}})
 
 def token_mean(values, mask, max_new_tokens=None, denom=None):  # DAPO's: a long answer weighs more
     return (values * mask).sum() / (mask.sum().clamp(min=1) if denom is None else denom)
@@ -113,21 +117,49 @@ LOSS_AGGS = {"token-mean": (token_mean, lambda n: max(n["tokens"], 1.0))}  # (re
 # Part 2 fills: loss inputs and terms; statistics (token means over the step, MAX_STATS: maxima)
 LOSS_INPUTS, LOSS_TERMS, LOSS_STATS, BATCH_STATS, MAX_STATS = [], [], [], [], {}
 
+# ---- The ratio (--ratio-level): RATIOS[level].log_ratio(logp, old_logp, mask) -> log pi_theta / pi_old (N, T)
+class Ratio(collections.namedtuple("Ratio", "help log_ratio eps_low eps_high check", defaults=(None,))):
+    """A level of the importance ratio: one entry of RATIOS, which --ratio-level offers (its choices are
+    read when the parser is built), so a new level is one entry.
+      help       the line --ratio-level's help shows for it.
+      log_ratio  (logp, old_logp, mask) -> the log of the ratio at each token (N, T), logp's gradient flowing
+                 through it. logp (N, T): pi_theta's log-probs, with gradient; old_logp (N, T): --pi-old's
+                 reading, without; mask (N, T) float: 1 on the loss's tokens (a row may be all 0). Finite
+                 everywhere; off the mask never read. clipped_surrogate clips exp(log_ratio) to
+                 [1 - eps_low, 1 + eps_high] at each token and takes min(r A, clip(r) A); --loss-agg reduces
+                 it. At old_logp = logp.detach() the ratio is 1 and the gradient the plain policy gradient's.
+      eps_low, eps_high   the clip range of a run at this level that does not give --eps-low / --eps-high.
+      check      None, or check(args): raise ValueError, one line naming the conflict and the fix, for a
+                 flag this level cannot take; print a "note | ..." line for one that makes it moot. check_args
+                 runs it before any work."""
+    __slots__ = ()
+
+RATIOS = {"token": Ratio(  # Part 2: sequence (GSPO)
+    "per token, pi_theta(y_t|y_<t) / pi_old(y_t|y_<t), as PPO, GRPO, DAPO and the paper",
+    lambda logp, old_logp, mask: logp - old_logp, LossOptions.eps_low, LossOptions.eps_high)}
+
+def clipped_surrogate(logp, old_logp, adv, mask, options=LossOptions()):
+    """Per token (N, T): the surrogate min(r A, clip(r) A), the ratio r (--ratio-level's) and where the
+    clamp, not the ratio, set the surrogate (no gradient there). mask (N, T) float."""
+    low, high = 1 - options.eps_low, 1 + options.eps_high
+    ratio = torch.exp(RATIOS[options.ratio_level].log_ratio(logp, old_logp, mask))  # (N, T) pi_theta / pi_old
+    a = adv.view(-1, 1)  # (N, 1)
+    surr = torch.minimum(ratio * a, ratio.clamp(low, high) * a)  # (N, T)
+    with torch.no_grad():
+        clipped = ((ratio < low) & (a < 0)) | ((ratio > high) & (a > 0))  # (N, T)
+    return surr, ratio, clipped
+
 def grpo_loss(logp, old_logp, adv, mask, options=LossOptions(), *, weight=None, max_new_tokens=None,
               denom=None, **inputs):
     """The clipped surrogate to minimise, and its statistics. At old_logp = logp.detach() the
     gradient is REINFORCE's: -mean_t A grad log pi_theta, the group's mean reward the baseline."""
     mask = mask.float()
-    low, high = 1 - options.eps_low, 1 + options.eps_high
-    ratio = torch.exp(logp - old_logp)  # (N, T) pi_theta / pi_old per token
-    a = adv.view(-1, 1)  # (N, 1)
-    surr = torch.minimum(ratio * a, ratio.clamp(low, high) * a)  # (N, T)
+    surr, ratio, clipped = clipped_surrogate(logp, old_logp, adv, mask, options)  # (N, T) each
     per_tok = -surr if weight is None else -surr * weight  # (N, T)
     for term in LOSS_TERMS:
         per_tok = term(per_tok, logp, options, **inputs)  # (N, T)
     loss = LOSS_AGGS[options.loss_agg][0](per_tok, mask, max_new_tokens, denom)  # a scalar
-    with torch.no_grad():  # clipped: the clamp, not the ratio, sets the surrogate (no gradient)
-        clipped = ((ratio < low) & (a < 0)) | ((ratio > high) & (a > 0))  # (N, T)
+    with torch.no_grad():
         stats = {"clip": float((clipped.float() * mask).sum() / mask.sum().clamp(min=1))}
         for stat in LOSS_STATS:
             stats.update(stat(logp, old_logp, ratio, mask, **inputs))
@@ -389,6 +421,57 @@ LOSS_AGGS["seq-mean-token-mean"] = (seq_mean_token_mean, lambda count: max(count
 LOSS_AGGS["seq-mean-token-sum-norm"] = (seq_mean_token_sum_norm,
                                         lambda count: count["rows"] * count["max_new_tokens"])
 
+# -----------------------------------------------------------------------------
+# The ratio per sequence (--ratio-level sequence): GSPO (Zheng et al., arXiv 2507.18071)
+
+
+def sequence_log_ratio(logp, old_logp, mask):
+    """GSPO's log s_i: the mean over row i's tokens of log pi_theta - log pi_old, the log of the length-normalised
+    sequence ratio (pi_theta(y_i) / pi_old(y_i))^(1 / |y_i|), the same at each of the row's tokens (N, T); 0 for an
+    empty row. The gradient flows through the mean, grad s_i = s_i mean_t grad log pi_theta(y_i,t), as GSPO
+    defines it (and as TRL's importance_sampling_level="sequence" computes). GSPO-token's stop-gradient form,
+    sg[s_i] pi_theta(y_i,t) / sg[pi_theta(y_i,t)] at each token, gives the same gradient here: the advantage is
+    the sequence's and every --loss-agg weighs a row's tokens alike."""
+    d = (logp - old_logp).masked_fill(mask == 0, 0.0)  # (N, T): padding's values never enter
+    return (d.sum(1) / mask.sum(1).clamp(min=1))[:, None].expand_as(logp)  # (N, T)
+
+
+SEQUENCE_PI_OLD = ("trainer", "sampler")  # the readings without a per-token weight
+
+
+def check_sequence_level(args):
+    """--ratio-level sequence's rule with the other flags. --pi-old tis and tis-mask weight (or drop) each token by
+    its own pi_trainer / pi_sampler, so a row's tokens would no longer share one surrogate: refused (a
+    per-sequence correction, as ms-swift's sequence_truncate, is not here). Every --loss-agg weighs a row's tokens
+    alike and so takes it: seq-mean-token-mean is the paper's 1/G sum_i, token-mean weighs a sequence by its
+    length. --beta and --entropy-coef add their per-token terms as at the token level. At --mu 1 with --pi-old
+    trainer every ratio is 1 and the update is the token level's: a note says so."""
+    if args.pi_old not in SEQUENCE_PI_OLD:
+        raise ValueError(f"--ratio-level sequence gives each sequence one ratio, but --pi-old {args.pi_old} weights "
+                         f"each token by its own pi_trainer / pi_sampler: use --pi-old "
+                         f"{' or '.join(SEQUENCE_PI_OLD)}, or --ratio-level token")
+    if args.mu == 1 and args.pi_old == "trainer":
+        print("note | --ratio-level sequence at --mu 1 with --pi-old trainer: pi_old is the policy itself, every "
+              "ratio is 1 and the update is the token level's (the sequence ratio acts off-policy: --mu 2 or more, "
+              "or --pi-old sampler)")
+
+
+RATIOS["sequence"] = Ratio(
+    "per sequence, GSPO's (arXiv 2507.18071): s_i = exp(mean over the row's tokens of log pi_theta - log pi_old), "
+    "clipped per sequence, by default to GSPO's [1 - 3e-4, 1 + 4e-4]; not with --pi-old tis or tis-mask",
+    sequence_log_ratio, 3e-4, 4e-4, check_sequence_level)
+
+
+def check_ratio_level(args):
+    """Before any work: --ratio-level's rule with the other flags (its RATIOS entry's check), then its clip range
+    where --eps-low / --eps-high were not given, written into args, so args.json and a checkpoint record the
+    numbers the run uses."""
+    level = RATIOS[args.ratio_level]
+    if level.check is not None:
+        level.check(args)
+    options = LossOptions.from_args(args)
+    args.eps_low, args.eps_high = options.eps_low, options.eps_high
+
 
 def k3(d):
     """exp(d) - d - 1 (N, T): the k3 estimate of a KL per token, d the log-ratio; >= 0."""
@@ -548,6 +631,7 @@ def check_run(args, task, world, device):
 
 
 def check_args(args, world, ckpt=None):
+    check_ratio_level(args)
     run_checks.check_args(args, world, ckpt, parser_defaults(), read_when_flags(), aqn.check_schedule)
 
 

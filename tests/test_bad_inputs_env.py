@@ -12,6 +12,7 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -278,3 +279,64 @@ def test_a_umask_that_locks_the_owner_out_is_one_line_before_any_folder(tmp_path
             bad.files.check_out_path(str(tmp_path / "run"))
         finally:
             os.umask(old)
+
+
+# -----------------------------------------------------------------------------
+# No usable temporary folder: torch needs one from a model's first layer on (its compile cache's folder is read
+# when a module is built); "no usable" is tempfile.gettempdir() raising: no folder among TMPDIR, TEMP, TMP, /tmp,
+# /var/tmp, /usr/tmp and the current folder takes a file. A bad TMPDIR with a writable fallback runs, with a note.
+
+@pytest.mark.parametrize("kind", ["missing", "read-only", "a file"])
+def test_no_usable_temporary_folder_is_one_line_naming_tmpdir(tmp_path, monkeypatch, capsys, kind):
+    tmpdir = {"missing": str(tmp_path / "no-such-folder"), "read-only": "/proc/self",  # no one writes there, not root
+              "a file": os.path.join(ROOT, "README.md")}[kind]
+    monkeypatch.setenv("TMPDIR", tmpdir)
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir looks again (and the cached one comes back after)
+    # a machine whose /tmp, /var/tmp, /usr/tmp and current folder are read-only too: Python tries only TMPDIR
+    monkeypatch.setattr(tempfile, "_candidate_tempdir_list", lambda: [tmpdir])
+    code = cli.run_cli(bad.STAGES["qerl/train"].main, ["--out", str(tmp_path / "run"), "--steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("error: no usable temporary folder: TMPDIR " + tmpdir), err
+    assert {"missing": "does not exist", "read-only": "is not writable", "a file": "is not a folder"}[kind] in err[0]
+    assert "set TMPDIR to a writable folder" in err[0] and not (tmp_path / "run").exists()
+
+
+def test_a_bad_tmpdir_with_a_writable_fallback_runs_with_a_note(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "no-such-folder"))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    assert cli.run_cli(bad.STAGES["qerl/aqn"].main, ["--schedule-only", "--steps", "20"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"note | TMPDIR {tmp_path / 'no-such-folder'} does not exist: temporaries (torch's caches) go " \
+                     f"to {tempfile.gettempdir()}" and out[1].startswith("AQN schedule")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # a usable TMPDIR: no note
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    assert devices.temp_folder_problem() is None and capsys.readouterr().out == ""
+
+
+def _read_only_temporaries():
+    """The command line prefix that runs argv with /tmp, /var/tmp (and /usr/tmp) read-only and the current folder
+    /proc, in a private mount namespace (unshare -m: root, or user namespaces); None where one cannot be made."""
+    mounts = " && ".join(f"mount -t tmpfs -o ro tmpfs {d}" for d in ("/tmp", "/var/tmp", "/usr/tmp") if os.path.isdir(d))
+    script = f'{mounts} && cd /proc && exec "$@"'
+    try:
+        ok = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return ["unshare", "-m", "sh", "-c", script, "sh"] if ok.returncode == 0 else None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mount namespaces are Linux's")
+def test_a_real_trainer_without_any_temporary_folder_stops_in_one_line():
+    """The real process, no patching: TMPDIR=/tmp, read-only, as every other folder Python tries; before, the
+    trainer stopped at its model's first layer on tempfile's 'No usable temporary directory found in [...]'."""
+    wrap = _read_only_temporaries()
+    if wrap is None:
+        pytest.skip("no private mount namespace here (unshare -m needs root or user namespaces)")
+    env = {k: v for k, v in os.environ.items() if k not in ("TEMP", "TMP")}
+    env.update(TMPDIR="/tmp", PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    r = subprocess.run([*wrap, sys.executable, "-m", "qerl.train", "--steps", "1", "--out", "/no/such/run"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: no usable temporary folder: TMPDIR /tmp is not writable, and none of"), r.stderr
+    assert "set TMPDIR to a writable folder" in r.stderr and r.stdout == ""

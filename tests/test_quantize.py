@@ -748,3 +748,44 @@ def test_a_kept_weight_follows_writes_to_its_buffers(fmt):
     with torch.no_grad():
         getattr(layer, name).div_(2)
     assert torch.equal(layer(x), before)
+
+
+def test_a_kept_weight_follows_a_buffer_replaced_at_a_recycled_address():
+    """AQN's block-scales site replaces weight_scale by a new float32 copy each step; the copy freed, the next
+    step's may be allocated at the same address, and under inference mode neither keeps a version: the kept W
+    must still be rebuilt (the buffers are compared by identity, not address), even with no forward between."""
+    torch.manual_seed(0)
+    layer = q.keep_dequantized(q.quantize_model(torch.nn.Sequential(torch.nn.Linear(32, 8)), "nvfp4", skip=()))[0]
+    x, e4m3 = torch.randn(3, 32), layer.weight_scale
+    clean = layer(x)
+    with torch.inference_mode():
+        room = torch.empty(e4m3.shape)  # one allocation, handed out twice, as an allocator reuses a freed block
+        first = room.view(e4m3.shape).copy_(e4m3.float() * 1.5)
+        layer.weight_scale = first
+        assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight(), layer.bias))
+        layer.weight_scale = e4m3  # put back; no forward before the next copy
+        second = room.view(e4m3.shape).copy_(e4m3.float() * 0.5)
+        layer.weight_scale = second
+        assert second.data_ptr() == first.data_ptr() and second is not first
+        assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight(), layer.bias))
+        layer.weight_scale = e4m3
+    assert torch.equal(layer(x), clean)
+
+
+def test_float32_block_scales_take_the_dequantized_product_where_the_kernel_would_run(monkeypatch):
+    """The Triton kernel reads E4M3 scales only: with AQN's float32 copy in place (block-scales) the layer runs
+    F.linear on the dequantized W, on CUDA or --gpu-path alike; with the E4M3 scales back, the kernel again."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setattr(q.NVFP4Linear, "kernel_on_cpu", True)
+    lin = nn.Linear(40, 24, bias=True)
+    m = q.NVFP4Linear.from_linear(lin).to(device)
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(3)).to(device)
+    e4m3 = m.weight_scale
+    m.weight_scale = e4m3.float() * 1.25
+    noisy = F.linear(x, m.dequantized_weight(), lin.bias.detach().to(device))
+    torch.testing.assert_close(m(x), noisy, rtol=1e-5, atol=1e-5)
+    m.weight_scale = e4m3
+    torch.testing.assert_close(m(x), F.linear(x, m.dequantized_weight(), lin.bias.detach().to(device)),
+                               rtol=1e-5, atol=1e-5)
