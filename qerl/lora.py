@@ -464,11 +464,12 @@ class TinyMLP(nn.Module):
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
-def demo(steps=300, rank=8, lr=5e-3, batch=256, seed=0, device=None):
+def demo(steps=300, rank=8, lr=5e-3, batch=256, seed=0, device=None, fmt="nvfp4"):
+    """fmt: any of quantize.WEIGHT_FORMATS (--quant's choices but "none": the demo's base is frozen 4-bit)."""
     device = device or devices.autodetect_device()
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # nn.Linear's own init
-    student = quantize.quantize_model(TinyMLP().to(device), fmt="nvfp4", skip=())
+    student = quantize.quantize_model(TinyMLP().to(device), fmt=fmt, skip=())
     targets = ("fc1", "fc2", "fc3")
     # The teacher is what the student can represent exactly: the student's own 4-bit weights
     # plus a rank-`rank` change per layer (30% of the weight's size). LoRA must find that change.
@@ -507,7 +508,7 @@ def demo(steps=300, rank=8, lr=5e-3, batch=256, seed=0, device=None):
     share = trainable / (trainable + frozen)
     print(f"\nparameters: trainable {trainable:,} | frozen {frozen:,} | trainable share {share:.2%}")
     print(f"{'memory':<42}{'bytes':>12}")
-    for label, n in [("base weights, NVFP4 (packed+scales+bias)", base_bytes),
+    for label, n in [(f"base weights, {fmt.upper()} (packed+scales+bias)", base_bytes),
                      ("  same weights in bf16 (for comparison)", 2 * frozen),
                      ("LoRA adapters A, B (fp32)", adapter_bytes),
                      ("LoRA gradients (fp32)", adapter_bytes),
@@ -519,13 +520,15 @@ def demo(steps=300, rank=8, lr=5e-3, batch=256, seed=0, device=None):
         y = teacher(x)  # (B, d)
         unmerged = (student(x) - y).pow(2).mean().item()
         merged = (merge_lora(student)(x) - y).pow(2).mean().item()
-    print(f"held-out loss | LoRA unmerged {unmerged:.6f} | merged into NVFP4 {merged:.6f} | start {loss0:.6f}")
+    print(f"held-out loss | LoRA unmerged {unmerged:.6f} | merged into {fmt.upper()} {merged:.6f} | start {loss0:.6f}")
     return loss0, loss.item()
 
 
 def main(argv=None):
     number = cli.number
-    ap = cli.ArgumentParser(description="LoRA on a frozen NVFP4 MLP (stage 02 demo)")
+    ap = cli.ArgumentParser(description="LoRA on a frozen 4-bit MLP (stage 02 demo)")
+    ap.add_argument("--quant", default="nvfp4", choices=list(quantize.WEIGHT_FORMATS),
+                    help="the frozen base's format (the registry's, read when this parser is built)")
     ap.add_argument("--steps", type=number(int, 1), default=300, help="AdamW steps")
     ap.add_argument("--rank", type=number(int, 1, 128), default=8,
                     help="LoRA rank (also the teacher's change rank; at most 128, the MLP's narrowest side)")
@@ -533,7 +536,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=number(int, 0, cli.MAX_SEED), default=0, help="seed of the torch.Generator")
     ap.add_argument("--device", default=None, help="cuda | cpu (default: autodetect)")
     args = ap.parse_args(argv)
-    demo(args.steps, args.rank, args.lr, seed=args.seed, device=devices.pick_device(args.device))
+    demo(args.steps, args.rank, args.lr, seed=args.seed, device=devices.pick_device(args.device), fmt=args.quant)
     return 0
 
 
