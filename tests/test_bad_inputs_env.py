@@ -317,7 +317,9 @@ def test_a_bad_tmpdir_with_a_writable_fallback_runs_with_a_note(tmp_path, monkey
 def _read_only_temporaries():
     """The command line prefix that runs argv with /tmp, /var/tmp (and /usr/tmp) read-only and the current folder
     /proc, in a private mount namespace (unshare -m: root, or user namespaces); None where one cannot be made."""
-    mounts = " && ".join(f"mount -t tmpfs -o ro tmpfs {d}" for d in ("/tmp", "/var/tmp", "/usr/tmp") if os.path.isdir(d))
+    # each folder bound onto itself read-only: what it holds stays readable (a checkout or venv under /tmp)
+    mounts = " && ".join(f"mount --bind {d} {d} && mount -o remount,ro,bind {d}"
+                         for d in ("/tmp", "/var/tmp", "/usr/tmp") if os.path.isdir(d))
     script = f'{mounts} && cd /proc && exec "$@"'
     try:
         ok = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", "true"], capture_output=True, timeout=30)
