@@ -509,6 +509,8 @@ def run_all(args, methods=None):
         refuse_foreign(run_dir)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")  # no __pycache__ in the code's copy: its hash holds
+    if env.get("TMPDIR"):  # the runs start in the checkout: a relative TMPDIR would name another folder there
+        env["TMPDIR"] = os.path.abspath(env["TMPDIR"])
     print(f"plan | {len(todo)} run(s) to train, {len(jobs) - len(todo)} reused | {args.steps} steps each | "
           f"parallel {args.parallel} x {args.threads} thread(s) | out {runs_root}")
     if todo:

@@ -80,8 +80,10 @@ def _standard_normal(w, generator):
 NOISES = {"absolute": lambda w, sigma, gen: _standard_normal(w, gen) * sigma}  # Z ~ N(0, sigma^2)
 
 # A site, the tensors AQN perturbs: find(model) -> [(name, module)] in draw order; weight(module),
-# the tensor Z is drawn for; add(module, Z) -> (the perturbation as it landed, undo); help: for 05.
-NoiseSite = collections.namedtuple("NoiseSite", "help find weight add")
+# the tensor Z is drawn for; add(module, Z) -> (the perturbation as it landed, undo); help: for 05;
+# sized: whether NOISES' kinds size its draws differently (False where weight is 1 everywhere: 05 then
+# refuses --aqn-scale, which would be recorded as if it had counted).
+NoiseSite = collections.namedtuple("NoiseSite", "help find weight add sized", defaults=(True,))
 
 
 def _add_to_gain(norm, z):
@@ -247,8 +249,9 @@ def _scale_blocks(layer, z):
 
 SITES["block-scales"] = NoiseSite(
     "NVFP4's block scales (one per 16 weights) times 1 + Z, held in fp32 while sampling (needs --quant nvfp4; "
-    "--aqn-scale relative is absolute here)",
-    _nvfp4_layers, lambda m: torch.ones(m.weight_scale.shape, device=m.weight_scale.device), _scale_blocks)
+    "relative already: takes no --aqn-scale)",
+    _nvfp4_layers, lambda m: torch.ones(m.weight_scale.shape, device=m.weight_scale.device), _scale_blocks,
+    sized=False)
 
 # -----------------------------------------------------------------------------
 # --aqn-kind feedback: sigma from an entropy-feedback controller instead of the schedule (our extension)

@@ -288,6 +288,36 @@ def check_saved_args(ckpt, state):
                              f"checkpoint that agrees with args.json")
 
 
+def check_progress(ckpt, state, args):
+    """--resume: what trainer_state.pt says of its run's progress besides the step, against that step and the run's
+    arguments. `completions`, the completions sampled so far (what --max-completions counts and its schedules read),
+    is a whole number within what the steps done sample: --batch x --group a step, up to (1 + --dynamic-sampling)
+    times that; a checkpoint under a budget must say it (one from before --max-completions ran without one).
+    `first_eval`, the run's first evaluation (its start, for the summary's gain and --time-budget's reserve), is
+    None (--eval-size 0, or a checkpoint from before it was kept) or the record of an evaluation at or before
+    the checkpoint's step. One line naming the file for anything else (a traceback, or a budget overrun, unseen)."""
+    file, step = os.path.join(ckpt, "trainer_state.pt"), state["step"]
+    damaged = "the checkpoint is damaged or edited; resume from another checkpoint"
+    done = state.get("completions")
+    if done is None and args.max_completions:
+        raise ValueError(f"--resume: {file} does not say how many completions its run sampled, which its "
+                         f"--max-completions {args.max_completions} counts: {damaged}")
+    lo = step * args.batch * args.group
+    hi = lo * (1 + args.dynamic_sampling)
+    if done is not None and (type(done) is not int or not lo <= done <= hi):
+        span = f"{lo:,}" if lo == hi else f"{lo:,} to {hi:,}"
+        raise ValueError(f"--resume: {file} says its run sampled {done!r} completions, but {step} step(s) of --batch "
+                         f"{args.batch} x --group {args.group} sample {span}: {damaged}")
+    first = state.get("first_eval")
+    if first is None:
+        return
+    fields = (first.get("step"), first.get("greedy"), first.get("seconds")) if isinstance(first, dict) else ()
+    if not (len(fields) == 3 and type(fields[0]) is int and 0 <= fields[0] <= step
+            and all(type(x) in (int, float) and math.isfinite(x) for x in fields[1:])):
+        raise ValueError(f"--resume: {file}'s first_eval is not the record of an evaluation at step 0..{step} (a dict "
+                         f"with its step, greedy and seconds): {damaged}")
+
+
 def latest_checkpoint(folder):
     """The run folder's checkpoint-NNNNNN of the highest step, by number (checkpoint-2 is older than
     checkpoint-000004; of two names for one step, the one a run writes); None if it has none."""

@@ -24,6 +24,9 @@ def build_parser(stage):
     with_aqn = (lambda args: args.aqn, "--aqn")
     noisy = (lambda args: args.aqn and args.aqn_kind != "none", "--aqn with an --aqn-kind other than none")
     decaying = (lambda args: args.aqn and args.aqn_kind in aqn.DECAYING_KINDS, "--aqn with a decaying --aqn-kind")
+    unsized = " or ".join(k for k, site in aqn.SITES.items() if not site.sized)  # 04 SITES: a draw's size is fixed
+    sized = (lambda args: noisy[0](args) and aqn.SITES[args.aqn_site].sized,
+             noisy[1] + (f", at an --aqn-site other than {unsized}" if unsized else ""))
     q = p.add_argument_group("QeRL: the model, its 4-bit base, LoRA, AQN, pi_old and the GRPO batch")
     q.add_argument("--model", default=stage.TINY_MODEL, help="Hugging Face model folder (default: the bundled tiny model)")
     q.add_argument("--quant", choices=quantize.quant_choices(), default="nvfp4", help="the frozen base's format")
@@ -56,9 +59,9 @@ def build_parser(stage):
              "geometric decay; linear, cosine, log: our forms of the paper's ablation)", read_when=with_aqn)
     run_checks.add_flag(a, "--aqn-scale", default="absolute", choices=list(aqn.NOISES), help="how a noise draw is sized "
              "(04 NOISES): absolute, Z ~ N(0, sigma^2) as the paper; relative, Z_i ~ N(0, (sigma w_i)^2)",
-             read_when=with_aqn)
+             read_when=sized)
     run_checks.add_flag(a, "--aqn-site", default="norms", choices=list(aqn.SITES), help="where the noise lands (04 SITES): "
-             + "; ".join(f"{k}: {v.help}" for k, v in aqn.SITES.items()), read_when=with_aqn)
+             + "; ".join(f"{k}: {v.help}" for k, v in aqn.SITES.items()), read_when=noisy)
     run_checks.add_flag(a, "--target-entropy", type=N(above=0), default=0.15, help="aqn-kind feedback: entropy to hold",
              read_when=(lambda args: args.aqn and args.aqn_kind == "feedback", "--aqn-kind feedback"))
     a.add_argument("--train-norms", action="store_true", help="train the RMSNorm gains of every decoder layer "

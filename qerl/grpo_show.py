@@ -23,6 +23,7 @@ def show_step(stage, args, shown=4):
     if args.loss_agg != "token-mean" or args.beta or args.entropy_coef:
         raise ValueError("--show-step works the default loss (token-mean, no KL, no entropy bonus): drop "
                          "--loss-agg, --beta and --entropy-coef")
+    stage.check_ratio_level(args)  # --ratio-level's rule with the other flags: what a run refuses is not shown
     task, device = tasks.make_task(args, stage.parser_defaults()), devices.pick_device(args.device)
     model, tok, _, _ = stage.build_policy(args, device)
     feedback = aqn.FeedbackSigma(args.target_entropy, args.sigma_start) if args.aqn and args.aqn_kind == "feedback" \

@@ -48,6 +48,7 @@ def check_run(args, task, world, device, stage):
     if ckpt:
         stage.check_resumed_args(args)
         checkpoints.check_saved_args(ckpt, state)
+        checkpoints.check_progress(ckpt, state, args)
         if getattr(args, "world_size", world) != world:  # args.json records it (a run before that: unknown)
             print(f"note | resuming a run of {args.world_size} rank(s) on {world}: each rank's share of the groups "
                   f"and its sampling stream change, so the run goes on validly but not as the uninterrupted one")
@@ -105,7 +106,7 @@ def check_args(args, world, ckpt, defaults, read_when, check_schedule):
     if args.quant_method != "rtn" and args.quant != "nvfp4":
         raise ValueError(f"--quant-method {args.quant_method} is a rounding of NVFP4 weights: it needs --quant nvfp4 "
                          f"(got --quant {args.quant})")
-    if args.aqn and args.aqn_site == "block-scales" and args.quant != "nvfp4":  # 04 SITES: NVFP4's E4M3 scales
+    if args.aqn and args.aqn_kind != "none" and args.aqn_site == "block-scales" and args.quant != "nvfp4":  # 04 SITES
         raise ValueError(f"--aqn-site block-scales puts the noise on NVFP4's block scales: it needs --quant nvfp4 "
                          f"(got --quant {args.quant})")
     for action, (reads, when) in read_when.items():
@@ -118,6 +119,7 @@ def check_args(args, world, ckpt, defaults, read_when, check_schedule):
     if args.warmup >= args.steps:
         print(f"note | --warmup {args.warmup} is not below --steps {args.steps}: the LR never leaves its warmup and "
               f"peaks at {args.steps / args.warmup:.0%} of --lr {args.lr:g}")
+    check_budget(args, ckpt)
     if args.temperature < engine.MIN_TEMPERATURE:
         raise ValueError(f"--temperature {args.temperature:g} is too small to sample with: need >= "
                          f"{engine.MIN_TEMPERATURE:g}")
@@ -132,6 +134,29 @@ def check_args(args, world, ckpt, defaults, read_when, check_schedule):
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--model {args.model!r} is not a model folder ({e})") from None
     runs.check_run_folder(args, ckpt)
+
+
+def check_budget(args, ckpt):
+    """--max-completions against what --steps can sample: a step samples --batch x --group completions, and up to
+    --dynamic-sampling more rounds of as many. The LR and AQN schedules run over the budget (runs.Milestones
+    .schedule_step), so a budget the steps cannot spend ends the run at --steps with its schedules short of their
+    end (at 1e18, never past their first step: no noise, the LR of step 0). Refused for a new run; a resume keeps
+    its checkpoint's, with a note. Beyond --steps x --batch x --group, only refills spend the rest: a note."""
+    plain = args.steps * args.batch * args.group
+    most = plain * (1 + args.dynamic_sampling)
+    if args.max_completions > most:
+        line = (f"--max-completions {args.max_completions:,} is more than --steps {args.steps} can sample ({most:,} at "
+                f"most: --batch x --group{' x (1 + --dynamic-sampling)' if args.dynamic_sampling else ''} a step), so "
+                f"the run would end at --steps with its LR and AQN schedules, which run over the budget, at most "
+                f"{most / args.max_completions:.0%} of their way")
+        if ckpt is None:
+            raise ValueError(f"{line}: lower --max-completions to {plain:,} (--steps x --batch x --group) or less, or "
+                             f"raise --steps")
+        print(f"note | {line} (a resume keeps its checkpoint's budget)")
+    elif args.max_completions > plain:
+        print(f"note | --max-completions {args.max_completions:,} is more than --steps x --batch x --group ({plain:,}): "
+              f"only --dynamic-sampling's refills spend the rest, and a run that refills less ends at --steps with its "
+              f"LR and AQN schedules short of their end")
 
 
 def check_resumed_args(args, parser):

@@ -4,9 +4,11 @@ each evaluation's per-problem outcomes, which a study compares problem by proble
 import importlib
 import json
 import os
+import shutil
 import sys
 
 import pytest
+import torch
 
 from test_dynamic_sampling import HalfFlatTask
 from test_grpo import step_rows
@@ -64,6 +66,63 @@ def test_a_budget_run_resumes_to_the_uninterrupted_one(tmp_path):
                task=HalfFlatTask(eval_size=6))
     assert step_rows(tmp_path / "straight") == step_rows(tmp_path / "split")
     assert summary(tmp_path / "split")["stopped_by"] == "completions"
+
+
+def test_a_budget_the_steps_cannot_spend_is_refused_before_any_work(tmp_path, capsys):
+    """A budget beyond what --steps can sample (B x G a step, up to 1 + --dynamic-sampling times that) would end
+    the run at --steps with its schedules short of their end (before: 10**18 ran with sigma 0 and step 0's LR at
+    every step, and said nothing): one line before any file is written. Between --steps x B x G and that, only
+    refills spend the rest: a note. A resume keeps its checkpoint's budget, with a note."""
+    for extra, most in ((["--max-completions", str(10 ** 18)], 4 * B * G),
+                        (["--max-completions", str(3 * 4 * B * G + 1), "--dynamic-sampling", "2"], 3 * 4 * B * G)):
+        with pytest.raises(ValueError, match=rf"^--max-completions [0-9,]+ is more than --steps 4 can sample "
+                                             rf"\({most} at most.* lower --max-completions to {4 * B * G} "):
+            grpo.train(run_args(tmp_path / "run", *extra))
+        assert not (tmp_path / "run").exists()
+    capsys.readouterr()
+    grpo.run_checks.check_budget(run_args(tmp_path, "--max-completions", str(4 * B * G + 1), "--dynamic-sampling",
+                                          "1"), None)
+    assert "only --dynamic-sampling's refills spend the rest" in capsys.readouterr().out
+    grpo.run_checks.check_budget(run_args(tmp_path, "--max-completions", str(10 ** 18)), "checkpoint-000001")
+    assert "note | --max-completions 1,000,000,000,000,000,000 is more than --steps 4" in capsys.readouterr().out
+    grpo.run_checks.check_budget(run_args(tmp_path, "--max-completions", str(4 * B * G)), None)
+    assert capsys.readouterr().out == ""
+
+
+@pytest.fixture(scope="module")
+def budget_checkpoint(tmp_path_factory):
+    """A budget run (--max-completions 4 x B x G) stopped after step 1 with its checkpoint."""
+    out = tmp_path_factory.mktemp("budget") / "run"
+    grpo.train(run_args(out, "--max-completions", str(4 * B * G), "--stop-at", "1"))
+    return out
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.update(completions="x"), rf"says its run sampled 'x' completions, but 1 step\(s\) of --batch {B} x "
+                                          rf"--group {G} sample {B * G}: the checkpoint is damaged or edited"),
+    (lambda s: s.update(completions=-100), "says its run sampled -100 completions"),
+    (lambda s: s.update(completions=10 ** 30), "says its run sampled 1000000000000000000000000000000 completions"),
+    (lambda s: s.update(completions=B * G + 0.5), f"says its run sampled {B * G + 0.5} completions"),
+    (lambda s: s.pop("completions"), rf"does not say how many completions its run sampled, which its "
+                                     rf"--max-completions {4 * B * G} counts"),
+    (lambda s: s.update(first_eval="x"), r"first_eval is not the record of an evaluation at step 0..1"),
+    (lambda s: s.update(first_eval={}), r"first_eval is not the record of an evaluation at step 0..1"),
+], ids=["text", "negative", "huge", "fraction", "missing", "eval-text", "eval-empty"])
+def test_a_checkpoint_whose_progress_was_edited_is_refused(edit, message, budget_checkpoint, tmp_path):
+    """trainer_state.pt's completions (what the budget counts) and first evaluation, edited: one line naming the
+    file, before the model loads (before: a traceback for text; -100, 10**30 and NaN an error about a schedule
+    step, or a run that stopped at once; a missing count restarted the budget, and the run overran it)."""
+    run = tmp_path / "run"
+    shutil.copytree(budget_checkpoint, run)
+    state_file = run / "checkpoint-000001" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    assert state["completions"] == B * G
+    edit(state)
+    torch.save(state, state_file)
+    log = (run / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match=rf"^--resume: {state_file}:? ?.*{message}"):
+        grpo.train(grpo.build_parser().parse_args(["--resume", str(run), "--quiet"]))
+    assert (run / "metrics.jsonl").read_text() == log
 
 
 def test_each_evaluation_records_which_problems_it_got_right(tmp_path):

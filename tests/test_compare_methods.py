@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -361,6 +362,29 @@ def test_the_runs_import_the_checked_bytes_whatever_changes_in_out(tmp_path, mon
         runner.PRIVATE_CODE)
     assert seen["mode"] == 0o700 and seen["uid"] == os.getuid()
     assert not os.path.exists(seen["code_dir"]) and not (out / "runs" / ".code").exists()  # both removed
+
+
+def test_a_relative_tmpdir_names_one_folder_for_the_study_and_its_runs(tmp_path, monkeypatch):
+    """TMPDIR=scratch (relative): the study makes its private copy in ./scratch, and its runs, which start in the
+    checkout, get that folder's absolute path (before: they read scratch in the checkout, which did not exist, and
+    put their temporaries in /tmp, with a note only in each run's train.log)."""
+    (tmp_path / "scratch").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TMPDIR", "scratch")
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again, as a new process does
+    seen = {}
+
+    def command(args, method, seed, run_dir, code_dir=studies.ROOT):  # the run: says where its temporaries go
+        seen["code_dir"] = code_dir
+        return [sys.executable, "-c", f"import os, tempfile; open({os.path.join(run_dir, 'tmp')!r}, 'w').write("
+                f"os.environ['TMPDIR'] + ' ' + tempfile.gettempdir())"]
+    monkeypatch.setattr(runner, "run_command", command)
+    out = tmp_path / "cmp"
+    with pytest.raises(ValueError):  # the double writes no summary.json: nothing to report
+        cmp.main(["--methods", "lora", "--steps", "1", "--seeds", "0", "--eval-size", "2", "--out", str(out)])
+    scratch = str(tmp_path / "scratch")
+    assert (out / "runs" / "lora-s0" / "tmp").read_text() == f"{scratch} {scratch}"
+    assert os.path.dirname(seen["code_dir"]) == os.path.realpath(scratch)
 
 
 def test_only_the_manifest_is_copied_and_a_file_dropped_in_is_never_used(tmp_path, monkeypatch):

@@ -193,7 +193,16 @@ CASES = [
     bad.Case("05-aqn-site-unknown", "qerl/train", ["--aqn-site", "no-such-site", *bad.RUN],
              "invalid choice: 'no-such-site'", code=2),
     bad.Case("05-aqn-site-without-aqn", "qerl/train", ["--aqn-site", "lora-B", "--no-aqn", *bad.RUN],
-             "--aqn-site lora-B is read only with --aqn, which this run does not have: drop --aqn-site"),
+             "--aqn-site lora-B is read only with --aqn with an --aqn-kind other than none, which this run does not "
+             "have: drop --aqn-site"),
+    # no noise (--aqn-kind none) reads no site; block scales times 1 + Z are relative already: neither flag would
+    # count, and args.json would record it as if it had
+    bad.Case("05-aqn-site-without-noise", "qerl/train", ["--aqn-site", "block-scales", "--aqn-kind", "none",
+             "--quant", "none", *bad.RUN], "--aqn-site block-scales is read only with --aqn with an --aqn-kind other "
+             "than none, which this run does not have: drop --aqn-site"),
+    bad.Case("05-aqn-scale-at-block-scales", "qerl/train", ["--aqn-site", "block-scales", "--aqn-scale", "relative",
+             *bad.RUN], "--aqn-scale relative is read only with --aqn with an --aqn-kind other than none, at an "
+             "--aqn-site other than block-scales, which this run does not have: drop --aqn-scale"),
     bad.Case("05-aqn-site-block-scales-unquantized", "qerl/train", ["--aqn-site", "block-scales", "--quant", "none",
              *bad.RUN], "--aqn-site block-scales puts the noise on NVFP4's block scales: it needs --quant nvfp4"),
 ]

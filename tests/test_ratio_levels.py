@@ -224,6 +224,14 @@ def test_the_sequence_level_refuses_the_readings_with_a_per_token_weight(tmp_pat
         assert capsys.readouterr().out == ""
 
 
+def test_show_step_refuses_what_a_run_at_its_level_refuses():
+    """--show-step works a group under the trainer's and the sampler's readings: a level's rule with the other flags
+    (--ratio-level sequence with --pi-old tis) is refused there as a run refuses it, before the model loads (before:
+    shown without a word)."""
+    with pytest.raises(ValueError, match=r"^--ratio-level sequence gives each sequence one ratio, but --pi-old tis "):
+        grpo.show_step(tg.parse("--show-step", "--ratio-level", "sequence", "--pi-old", "tis"))
+
+
 def test_a_two_step_gspo_run_trains_and_records_its_clip_range(tmp_path, capsys):
     """The bundled model, 2 steps at --ratio-level sequence --mu 2: the run line names the level and clip range,
     args.json records GSPO's numbers, the first update of a step with signal trains the adapter, and the second
