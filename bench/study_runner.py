@@ -507,8 +507,9 @@ def run_all(args, methods=None):
     check_settings(args, reused, stored)
     for _, _, run_dir in todo:
         refuse_foreign(run_dir)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")  # no __pycache__ in the code's copy: its hash holds
+    # the runs start with PYTHON_FLAGS: -B (no __pycache__ in the code's copy: its hash holds) and -u, as -E
+    # leaves every PYTHON* variable of this environment unread
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     if env.get("TMPDIR"):  # the runs start in the checkout: a relative TMPDIR would name another folder there
         env["TMPDIR"] = os.path.abspath(env["TMPDIR"])
     print(f"plan | {len(todo)} run(s) to train, {len(jobs) - len(todo)} reused | {args.steps} steps each | "

@@ -267,8 +267,8 @@ def evaluate(model, tok, task, problems, max_new_tokens, chunk=512, compiled=Fal
                                       temperature=0.0, eos_token_ids=tok.eos_token_ids,
                                       tokenizer=tok, compiled=compiled).texts
     right_each = [bool(task.correct(p, t)) for p, t in zip(problems, texts)]
-    outcomes = outcomes if outcomes is not None else []
-    outcomes += right_each
+    if outcomes is not None:
+        outcomes += right_each
     right, reward = sum(right_each), sum(map(task.reward, problems, texts))
     reward, n, greedy = distributed.global_sum([reward, len(problems), right])
     return {"n": int(n), "greedy_correct": int(greedy), "greedy": greedy / max(n, 1),
@@ -609,9 +609,8 @@ def held_out_outcomes(mine, n, rank, world):
     """Which held-out problems the greedy answers got right, as text: character i is "1" if problem i (in
     task.held's order) was, else "0". Each rank scored its contiguous share (distributed.shard), so the
     shares summed in place over the ranks are the whole set. A study compares runs problem by problem."""
-    flags = [0.0] * n
-    lo = rank * n // world
-    flags[lo:lo + len(mine)] = [float(x) for x in mine]
+    flags, share = [0.0] * n, distributed.shard(range(n), rank, world)  # this rank's positions
+    flags[share.start:share.stop] = [float(x) for x in mine]
     return "".join("1" if v > 0.5 else "0" for v in distributed.global_sum(flags))
 
 

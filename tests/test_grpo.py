@@ -505,9 +505,9 @@ def test_bad_model_folder_is_one_clear_line(tmp_path):
 # The update at real scale: micro-batches, activation checkpointing
 
 
-@pytest.fixture(scope="module")
-def lora_policy():
-    """A small random fp32 Qwen2 (2 layers, width 32) with a trained-looking adapter (B != 0)."""
+def small_lora_policy():
+    """A small random fp32 Qwen2 (2 layers, width 32) with a trained-looking adapter (B != 0) -> (model, its
+    adapter parameters)."""
     torch.manual_seed(0)
     model = rollout.CausalLM(rollout.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, head_dim=8,
                                                  num_attention_heads=4, num_key_value_heads=2)).eval()
@@ -517,6 +517,13 @@ def lora_policy():
     with torch.no_grad():
         for p in params:
             p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model, params
+
+
+@pytest.fixture(scope="module")
+def lora_policy():
+    """small_lora_policy, and its parameters' starting values."""
+    model, params = small_lora_policy()
     return model, params, [p.detach().clone() for p in params]
 
 

@@ -212,17 +212,23 @@ def test_nvfp4_linear_from_checkpoint_tensors():
     assert torch.equal(m2.dequantized_weight(), m.dequantized_weight())
 
 
-def test_nvfp4_linear_through_triton_kernel_on_cpu(monkeypatch):
-    pytest.importorskip("triton")
-    assert q.nvfp4_kernel() is not None  # the kernel loads (else m(x) would be the F.linear path)
-    # Without a GPU the kernel runs on CPU tensors through Triton's interpreter (conftest turns it
-    # on), which NVFP4Linear.kernel_on_cpu routes to; with a GPU the interpreter is off: CUDA tensors.
+def kernel_layer(monkeypatch):
+    """An NVFP4Linear (40 -> 24) whose forward takes the Triton kernel: on CUDA with a GPU, else on CPU tensors
+    through Triton's interpreter (conftest turns it on), which NVFP4Linear.kernel_on_cpu routes to ->
+    (the float Linear it was made from, the layer, an input (3, 40), the device)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         monkeypatch.setattr(q.NVFP4Linear, "kernel_on_cpu", True)
     lin = nn.Linear(40, 24, bias=True)
     m = q.NVFP4Linear.from_linear(lin).to(device)
-    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(3)).to(device)
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(3)).to(device)  # (3, 40)
+    return lin, m, x, device
+
+
+def test_nvfp4_linear_through_triton_kernel_on_cpu(monkeypatch):
+    pytest.importorskip("triton")
+    assert q.nvfp4_kernel() is not None  # the kernel loads (else m(x) would be the F.linear path)
+    lin, m, x, device = kernel_layer(monkeypatch)  # with a GPU the interpreter is off: CUDA tensors
     ref = F.linear(x, m.dequantized_weight(), lin.bias.detach().to(device))
     torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)
 
@@ -776,12 +782,7 @@ def test_float32_block_scales_take_the_dequantized_product_where_the_kernel_woul
     """The Triton kernel reads E4M3 scales only: with AQN's float32 copy in place (block-scales) the layer runs
     F.linear on the dequantized W, on CUDA or --gpu-path alike; with the E4M3 scales back, the kernel again."""
     pytest.importorskip("triton")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        monkeypatch.setattr(q.NVFP4Linear, "kernel_on_cpu", True)
-    lin = nn.Linear(40, 24, bias=True)
-    m = q.NVFP4Linear.from_linear(lin).to(device)
-    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(3)).to(device)
+    lin, m, x, device = kernel_layer(monkeypatch)
     e4m3 = m.weight_scale
     m.weight_scale = e4m3.float() * 1.25
     noisy = F.linear(x, m.dequantized_weight(), lin.bias.detach().to(device))

@@ -29,16 +29,7 @@ ROW_WEIGHTS = {"token-mean": lambda L, rows, T: L / L.sum(),
 @pytest.fixture(scope="module")
 def policy():
     """test_grpo's small random fp32 Qwen2 (2 layers, width 32) with a trained-looking adapter (B != 0)."""
-    torch.manual_seed(0)
-    model = rollout.CausalLM(rollout.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, head_dim=8,
-                                                 num_attention_heads=4, num_key_value_heads=2)).eval()
-    grpo.lora.add_lora(model, r=4, alpha=8, generator=torch.Generator().manual_seed(0))
-    params = grpo.lora.lora_parameters(model)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in params:
-            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model, params
+    return tg.small_lora_policy()
 
 
 class GradientOfTheStep(torch.optim.SGD):
